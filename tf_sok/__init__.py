@@ -1,0 +1,32 @@
+"""tf_sok: sparse embeddings for TensorFlow/Keras.
+
+    import tf_sok as sok
+    sok.init()
+    table = sok.Variable(shape=[100_000, 32], initializer="uniform")
+    emb = sok.lookup_sparse([table], [ragged_ids], combiners=["mean"])
+"""
+from tf_sok.python.config import TableConfig
+from tf_sok.python.context import context, init
+from tf_sok.python.lookup import lookup_sparse
+from tf_sok.python.ops.loader import build_info
+from tf_sok.python.variable import Variable, filter_variables
+
+__version__ = "0.1.0"
+
+__all__ = ["init", "context", "Variable", "TableConfig", "lookup_sparse", "filter_variables",
+           "build_info", "optimizers", "OptimizerWrapper", "layers", "keras"]
+
+
+def __getattr__(name):
+    # Optimizers and the Keras facade import Keras machinery: load them on first use.
+    import importlib
+
+    if name == "optimizers":
+        return importlib.import_module("tf_sok.python.optimizers")
+    if name == "OptimizerWrapper":
+        return importlib.import_module("tf_sok.python.optimizers").OptimizerWrapper
+    if name == "layers":
+        return importlib.import_module("tf_sok.python.keras.layers")
+    if name == "keras":
+        return importlib.import_module("tf_sok.python.keras")
+    raise AttributeError(f"module 'tf_sok' has no attribute {name!r}")

@@ -1,0 +1,63 @@
+// Device contexts and error reporting shared by the CPU and CUDA functors.
+// Nothing here includes TensorFlow: the kernels under cc/kernels/ adapt these
+// types to OpKernelContext.
+#ifndef TF_SOK_CC_IMPL_COMMON_H_
+#define TF_SOK_CC_IMPL_COMMON_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+
+#if defined(__CUDACC__)
+#define TF_SOK_HD __host__ __device__ __forceinline__
+#else
+#define TF_SOK_HD inline
+#endif
+
+namespace tf_sok {
+namespace impl {
+
+// Scratch memory that lives until the calling kernel returns.
+class ScratchAllocator {
+ public:
+  virtual ~ScratchAllocator() = default;
+  // Returns nullptr when the allocation fails.
+  virtual void* Allocate(size_t bytes) = 0;
+};
+
+// Runs fn(begin, end) over [0, total) in parallel; cost is a per-item estimate
+// in cycles, used by the host thread pool to size the shards.
+using ParallelFor = std::function<void(int64_t total, int64_t cost,
+                                       const std::function<void(int64_t, int64_t)>& fn)>;
+
+struct CpuDevice {
+  ParallelFor parallel_for;
+  ScratchAllocator* scratch;
+};
+
+struct GpuDevice {
+  void* stream;  // cudaStream_t owned by TensorFlow
+  ScratchAllocator* scratch;
+};
+
+// What went wrong, in terms the kernel turns into an InvalidArgument message.
+enum class ErrorKind : int32_t {
+  kOk = 0,
+  kIdOutOfRange = 1,     // value = the id, item = flat position of the id
+  kBadSplits = 2,        // value = the offending split, item = its index
+  kOutOfMemory = 3,
+  kCudaError = 4,        // value = cudaError_t
+};
+
+struct Error {
+  ErrorKind kind = ErrorKind::kOk;
+  int32_t group = -1;    // feature index (lookup) or -1
+  int64_t item = -1;
+  int64_t value = 0;
+  bool ok() const { return kind == ErrorKind::kOk; }
+};
+
+}  // namespace impl
+}  // namespace tf_sok
+
+#endif  // TF_SOK_CC_IMPL_COMMON_H_

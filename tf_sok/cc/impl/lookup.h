@@ -1,0 +1,83 @@
+// Fused multi-table, multi-feature sparse lookup: forward (gather + combine)
+// and backward (expand output gradients to ids, dedup, segment-sum per table).
+#ifndef TF_SOK_CC_IMPL_LOOKUP_H_
+#define TF_SOK_CC_IMPL_LOOKUP_H_
+
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "tf_sok/cc/impl/common.h"
+
+namespace tf_sok {
+namespace impl {
+
+enum class Combiner : int32_t { kSum = 0, kMean = 1, kSqrtn = 2 };
+
+struct TableView {
+  const float* data;  // [rows, dim] row-major
+  int64_t rows;
+  int32_t dim;
+};
+
+// One feature: a ragged batch of ids (values + row splits) read from one table.
+template <typename Id>
+struct FeatureView {
+  const Id* ids;           // [num_ids]
+  const int64_t* splits;   // [batch + 1]
+  const float* weights;    // [num_ids] or nullptr (all ones)
+  int64_t num_ids;
+  int64_t batch;
+  int32_t table;
+  Combiner combiner;
+};
+
+// Forward: outputs[f] is [features[f].batch, tables[table].dim].
+// Validates splits and ids first; on error nothing meaningful is written.
+template <typename Device, typename Id>
+struct FusedLookup {
+  Error operator()(const Device& d, const std::vector<TableView>& tables,
+                   const std::vector<FeatureView<Id>>& features,
+                   const std::vector<float*>& outputs);
+};
+
+// Backward for one table: the features reading it and their output gradients.
+// Phase 1 (Prepare) sorts and dedups the ids and returns the unique count;
+// the caller allocates [unique] indices and [unique, dim] values, then calls
+// Finish. The plan holds scratch pointers valid until the kernel returns.
+template <typename Id>
+struct GradPlan {
+  int64_t total_ids = 0;
+  int64_t num_unique = 0;
+  int32_t dim = 0;
+  // Device-specific scratch (sorted positions, coefficients, segment offsets).
+  void* sorted_pos = nullptr;
+  void* unique_ids = nullptr;
+  void* seg_offsets = nullptr;
+  void* coef = nullptr;
+  void* grad_rows = nullptr;
+  std::shared_ptr<void> host_state;  // CPU: the grouping of positions by id
+};
+
+template <typename Device, typename Id>
+struct LookupGrad {
+  Error Prepare(const Device& d, int32_t dim,
+                const std::vector<FeatureView<Id>>& features,
+                const std::vector<const float*>& out_grads, GradPlan<Id>* plan);
+  void Finish(const Device& d, const GradPlan<Id>& plan, int64_t* indices,
+              float* values);
+};
+
+// Combiner denominator for a row: 1, sum(w) or sqrt(sum(w^2)); 0 means the row
+// contributes zeros (empty row, or weights summing to zero), as div_no_nan.
+TF_SOK_HD float CombinerScale(Combiner c, float wsum, float wsq) {
+  float denom = c == Combiner::kSum ? 1.0f
+                : c == Combiner::kMean ? wsum
+                                       : sqrtf(wsq);
+  return denom == 0.0f ? 0.0f : 1.0f / denom;
+}
+
+}  // namespace impl
+}  // namespace tf_sok
+
+#endif  // TF_SOK_CC_IMPL_LOOKUP_H_

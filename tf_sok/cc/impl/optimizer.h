@@ -1,0 +1,148 @@
+// Sparse optimizer updates applied in place to the rows named by a batch.
+// Duplicate indices are summed first; rows not named are never touched. The
+// per-element math is shared by the CPU and CUDA functors (TF_SOK_HD).
+#ifndef TF_SOK_CC_IMPL_OPTIMIZER_H_
+#define TF_SOK_CC_IMPL_OPTIMIZER_H_
+
+#include <cmath>
+
+#include "tf_sok/cc/impl/common.h"
+
+namespace tf_sok {
+namespace impl {
+
+enum class Algorithm : int32_t {
+  kSgd = 0, kMomentum = 1, kAdagrad = 2, kAdam = 3, kFtrl = 4, kRmsprop = 5,
+};
+
+// Hyper-parameters; which fields matter depends on the algorithm. The formulas
+// follow Keras 3's optimizers applied to one row at a time.
+struct Hyper {
+  Algorithm algorithm = Algorithm::kSgd;
+  float lr = 0.01f;
+  float beta1 = 0.9f, beta2 = 0.999f;  // adam
+  float epsilon = 1e-7f;               // adagrad, adam, rmsprop
+  float momentum = 0.0f;               // momentum, rmsprop
+  bool nesterov = false;               // momentum
+  float rho = 0.9f;                    // rmsprop
+  bool centered = false;               // rmsprop
+  float l1 = 0.0f, l2 = 0.0f, l2_shrinkage = 0.0f, lr_power = -0.5f, beta = 0.0f;  // ftrl
+};
+
+// Number of [rows, dim] slots and whether a per-row step counter ([rows]) is kept.
+inline int NumDenseSlots(const Hyper& h) {
+  switch (h.algorithm) {
+    case Algorithm::kSgd: return 0;
+    case Algorithm::kMomentum: return 1;                 // accumulator
+    case Algorithm::kAdagrad: return 1;                  // accumulator
+    case Algorithm::kAdam: return 2;                     // m, v
+    case Algorithm::kFtrl: return 2;                     // accumulator, linear
+    case Algorithm::kRmsprop:                            // velocity [, mean grad] [, momentum]
+      return 1 + (h.centered ? 1 : 0) + (h.momentum > 0.0f ? 1 : 0);
+  }
+  return 0;
+}
+inline bool HasStepSlot(const Hyper& h) { return h.algorithm == Algorithm::kAdam; }
+
+struct RowState {
+  float* slot[3];   // pointers to this row's slot values (dim floats each)
+  float* step;      // this row's step counter (adam) or nullptr
+};
+
+// Per-row constants computed once before the element loop.
+struct RowScalars {
+  float alpha = 0.0f;  // adam: lr * sqrt(1 - b2^t) / (1 - b1^t)
+};
+
+// steps_before: how many updates this row had before this one (adam only).
+TF_SOK_HD RowScalars RowConstants(const Hyper& h, float steps_before) {
+  RowScalars s;
+  if (h.algorithm == Algorithm::kAdam) {
+    const float t = steps_before + 1.0f;
+    s.alpha = h.lr * sqrtf(1.0f - powf(h.beta2, t)) / (1.0f - powf(h.beta1, t));
+  }
+  return s;
+}
+
+// Updates element j of one row: w is the weight, g the summed gradient.
+TF_SOK_HD float UpdateElement(const Hyper& h, const RowScalars& s, float w, float g,
+                             float* const* slot, int64_t j) {
+  switch (h.algorithm) {
+    case Algorithm::kSgd:
+      return w - h.lr * g;
+    case Algorithm::kMomentum: {  // Keras SGD(momentum): v = m*v - lr*g
+      float v = h.momentum * slot[0][j] - h.lr * g;
+      slot[0][j] = v;
+      return h.nesterov ? w + h.momentum * v - h.lr * g : w + v;
+    }
+    case Algorithm::kAdagrad: {
+      float a = slot[0][j] + g * g;
+      slot[0][j] = a;
+      return w - h.lr * g / sqrtf(a + h.epsilon);
+    }
+    case Algorithm::kAdam: {
+      float m = slot[0][j] + (g - slot[0][j]) * (1.0f - h.beta1);
+      float v = slot[1][j] + (g * g - slot[1][j]) * (1.0f - h.beta2);
+      slot[0][j] = m;
+      slot[1][j] = v;
+      return w - s.alpha * m / (sqrtf(v) + h.epsilon);
+    }
+    case Algorithm::kFtrl: {
+      float acc = slot[0][j];
+      float g2 = g + 2.0f * h.l2_shrinkage * w;
+      float new_acc = acc + g * g;
+      float p_new = powf(new_acc, -h.lr_power), p_old = powf(acc, -h.lr_power);
+      float lin = slot[1][j] + g2 - (p_new - p_old) / h.lr * w;
+      slot[0][j] = new_acc;
+      slot[1][j] = lin;
+      float quad = p_new / h.lr + 2.0f * (h.l2 + h.beta / (2.0f * h.lr));
+      float clipped = lin < -h.l1 ? -h.l1 : (lin > h.l1 ? h.l1 : lin);
+      return (clipped - lin) / quad;
+    }
+    case Algorithm::kRmsprop: {
+      float vel = h.rho * slot[0][j] + (1.0f - h.rho) * g * g;
+      slot[0][j] = vel;
+      float denom = vel + h.epsilon;
+      int k = 1;
+      if (h.centered) {
+        float mg = h.rho * slot[1][j] + (1.0f - h.rho) * g;
+        slot[1][j] = mg;
+        denom = vel - mg * mg + h.epsilon;
+        k = 2;
+      }
+      float inc = h.lr * g / sqrtf(denom);
+      if (h.momentum > 0.0f) {
+        float mom = h.momentum * slot[k][j] + inc;
+        slot[k][j] = mom;
+        return w - mom;
+      }
+      return w - inc;
+    }
+  }
+  return w;
+}
+
+struct SparseUpdate {
+  float* var;          // [rows, dim]
+  float* slots[3];     // [rows, dim] each, NumDenseSlots(h) of them
+  float* step;         // [rows] or nullptr
+  int64_t rows;
+  int32_t dim;
+};
+
+// Applies the summed gradient rows to var and slots. grads is [n, dim] with
+// indices[n]; an index outside [0, rows) fails the whole call before any write.
+template <typename Device, typename Id>
+struct SparseApply {
+  Error operator()(const Device& d, const Hyper& h, const SparseUpdate& u,
+                   const Id* indices, const float* grads, int64_t n);
+};
+
+// Copies bytes within device memory (used for copy-on-write of shared buffers).
+template <typename Device>
+void DeviceCopy(const Device& d, void* dst, const void* src, size_t bytes);
+
+}  // namespace impl
+}  // namespace tf_sok
+
+#endif  // TF_SOK_CC_IMPL_OPTIMIZER_H_

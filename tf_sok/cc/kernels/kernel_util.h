@@ -1,0 +1,106 @@
+// TensorFlow glue shared by the tf_sok kernels: scratch memory from the op's
+// allocator, the impl device handle for CPU or GPU, variable access.
+#ifndef TF_SOK_CC_KERNELS_KERNEL_UTIL_H_
+#define TF_SOK_CC_KERNELS_KERNEL_UTIL_H_
+
+#include <algorithm>
+#include <vector>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/platform/mutex.h"
+#include "tf_sok/cc/impl/common.h"
+
+#if TF_SOK_WITH_CUDA
+#include "xla/stream_executor/stream.h"
+#endif
+
+namespace tf_sok {
+
+namespace tf = ::tensorflow;
+
+// Scratch buffers allocated as temporary tensors; freed when the kernel returns.
+class TensorScratch : public impl::ScratchAllocator {
+ public:
+  explicit TensorScratch(tf::OpKernelContext* ctx) : ctx_(ctx) {}
+  void* Allocate(size_t bytes) override {
+    tf::Tensor t;
+    const int64_t n = static_cast<int64_t>(std::max<size_t>(bytes, 1));
+    if (!ctx_->allocate_temp(tf::DT_INT8, tf::TensorShape({n}), &t).ok()) return nullptr;
+    held_.push_back(t);
+    return t.flat<int8_t>().data();
+  }
+
+ private:
+  tf::OpKernelContext* ctx_;
+  std::vector<tf::Tensor> held_;
+};
+
+template <typename Device>
+Device MakeDevice(tf::OpKernelContext* ctx, impl::ScratchAllocator* scratch);
+
+template <>
+inline impl::CpuDevice MakeDevice<impl::CpuDevice>(tf::OpKernelContext* ctx,
+                                                   impl::ScratchAllocator* scratch) {
+  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  impl::CpuDevice d;
+  d.parallel_for = [pool](int64_t total, int64_t cost,
+                          const std::function<void(int64_t, int64_t)>& fn) {
+    if (total > 0) pool->ParallelFor(total, cost, fn);
+  };
+  d.scratch = scratch;
+  return d;
+}
+
+#if TF_SOK_WITH_CUDA
+template <>
+inline impl::GpuDevice MakeDevice<impl::GpuDevice>(tf::OpKernelContext* ctx,
+                                                   impl::ScratchAllocator* scratch) {
+  impl::GpuDevice d;
+  d.stream = ctx->op_device_context()->stream()->platform_specific_handle().stream;
+  d.scratch = scratch;
+  return d;
+}
+#endif
+
+// Looks up the variable behind resource input `input` and checks it holds an
+// initialized float tensor of the given rank.
+inline absl::Status GetVar(tf::OpKernelContext* ctx, int input, int rank,
+                           const std::string& what, tf::core::RefCountPtr<tf::Var>* var) {
+  TF_RETURN_IF_ERROR(tf::LookupResource(ctx, tf::HandleFromInput(ctx, input), var));
+  tf::Tensor* t = (*var)->tensor();
+  if (!(*var)->is_initialized || t->dtype() != tf::DT_FLOAT || t->dims() != rank) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " must be an initialized float32 variable of rank ", rank, "; got ",
+        tf::DataTypeString(t->dtype()), " ", t->shape().DebugString()));
+  }
+  return absl::OkStatus();
+}
+
+// Locks several variables in address order (the same order TF uses), so two
+// ops updating overlapping variables cannot deadlock.
+class ExclusiveLocks {
+ public:
+  explicit ExclusiveLocks(const std::vector<tf::Var*>& vars) {
+    for (auto* v : vars) mus_.push_back(v->mu());
+    std::sort(mus_.begin(), mus_.end());
+    mus_.erase(std::unique(mus_.begin(), mus_.end()), mus_.end());
+    for (auto* m : mus_) m->lock();
+  }
+  ~ExclusiveLocks() {
+    for (auto it = mus_.rbegin(); it != mus_.rend(); ++it) (*it)->unlock();
+  }
+
+ private:
+  std::vector<tf::mutex*> mus_;
+};
+
+// Gives the variable a private buffer before an in-place update when its
+// current one is shared with a tensor read earlier (copy-on-write).
+template <typename Device>
+absl::Status MakeExclusive(tf::OpKernelContext* ctx, const Device& d, tf::Var* var);
+
+}  // namespace tf_sok
+
+#endif  // TF_SOK_CC_KERNELS_KERNEL_UTIL_H_

@@ -1,0 +1,233 @@
+// Kernels of TfSokFusedLookup / TfSokFusedLookupGrad: read attributes, check
+// shapes, allocate outputs, call the impl functor, explain its errors.
+#include <string>
+#include <vector>
+
+#include "tf_sok/cc/impl/lookup.h"
+#include "tf_sok/cc/kernels/kernel_util.h"
+
+namespace tf_sok {
+namespace {
+
+// Attributes shared by the forward and backward kernels.
+struct LookupAttrs {
+  int num_tables = 0, num_features = 0;
+  std::vector<int> feature_table, dims;
+  std::vector<impl::Combiner> combiners;
+  std::vector<bool> weighted;
+  std::vector<std::string> feature_names, table_names;
+
+  absl::Status Read(tf::OpKernelConstruction* c, bool with_names) {
+    std::vector<std::string> comb;
+    TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &num_tables));
+    TF_RETURN_IF_ERROR(c->GetAttr("num_features", &num_features));
+    TF_RETURN_IF_ERROR(c->GetAttr("feature_table", &feature_table));
+    TF_RETURN_IF_ERROR(c->GetAttr("dims", &dims));
+    TF_RETURN_IF_ERROR(c->GetAttr("combiners", &comb));
+    TF_RETURN_IF_ERROR(c->GetAttr("weighted", &weighted));
+    if (with_names) {
+      TF_RETURN_IF_ERROR(c->GetAttr("feature_names", &feature_names));
+      TF_RETURN_IF_ERROR(c->GetAttr("table_names", &table_names));
+    }
+    if (static_cast<int>(feature_table.size()) != num_features ||
+        static_cast<int>(comb.size()) != num_features ||
+        static_cast<int>(weighted.size()) != num_features ||
+        static_cast<int>(dims.size()) != num_tables) {
+      return absl::InvalidArgumentError(
+          "tf_sok lookup: feature_table, combiners and weighted need one entry per feature, "
+          "dims one per table");
+    }
+    for (int f = 0; f < num_features; ++f) {
+      if (feature_table[f] < 0 || feature_table[f] >= num_tables) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tf_sok lookup: feature ", f, " maps to table ", feature_table[f], " but there are ",
+            num_tables, " tables"));
+      }
+      combiners.push_back(comb[f] == "sum"    ? impl::Combiner::kSum
+                          : comb[f] == "mean" ? impl::Combiner::kMean
+                                              : impl::Combiner::kSqrtn);
+    }
+    if (feature_names.size() < static_cast<size_t>(num_features)) feature_names.resize(num_features);
+    if (table_names.size() < static_cast<size_t>(num_tables)) table_names.resize(num_tables);
+    for (int f = 0; f < num_features; ++f)
+      if (feature_names[f].empty()) feature_names[f] = absl::StrCat("#", f);
+    for (int t = 0; t < num_tables; ++t)
+      if (table_names[t].empty()) table_names[t] = absl::StrCat("#", t);
+    return absl::OkStatus();
+  }
+
+  // Checks ids / row_splits / weights of each feature and builds its view.
+  template <typename Id>
+  absl::Status Features(tf::OpKernelContext* ctx, int first_input,
+                        std::vector<impl::FeatureView<Id>>* out) const {
+    for (int f = 0; f < num_features; ++f) {
+      const tf::Tensor& ids = ctx->input(first_input + f);
+      const tf::Tensor& splits = ctx->input(first_input + num_features + f);
+      const tf::Tensor& w = ctx->input(first_input + 2 * num_features + f);
+      const std::string& name = feature_names.empty() ? absl::StrCat("#", f) : feature_names[f];
+      if (ids.dims() != 1 || splits.dims() != 1 || splits.NumElements() < 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tf_sok lookup: feature '", name, "' needs 1-D ids and 1-D row_splits with at "
+            "least one element; got ids ", ids.shape().DebugString(), " and row_splits ",
+            splits.shape().DebugString()));
+      }
+      if (weighted[f] ? w.shape() != ids.shape() : w.NumElements() != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tf_sok lookup: weights of feature '", name, "' must match its ids ",
+            ids.shape().DebugString(), "; got ", w.shape().DebugString()));
+      }
+      impl::FeatureView<Id> v;
+      v.ids = ids.flat<Id>().data();
+      v.splits = splits.flat<int64_t>().data();
+      v.weights = weighted[f] ? w.flat<float>().data() : nullptr;
+      v.num_ids = ids.NumElements();
+      v.batch = splits.NumElements() - 1;
+      v.table = feature_table[f];
+      v.combiner = combiners[f];
+      out->push_back(v);
+    }
+    return absl::OkStatus();
+  }
+};
+
+absl::Status Explain(const LookupAttrs& a, const impl::Error& e,
+                     const std::vector<impl::TableView>& tables) {
+  switch (e.kind) {
+    case impl::ErrorKind::kOk:
+      return absl::OkStatus();
+    case impl::ErrorKind::kIdOutOfRange: {
+      const int t = a.feature_table[e.group];
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tf_sok lookup: feature '", a.feature_names[e.group], "' has id ", e.value,
+          " (at position ", e.item, ") outside table '", a.table_names[t], "' of ",
+          tables[t].rows, " rows; ids must be in [0, ", tables[t].rows, ")"));
+    }
+    case impl::ErrorKind::kBadSplits:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tf_sok lookup: row_splits of feature '", a.feature_names[e.group], "' are invalid at ",
+          "index ", e.item, " (value ", e.value, "): they must start at 0, never decrease and "
+          "end at the number of ids"));
+    case impl::ErrorKind::kOutOfMemory:
+      return absl::ResourceExhaustedError("tf_sok lookup: out of scratch memory");
+    case impl::ErrorKind::kCudaError:
+      return absl::InternalError(absl::StrCat("tf_sok lookup: CUDA error ", e.value));
+  }
+  return absl::UnknownError("tf_sok lookup: unknown error");
+}
+
+template <typename Device, typename Id>
+class FusedLookupOp : public tf::OpKernel {
+ public:
+  explicit FusedLookupOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
+    OP_REQUIRES_OK(c, attrs_.Read(c, /*with_names=*/true));
+  }
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    const int T = attrs_.num_tables;
+    std::vector<tf::Tensor> held(T);  // keeps each table's buffer alive while reading
+    std::vector<impl::TableView> tables(T);
+    for (int t = 0; t < T; ++t) {
+      tf::core::RefCountPtr<tf::Var> var;
+      OP_REQUIRES_OK(ctx, GetVar(ctx, t, 2, absl::StrCat("table '", attrs_.table_names[t], "'"),
+                                 &var));
+      {
+        tf::tf_shared_lock l(*var->mu());
+        held[t] = *var->tensor();
+      }
+      OP_REQUIRES(ctx, held[t].dim_size(1) == attrs_.dims[t],
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "tf_sok lookup: table '", attrs_.table_names[t], "' has shape ",
+                      held[t].shape().DebugString(), " but the op expects dim ",
+                      attrs_.dims[t])));
+      tables[t] = {held[t].flat<float>().data(), held[t].dim_size(0),
+                   static_cast<int32_t>(attrs_.dims[t])};
+    }
+    std::vector<impl::FeatureView<Id>> features;
+    OP_REQUIRES_OK(ctx, attrs_.Features<Id>(ctx, T, &features));
+    std::vector<float*> outputs(attrs_.num_features);
+    for (int f = 0; f < attrs_.num_features; ++f) {
+      tf::Tensor* out = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                              f, tf::TensorShape({features[f].batch,
+                                                  attrs_.dims[features[f].table]}),
+                              &out));
+      outputs[f] = out->flat<float>().data();
+    }
+    TensorScratch scratch(ctx);
+    const Device d = MakeDevice<Device>(ctx, &scratch);
+    OP_REQUIRES_OK(ctx, Explain(attrs_, impl::FusedLookup<Device, Id>()(d, tables, features,
+                                                                        outputs),
+                                tables));
+  }
+
+ private:
+  LookupAttrs attrs_;
+};
+
+template <typename Device, typename Id>
+class FusedLookupGradOp : public tf::OpKernel {
+ public:
+  explicit FusedLookupGradOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
+    OP_REQUIRES_OK(c, attrs_.Read(c, /*with_names=*/false));
+  }
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    const int T = attrs_.num_tables, F = attrs_.num_features;
+    std::vector<impl::FeatureView<Id>> all;
+    OP_REQUIRES_OK(ctx, attrs_.Features<Id>(ctx, 0, &all));
+    TensorScratch scratch(ctx);
+    const Device d = MakeDevice<Device>(ctx, &scratch);
+    for (int t = 0; t < T; ++t) {
+      std::vector<impl::FeatureView<Id>> features;
+      std::vector<const float*> grads;
+      for (int f = 0; f < F; ++f) {
+        if (all[f].table != t) continue;
+        const tf::Tensor& g = ctx->input(3 * F + f);
+        OP_REQUIRES(ctx, g.dims() == 2 && g.dim_size(0) == all[f].batch &&
+                             g.dim_size(1) == attrs_.dims[t],
+                    absl::InvalidArgumentError(absl::StrCat(
+                        "tf_sok lookup gradient: output gradient of feature ", f, " has shape ",
+                        g.shape().DebugString(), ", expected [", all[f].batch, ", ",
+                        attrs_.dims[t], "]")));
+        features.push_back(all[f]);
+        grads.push_back(g.flat<float>().data());
+      }
+      impl::GradPlan<Id> plan;
+      impl::LookupGrad<Device, Id> grad;
+      impl::Error e = grad.Prepare(d, attrs_.dims[t], features, grads, &plan);
+      OP_REQUIRES(ctx, e.ok(), absl::InternalError(absl::StrCat(
+                                   "tf_sok lookup gradient failed (kind ",
+                                   static_cast<int>(e.kind), ", value ", e.value, ")")));
+      tf::Tensor* indices = nullptr;
+      tf::Tensor* values = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(t, tf::TensorShape({plan.num_unique}), &indices));
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                              T + t, tf::TensorShape({plan.num_unique, attrs_.dims[t]}), &values));
+      if (plan.num_unique > 0) {
+        grad.Finish(d, plan, indices->flat<int64_t>().data(), values->flat<float>().data());
+      }
+    }
+  }
+
+ private:
+  LookupAttrs attrs_;
+};
+
+#define TF_SOK_REGISTER_LOOKUP(DEV, DEVICE, ID)                        \
+  REGISTER_KERNEL_BUILDER(                                                           \
+      Name("TfSokFusedLookup").Device(DEV).TypeConstraint<ID>("Tid"),                \
+      FusedLookupOp<DEVICE, ID>);                                                    \
+  REGISTER_KERNEL_BUILDER(                                                           \
+      Name("TfSokFusedLookupGrad").Device(DEV).TypeConstraint<ID>("Tid"),            \
+      FusedLookupGradOp<DEVICE, ID>);
+
+TF_SOK_REGISTER_LOOKUP(tf::DEVICE_CPU, impl::CpuDevice, int32_t)
+TF_SOK_REGISTER_LOOKUP(tf::DEVICE_CPU, impl::CpuDevice, int64_t)
+#if TF_SOK_WITH_CUDA
+TF_SOK_REGISTER_LOOKUP(tf::DEVICE_GPU, impl::GpuDevice, int32_t)
+TF_SOK_REGISTER_LOOKUP(tf::DEVICE_GPU, impl::GpuDevice, int64_t)
+#endif
+#undef TF_SOK_REGISTER_LOOKUP
+
+}  // namespace
+}  // namespace tf_sok

@@ -1,0 +1,87 @@
+// Fused multi-table sparse lookup and its gradient: op registrations and
+// shape functions only (kernels live in cc/kernels/).
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tf_sok {
+
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+
+REGISTER_OP("TfSokFusedLookup")
+    .Input("tables: num_tables * resource")
+    .Input("ids: num_features * Tid")
+    .Input("row_splits: num_features * int64")
+    .Input("weights: num_features * float")
+    .Output("outputs: num_features * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("num_features: int >= 1")
+    .Attr("Tid: {int32, int64}")
+    .Attr("feature_table: list(int)")
+    .Attr("combiners: list({'sum', 'mean', 'sqrtn'})")
+    .Attr("weighted: list(bool)")
+    .Attr("dims: list(int)")
+    .Attr("feature_names: list(string)")
+    .Attr("table_names: list(string)")
+    .SetShapeFn([](InferenceContext* c) {
+      int num_features, num_tables;
+      std::vector<int> feature_table, dims;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_features", &num_features));
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &num_tables));
+      TF_RETURN_IF_ERROR(c->GetAttr("feature_table", &feature_table));
+      TF_RETURN_IF_ERROR(c->GetAttr("dims", &dims));
+      if (static_cast<int>(feature_table.size()) != num_features ||
+          static_cast<int>(dims.size()) != num_tables) {
+        return absl::InvalidArgumentError(
+            "TfSokFusedLookup: feature_table needs one entry per feature and dims one per table");
+      }
+      for (int f = 0; f < num_features; ++f) {
+        ShapeHandle splits;
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(num_tables + num_features + f), 1, &splits));
+        auto n = c->Dim(splits, 0);
+        auto batch = c->ValueKnown(n) ? c->MakeDim(c->Value(n) - 1) : c->UnknownDim();
+        int t = feature_table[f];
+        if (t < 0 || t >= num_tables) {
+          return absl::InvalidArgumentError("TfSokFusedLookup: feature_table entry out of range");
+        }
+        c->set_output(f, c->Matrix(batch, dims[t]));
+      }
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Looks up every feature's ragged ids in its table and combines each row
+(sum, mean or sqrtn, optionally weighted) into one [batch, dim] output per
+feature. Unweighted features pass an empty weights tensor.
+)doc");
+
+REGISTER_OP("TfSokFusedLookupGrad")
+    .Input("ids: num_features * Tid")
+    .Input("row_splits: num_features * int64")
+    .Input("weights: num_features * float")
+    .Input("output_grads: num_features * float")
+    .Output("indices: num_tables * int64")
+    .Output("values: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("num_features: int >= 1")
+    .Attr("Tid: {int32, int64}")
+    .Attr("feature_table: list(int)")
+    .Attr("combiners: list({'sum', 'mean', 'sqrtn'})")
+    .Attr("weighted: list(bool)")
+    .Attr("dims: list(int)")
+    .SetShapeFn([](InferenceContext* c) {
+      int num_tables;
+      std::vector<int> dims;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &num_tables));
+      TF_RETURN_IF_ERROR(c->GetAttr("dims", &dims));
+      for (int t = 0; t < num_tables; ++t) {
+        c->set_output(t, c->Vector(c->UnknownDim()));
+        c->set_output(num_tables + t, c->Matrix(c->UnknownDim(), dims[t]));
+      }
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Row-sparse gradient of TfSokFusedLookup: for each table, the unique ids read
+by its features and the summed gradient of each.
+)doc");
+
+}  // namespace tf_sok

@@ -1,0 +1,113 @@
+"""`lookup_sparse`: one fused lookup for many features over many tables."""
+from typing import List, Optional, Sequence, Union
+
+import tensorflow as tf
+from tensorflow.python.eager import tape as tape_lib
+
+from tf_sok.python.config import check_combiner
+from tf_sok.python.ops import lookup_ops
+from tf_sok.python.variable import backing_variable, table_meta
+
+
+def _as_ragged(x, what: str) -> tf.RaggedTensor:
+    if isinstance(x, tf.RaggedTensor):
+        rt = x
+    elif isinstance(x, tf.SparseTensor):
+        if x.shape.rank is not None and x.shape.rank != 2:
+            raise ValueError(f"{what}: a SparseTensor of ids must be [batch, max_ids], got rank {x.shape.rank}")
+        rt = tf.RaggedTensor.from_sparse(x)
+    else:
+        t = tf.convert_to_tensor(x)
+        if t.shape.rank == 1:
+            t = t[:, None]
+        if t.shape.rank != 2:
+            raise ValueError(f"{what}: dense ids must be [batch] or [batch, hotness], got shape {t.shape}")
+        rt = tf.RaggedTensor.from_tensor(t)
+    if rt.ragged_rank != 1 or rt.flat_values.shape.rank != 1:
+        raise ValueError(f"{what}: ids must be a 2-D ragged tensor [batch, (ids)], got {rt.shape}")
+    return rt
+
+
+def _listify(x):
+    return (list(x), True) if isinstance(x, (list, tuple)) else ([x], False)
+
+
+def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequence[str], None] = None,
+                  name: Optional[str] = None, feature_names: Optional[Sequence[str]] = None):
+    """Looks up and combines many features in ONE fused op.
+
+    Args:
+      params: a table variable, or a list with one table per feature (the same
+        table may serve several features).
+      sp_ids: per feature a `tf.RaggedTensor` [batch, (ids)], `tf.SparseTensor`
+        or dense [batch, hotness] int32/int64 ids.
+      sp_weights: None, or per feature weights of the same structure as its ids.
+      combiners: "sum" | "mean" | "sqrtn", one per feature or one for all
+        (default "mean", as `tf.nn.embedding_lookup_sparse`).
+      feature_names: used in error messages (default feature0, feature1, ...).
+    Returns:
+      A [batch, dim] tensor per feature (a list when sp_ids is a list).
+      Gradients reach each table as one `tf.IndexedSlices` of its unique rows.
+
+    Example:
+        >>> ids = tf.ragged.constant([[1, 2], [], [3]], dtype=tf.int64)
+        >>> out = sok.lookup_sparse([table], [ids], combiners=["sum"])
+    """
+    ids_list, as_list = _listify(sp_ids)
+    F = len(ids_list)
+    if F == 0:
+        return []
+    params_list = list(params) if isinstance(params, (list, tuple)) else [params] * F
+    if len(params_list) != F:
+        raise ValueError(f"lookup_sparse: {len(params_list)} tables for {F} features; give one per feature")
+    if combiners is None:
+        combiners = "mean"
+    comb = [combiners] * F if isinstance(combiners, str) else list(combiners)
+    if len(comb) != F:
+        raise ValueError(f"lookup_sparse: {len(comb)} combiners for {F} features")
+    names = list(feature_names) if feature_names is not None else [f"feature{i}" for i in range(F)]
+    weights_list = [None] * F if sp_weights is None else _listify(sp_weights)[0]
+    if len(weights_list) != F:
+        raise ValueError(f"lookup_sparse: {len(weights_list)} weights for {F} features")
+
+    tables, table_index, feature_table = [], {}, []
+    for f, p in enumerate(params_list):
+        meta = table_meta(p)
+        if meta is None:
+            raise TypeError(f"lookup_sparse: the table of feature {names[f]!r} is not a tf_sok variable "
+                            f"(create it with sok.Variable or a sok.layers layer), got {type(p).__name__}")
+        key = id(backing_variable(p))
+        if key not in table_index:
+            table_index[key] = len(tables)
+            tables.append(p)
+        feature_table.append(table_index[key])
+        check_combiner(comb[f], f"lookup_sparse feature {names[f]!r}")
+
+    with tf.name_scope(name or "sok_lookup_sparse"):
+        ragged = [_as_ragged(x, f"lookup_sparse feature {names[f]!r}") for f, x in enumerate(ids_list)]
+        id_dtype = tf.int64 if any(r.dtype == tf.int64 for r in ragged) else tf.int32
+        for f, r in enumerate(ragged):
+            if r.dtype not in (tf.int32, tf.int64):
+                raise TypeError(f"lookup_sparse feature {names[f]!r}: ids must be int32 or int64, got {r.dtype.name}")
+        ids = [tf.cast(r.values, id_dtype) for r in ragged]
+        splits = [tf.cast(r.row_splits, tf.int64) for r in ragged]
+        weights, weighted = [], []
+        for f, w in enumerate(weights_list):
+            if w is None:
+                weights.append(tf.zeros([0], tf.float32))
+                weighted.append(False)
+            else:
+                wr = _as_ragged(w, f"lookup_sparse weights of feature {names[f]!r}")
+                weights.append(tf.cast(wr.values, tf.float32))
+                weighted.append(True)
+        handles = []
+        for t in tables:
+            var = backing_variable(t)
+            if var.trainable:
+                tape_lib.variable_accessed(var)  # lets GradientTape / Keras see the read
+            handles.append(var.handle)
+        outs = lookup_ops.fused_lookup(
+            handles, ids, splits, weights, feature_table=feature_table, combiners=comb, weighted=weighted,
+            dims=[table_meta(t).dim for t in tables], feature_names=names,
+            table_names=[table_meta(t).name for t in tables])
+    return outs if as_list else outs[0]

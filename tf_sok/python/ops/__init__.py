@@ -1,0 +1,1 @@
+"""Python wrappers of the tf_sok custom ops, with their gradients."""

@@ -1,0 +1,54 @@
+"""Loads the tf_sok op library once, checking the TensorFlow it was built for."""
+import ctypes
+import functools
+import glob
+import os
+
+import tensorflow as tf
+
+_LIB_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "lib")
+_REBUILD = ("rebuild it against the installed TensorFlow with `pip install --no-build-isolation -e .` "
+            "(or `make build`) in the tf_sok checkout")
+
+
+class OpLibraryError(RuntimeError):
+    """The op library is missing or was built for another TensorFlow."""
+
+
+def library_path() -> str:
+    """Path of the compiled op library (raises OpLibraryError if not built)."""
+    found = sorted(glob.glob(os.path.join(_LIB_DIR, "_tf_sok_ops*.so")))
+    if not found:
+        raise OpLibraryError(f"tf_sok op library not found in {_LIB_DIR}; {_REBUILD}")
+    return found[0]
+
+
+def build_info() -> dict:
+    """What the op library was built against: TensorFlow version and CUDA archs.
+
+    Example:
+        >>> build_info()["tensorflow"]
+        '2.21.0'
+    """
+    so = ctypes.CDLL(library_path())
+    so.TfSokBuiltTfVersion.restype = ctypes.c_char_p
+    so.TfSokBuiltCudaArchs.restype = ctypes.c_char_p
+    archs = so.TfSokBuiltCudaArchs().decode()
+    return {"tensorflow": so.TfSokBuiltTfVersion().decode(),
+            "cuda": bool(so.TfSokBuiltWithCuda()),
+            "cuda_archs": [a for a in archs.split(",") if a]}
+
+
+@functools.lru_cache(maxsize=None)
+def ops():
+    """The loaded op module (generated wrappers such as `tf_sok_fused_lookup`)."""
+    path = library_path()
+    try:
+        module = tf.load_op_library(path)
+    except Exception as e:  # undefined symbols: built for another TensorFlow
+        raise OpLibraryError(f"could not load {path} under TensorFlow {tf.__version__} ({e}); {_REBUILD}") from e
+    built = build_info()["tensorflow"]
+    if built != tf.__version__:
+        raise OpLibraryError(f"{path} was built for TensorFlow {built} but TensorFlow {tf.__version__} "
+                             f"is installed; {_REBUILD}")
+    return module
