@@ -1,0 +1,94 @@
+"""Keras layers over tf_sok tables. They describe tables; the lookup is the
+fused `sok.lookup_sparse` and placement comes from each table's mode."""
+from typing import Dict, Mapping, Optional, Sequence
+
+import keras
+
+from tf_sok.python.config import TableConfig, check_combiner
+from tf_sok.python.lookup import lookup_sparse
+from tf_sok.python.variable import attach_meta, make_initializer, make_meta
+
+
+def _add_table(layer: keras.layers.Layer, cfg: TableConfig):
+    meta = make_meta(cfg.name, cfg.vocab_size, cfg.dim, cfg.mode)
+    init = make_initializer(cfg.initializer)
+    weight = layer.add_weight(shape=(meta.local_rows, cfg.dim), initializer=init, name=cfg.name,
+                              trainable=True, dtype="float32", autocast=False)
+    attach_meta(weight, meta)
+    return weight
+
+
+class Embedding(keras.layers.Layer):
+    """One table, one feature: ragged/sparse/dense ids -> [batch, dim].
+
+    Example:
+        >>> emb = sok.layers.Embedding(10_000, 16, combiner="mean")
+        >>> emb(tf.ragged.constant([[1, 5], [7]], dtype=tf.int64)).shape
+        TensorShape([2, 16])
+    """
+
+    def __init__(self, vocab_size: int, dim: int, combiner: str = "mean", initializer="uniform",
+                 mode: str = "distributed", name: Optional[str] = None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.config = TableConfig(name=(name or "embedding").replace("/", "_"), vocab_size=vocab_size, dim=dim,
+                                  combiner=combiner, initializer=initializer, mode=mode)
+        self.table = _add_table(self, self.config)
+
+    def call(self, ids, weights=None):
+        return lookup_sparse([self.table], [ids], None if weights is None else [weights],
+                             combiners=[self.config.combiner], feature_names=[self.name])[0]
+
+    def get_config(self):
+        c = self.config
+        return {**super().get_config(), "vocab_size": c.vocab_size, "dim": c.dim, "combiner": c.combiner,
+                "mode": c.mode}
+
+
+class EmbeddingCollection(keras.layers.Layer):
+    """Many features over many tables in ONE fused lookup.
+
+    Args:
+      tables: the tables (`sok.TableConfig`).
+      feature_to_table: feature name -> table name (several features may share a table).
+      combiners: optional feature name -> combiner (default: the table's combiner).
+    call(inputs): a dict feature -> ids (ragged, sparse or dense), optionally
+    `weights=` a dict of the same structure; returns a dict feature -> [batch, dim].
+
+    Example:
+        >>> coll = sok.layers.EmbeddingCollection(
+        ...     tables=[sok.TableConfig("item", 100_000, 32), sok.TableConfig("user", 5_000, 16)],
+        ...     feature_to_table={"clicked": "item", "viewed": "item", "user": "user"})
+        >>> out = coll({"clicked": c, "viewed": v, "user": u})
+    """
+
+    def __init__(self, tables: Sequence[TableConfig], feature_to_table: Mapping[str, str],
+                 combiners: Optional[Mapping[str, str]] = None, **kwargs):
+        super().__init__(**kwargs)
+        by_name: Dict[str, TableConfig] = {}
+        for t in tables:
+            if t.name in by_name:
+                raise ValueError(f"EmbeddingCollection: table {t.name!r} is defined twice")
+            by_name[t.name] = t
+        unknown = {f: t for f, t in feature_to_table.items() if t not in by_name}
+        if unknown:
+            raise ValueError(f"EmbeddingCollection: features map to unknown tables: {unknown}")
+        combiners = dict(combiners or {})
+        extra = set(combiners) - set(feature_to_table)
+        if extra:
+            raise ValueError(f"EmbeddingCollection: combiners given for unknown features {sorted(extra)}")
+        self.table_configs = list(tables)
+        self.feature_to_table = dict(feature_to_table)
+        self.feature_names = list(feature_to_table)
+        self.combiners = [check_combiner(combiners.get(f, by_name[t].combiner), f"feature {f!r}")
+                          for f, t in self.feature_to_table.items()]
+        self.tables = {t.name: _add_table(self, t) for t in self.table_configs}
+
+    def call(self, inputs, weights=None):
+        missing = [f for f in self.feature_names if f not in inputs]
+        if missing:
+            raise ValueError(f"EmbeddingCollection: inputs lack features {missing}")
+        ids = [inputs[f] for f in self.feature_names]
+        w = None if weights is None else [weights.get(f) for f in self.feature_names]
+        outs = lookup_sparse([self.tables[self.feature_to_table[f]] for f in self.feature_names], ids, w,
+                             combiners=self.combiners, feature_names=self.feature_names)
+        return dict(zip(self.feature_names, outs))

@@ -1,0 +1,144 @@
+"""The sparse optimizers. Formulas follow Keras 3's optimizers, applied to
+the rows a batch touched only (Adam keeps its step count per row, like
+SOK's and TensorFlow Addons' LazyAdam)."""
+from typing import List
+
+from tf_sok.python.optimizers.base import SlotSpec, SparseOptimizer
+
+
+def _positive(name, value):
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return float(value)
+
+
+def _unit(name, value):
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+    return float(value)
+
+
+class SGD(SparseOptimizer):
+    """w -= lr * g on the touched rows."""
+
+    algorithm = "sgd"
+
+    def slot_specs(self) -> List[SlotSpec]:
+        return []
+
+    def hyper(self) -> dict:
+        return {}
+
+
+class Momentum(SparseOptimizer):
+    """Keras SGD with momentum, per row: v = m*v - lr*g; w += v (Nesterov: w += m*v - lr*g)."""
+
+    algorithm = "momentum"
+
+    def __init__(self, learning_rate=0.01, momentum=0.9, nesterov=False, name=None):
+        super().__init__(learning_rate, name)
+        self.momentum = _unit("momentum", momentum)
+        self.nesterov = bool(nesterov)
+
+    def slot_specs(self):
+        return [SlotSpec("momentum")]
+
+    def hyper(self):
+        return {"momentum": self.momentum, "nesterov": self.nesterov}
+
+
+class Adagrad(SparseOptimizer):
+    """a += g^2; w -= lr * g / sqrt(a + eps)."""
+
+    algorithm = "adagrad"
+
+    def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7, name=None):
+        super().__init__(learning_rate, name)
+        self.initial_accumulator_value = float(initial_accumulator_value)
+        self.epsilon = _positive("epsilon", epsilon)
+
+    def slot_specs(self):
+        return [SlotSpec("accumulator", self.initial_accumulator_value)]
+
+    def hyper(self):
+        return {"epsilon": self.epsilon}
+
+
+class Adam(SparseOptimizer):
+    """Lazy Adam: moments and the step count t advance only for touched rows.
+
+    m += (g - m)(1 - b1); v += (g^2 - v)(1 - b2);
+    w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps).
+    """
+
+    algorithm = "adam"
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name=None):
+        super().__init__(learning_rate, name)
+        self.beta_1 = _unit("beta_1", beta_1)
+        self.beta_2 = _unit("beta_2", beta_2)
+        self.epsilon = _positive("epsilon", epsilon)
+
+    def slot_specs(self):
+        return [SlotSpec("m"), SlotSpec("v"), SlotSpec("step", per_row=True)]
+
+    def hyper(self):
+        return {"beta1": self.beta_1, "beta2": self.beta_2, "epsilon": self.epsilon}
+
+
+class Ftrl(SparseOptimizer):
+    """FTRL-Proximal as Keras 3's Ftrl (l1, l2, l2 shrinkage, beta, lr power)."""
+
+    algorithm = "ftrl"
+
+    def __init__(self, learning_rate=0.001, learning_rate_power=-0.5, initial_accumulator_value=0.1,
+                 l1_regularization_strength=0.0, l2_regularization_strength=0.0,
+                 l2_shrinkage_regularization_strength=0.0, beta=0.0, name=None):
+        super().__init__(learning_rate, name)
+        if learning_rate_power > 0:
+            raise ValueError(f"learning_rate_power must be <= 0, got {learning_rate_power}")
+        if initial_accumulator_value < 0:
+            raise ValueError(f"initial_accumulator_value must be >= 0, got {initial_accumulator_value}")
+        for n, v in (("l1_regularization_strength", l1_regularization_strength),
+                     ("l2_regularization_strength", l2_regularization_strength),
+                     ("l2_shrinkage_regularization_strength", l2_shrinkage_regularization_strength),
+                     ("beta", beta)):
+            if v < 0:
+                raise ValueError(f"{n} must be >= 0, got {v}")
+        self.learning_rate_power = float(learning_rate_power)
+        self.initial_accumulator_value = float(initial_accumulator_value)
+        self.l1 = float(l1_regularization_strength)
+        self.l2 = float(l2_regularization_strength)
+        self.l2_shrinkage = float(l2_shrinkage_regularization_strength)
+        self.beta = float(beta)
+
+    def slot_specs(self):
+        return [SlotSpec("accumulator", self.initial_accumulator_value), SlotSpec("linear")]
+
+    def hyper(self):
+        return {"l1": self.l1, "l2": self.l2, "l2_shrinkage": self.l2_shrinkage,
+                "lr_power": self.learning_rate_power, "beta": self.beta}
+
+
+class RMSprop(SparseOptimizer):
+    """Keras RMSprop per row (rho, momentum, centered)."""
+
+    algorithm = "rmsprop"
+
+    def __init__(self, learning_rate=0.001, rho=0.9, momentum=0.0, epsilon=1e-7, centered=False, name=None):
+        super().__init__(learning_rate, name)
+        self.rho = _unit("rho", rho)
+        self.momentum = _unit("momentum", momentum)
+        self.epsilon = _positive("epsilon", epsilon)
+        self.centered = bool(centered)
+
+    def slot_specs(self):
+        specs = [SlotSpec("velocity")]
+        if self.centered:
+            specs.append(SlotSpec("average_gradient"))
+        if self.momentum > 0:
+            specs.append(SlotSpec("momentum"))
+        return specs
+
+    def hyper(self):
+        return {"rho": self.rho, "momentum": self.momentum, "epsilon": self.epsilon, "centered": self.centered}

@@ -1,0 +1,114 @@
+"""Sparse optimizers: per-row state, updates that touch only the batch's rows."""
+import abc
+import dataclasses
+from typing import Callable, Dict, Iterable, List, Optional
+
+import tensorflow as tf
+
+from tf_sok.python.ops import optimizer_ops
+from tf_sok.python.variable import backing_variable, table_meta
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSpec:
+    name: str
+    initial_value: float = 0.0
+    per_row: bool = False  # a [rows] counter instead of a [rows, dim] tensor
+
+
+# Creates one slot variable: (name, shape, initial_value, like_variable) -> variable.
+SlotFactory = Callable[[str, List[int], float, object], object]
+
+
+def _tf_slot(name, shape, initial_value, like):
+    with tf.init_scope(), tf.device(backing_variable(like).device):
+        return tf.Variable(tf.fill(shape, tf.constant(initial_value, tf.float32)), trainable=False, name=name)
+
+
+class SparseOptimizer(tf.Module, abc.ABC):
+    """Base of the tf_sok optimizers.
+
+    Subclasses declare their slots and the op's hyper-parameters; this class
+    creates the state per table, sums gradients of repeated rows and runs one
+    in-place update op per table. Rows absent from a batch, and their state,
+    never change.
+    """
+
+    algorithm: str = ""
+
+    def __init__(self, learning_rate=0.001, name: Optional[str] = None):
+        super().__init__(name=name or type(self).__name__)
+        self.learning_rate = learning_rate
+        self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="iterations")
+        self._slots: Dict[str, List] = {}
+        self._slot_factory: SlotFactory = _tf_slot
+
+    @abc.abstractmethod
+    def slot_specs(self) -> List[SlotSpec]:
+        """The per-row state, in the order the op expects."""
+
+    @abc.abstractmethod
+    def hyper(self) -> dict:
+        """The op's static hyper-parameters (typed attributes)."""
+
+    def current_learning_rate(self) -> tf.Tensor:
+        lr = self.learning_rate
+        if callable(lr):  # a Keras LearningRateSchedule or a plain callable
+            try:
+                lr = lr(self.iterations)
+            except TypeError:
+                lr = lr()
+        return tf.convert_to_tensor(lr, tf.float32)
+
+    @staticmethod
+    def _key(var) -> str:
+        return getattr(var, "path", None) or var.name
+
+    def build(self, var_list: Iterable, slot_factory: Optional[SlotFactory] = None) -> None:
+        """Creates the state of each table in `var_list` (idempotent)."""
+        if slot_factory is not None:
+            self._slot_factory = slot_factory
+        for var in var_list:
+            meta = table_meta(var)
+            if meta is None:
+                raise TypeError(f"{type(self).__name__}: {var.name} is not a tf_sok table; use "
+                                f"sok.filter_variables and a dense optimizer for the others")
+            key = self._key(var)
+            if key in self._slots:
+                continue
+            rows, dim = backing_variable(var).shape.as_list()
+            self._slots[key] = [
+                self._slot_factory(f"{meta.name}/{s.name}", [rows] if s.per_row else [rows, dim],
+                                   s.initial_value, var)
+                for s in self.slot_specs()]
+
+    def slots(self, var) -> List:
+        """The state variables of one table (after build or the first apply)."""
+        return self._slots[self._key(var)]
+
+    def apply_gradients(self, grads_and_vars: Iterable) -> None:
+        """Applies row-sparse gradients to tf_sok tables.
+
+        Example:
+            >>> opt = sok.optimizers.Adam(learning_rate=0.01)
+            >>> opt.apply_gradients(zip(grads, sok_vars))
+        """
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        self.build([v for _, v in pairs])
+        lr = self.current_learning_rate()
+        specs = self.slot_specs()
+        dense_slots = [s for s in specs if not s.per_row]
+        for g, var in pairs:
+            if isinstance(g, tf.IndexedSlices):
+                indices, values = g.indices, g.values
+            else:  # a dense gradient names every row
+                values = tf.convert_to_tensor(g)
+                indices = tf.range(tf.shape(values, out_type=tf.int64)[0])
+            slots = self.slots(var)
+            dense = [s.handle for s, spec in zip(slots, specs) if not spec.per_row]
+            steps = [s.handle for s, spec in zip(slots, specs) if spec.per_row]
+            assert len(dense) == len(dense_slots)
+            optimizer_ops.sparse_apply(
+                backing_variable(var).handle, dense, steps, lr, indices, tf.cast(values, tf.float32),
+                algorithm=self.algorithm, table_name=table_meta(var).name, **self.hyper())
+        self.iterations.assign_add(1)
