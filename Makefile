@@ -1,0 +1,37 @@
+# tf_sok: `make demo` trains the DLRM example, `make test` runs the test suite.
+# Both create .venv, install the pinned dependencies and build the op library
+# (CUDA kernels too when nvcc is found; TF_SOK_CUDA=0 to skip them).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+DEPS   := $(VENV)/.deps-installed
+
+.PHONY: all build demo test test-gpu bench clean
+
+all: build
+
+$(DEPS): requirements.txt requirements-dev.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=69" wheel
+	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	touch $@
+
+# Compiles only what changed (objects are cached under build/tf_sok_obj).
+build: $(DEPS)
+	$(BIN)/python -m pip install -q --no-build-isolation --no-deps -e .
+
+demo: build
+	$(BIN)/python examples/dlrm_synthetic.py
+
+test: build
+	$(BIN)/python -m pytest -q tests
+
+# GPU-marked tests only (they skip themselves where no GPU is visible).
+test-gpu: build
+	$(BIN)/python -m pytest -q -m gpu tests
+
+bench: build
+	$(BIN)/python benchmarks/lookup_bench.py
+
+clean:
+	rm -rf build tf_sok/lib/*.so *.egg-info

@@ -1,0 +1,37 @@
+"""Independent references and random inputs shared by the tests."""
+import numpy as np
+import tensorflow as tf
+
+
+def random_ragged(rng, batch, vocab, max_len, dtype=np.int64, zipf=None):
+    lens = rng.integers(0, max_len + 1, batch)
+    n = int(lens.sum())
+    if zipf:
+        ids = np.minimum(rng.zipf(zipf, n) - 1, vocab - 1)
+    else:
+        ids = rng.integers(0, vocab, n)
+    return lens, ids.astype(dtype)
+
+
+def to_ragged(lens, values):
+    return tf.RaggedTensor.from_row_lengths(values, lens.astype(np.int64))
+
+
+def np_lookup(table, lens, ids, weights, combiner):
+    """NumPy reference of one feature's combined lookup."""
+    out = np.zeros((len(lens), table.shape[1]), np.float64)
+    pos = 0
+    for b, n in enumerate(lens):
+        w = np.ones(n) if weights is None else weights[pos:pos + n].astype(np.float64)
+        rows = table[ids[pos:pos + n]].astype(np.float64)
+        acc = (w[:, None] * rows).sum(0) if n else np.zeros(table.shape[1])
+        denom = {"sum": 1.0, "mean": w.sum(), "sqrtn": np.sqrt((w * w).sum())}[combiner]
+        out[b] = acc / denom if denom != 0 else 0.0
+        pos += n
+    return out
+
+
+def dense_grad(g, rows):
+    """IndexedSlices (or dense) -> dense NumPy [rows, dim]."""
+    return tf.convert_to_tensor(g).numpy() if not isinstance(g, tf.IndexedSlices) else \
+        tf.math.unsorted_segment_sum(g.values, g.indices, rows).numpy()

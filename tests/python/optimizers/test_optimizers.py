@@ -1,0 +1,102 @@
+"""Each sparse optimizer vs a NumPy reference (lazy, per row) and vs Keras's
+own optimizer when every row is touched; untouched rows stay bit-identical."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sok as sok
+from tests.python.optimizers.reference import NumpyOptimizer
+
+CASES = {
+    "sgd": (sok.optimizers.SGD, {}, lambda lr: keras.optimizers.SGD(lr)),
+    "momentum": (sok.optimizers.Momentum, {"momentum": 0.8}, lambda lr: keras.optimizers.SGD(lr, momentum=0.8)),
+    "nesterov": (sok.optimizers.Momentum, {"momentum": 0.7, "nesterov": True},
+                 lambda lr: keras.optimizers.SGD(lr, momentum=0.7, nesterov=True)),
+    "adagrad": (sok.optimizers.Adagrad, {"initial_accumulator_value": 0.1, "epsilon": 1e-7},
+                lambda lr: keras.optimizers.Adagrad(lr)),
+    "adam": (sok.optimizers.Adam, {"beta_1": 0.9, "beta_2": 0.99, "epsilon": 1e-7},
+             lambda lr: keras.optimizers.Adam(lr, beta_2=0.99)),
+    "ftrl": (sok.optimizers.Ftrl, {"learning_rate_power": -0.5, "initial_accumulator_value": 0.1,
+                                   "l1_regularization_strength": 0.01, "l2_regularization_strength": 0.02,
+                                   "l2_shrinkage_regularization_strength": 0.0},
+             lambda lr: keras.optimizers.Ftrl(lr, l1_regularization_strength=0.01, l2_regularization_strength=0.02)),
+    "rmsprop": (sok.optimizers.RMSprop, {"rho": 0.9, "epsilon": 1e-7}, lambda lr: keras.optimizers.RMSprop(lr)),
+    "rmsprop_centered_momentum": (sok.optimizers.RMSprop, {"rho": 0.8, "momentum": 0.5, "centered": True,
+                                                            "epsilon": 1e-7},
+                                  lambda lr: keras.optimizers.RMSprop(lr, rho=0.8, momentum=0.5, centered=True)),
+}
+
+
+def _np_name(case):
+    return {"nesterov": "momentum", "rmsprop_centered_momentum": "rmsprop"}.get(case, case)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_numpy_reference_and_leaves_untouched_rows(rng, case):
+    cls, hp, _ = CASES[case]
+    rows, dim, lr = 40, 6, 0.05
+    table = rng.standard_normal((rows, dim)).astype(np.float32)
+    var = sok.Variable(table, name="t")
+    opt = cls(learning_rate=lr, **hp)
+    ref = NumpyOptimizer(_np_name(case), table, lr, **hp)
+    touched = set()
+    for _ in range(5):
+        n = int(rng.integers(5, 30))
+        idx = rng.integers(0, rows // 2, n)  # rows >= rows//2 are never touched
+        idx[:3] = idx[0]  # duplicates within the batch
+        g = rng.standard_normal((n, dim)).astype(np.float32)
+        opt.apply_gradients([(tf.IndexedSlices(tf.constant(g), tf.constant(idx), [rows, dim]), var)])
+        ref.apply(idx, g)
+        touched |= set(idx.tolist())
+    np.testing.assert_allclose(var.numpy(), ref.w, rtol=2e-4, atol=2e-5)
+    untouched = np.array(sorted(set(range(rows)) - touched))
+    np.testing.assert_array_equal(var.numpy()[untouched], table[untouched])  # bit-identical
+    for slot, spec in zip(opt.slots(var), opt.slot_specs()):
+        np.testing.assert_array_equal(slot.numpy()[untouched], np.full_like(slot.numpy()[untouched],
+                                                                           spec.initial_value))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_equals_keras_optimizer_when_every_row_is_touched(rng, case):
+    cls, hp, keras_opt = CASES[case]
+    rows, dim, lr = 12, 5, 0.03
+    table = rng.standard_normal((rows, dim)).astype(np.float32)
+    var = sok.Variable(table, name="t")
+    kvar = tf.Variable(table)
+    opt, kopt = cls(learning_rate=lr, **hp), keras_opt(lr)
+    for _ in range(4):
+        idx = rng.permutation(rows)
+        g = rng.standard_normal((rows, dim)).astype(np.float32)
+        opt.apply_gradients([(tf.IndexedSlices(tf.constant(g), tf.constant(idx), [rows, dim]), var)])
+        dense = np.zeros_like(g)
+        dense[idx] = g
+        kopt.apply_gradients([(tf.constant(dense), kvar)])
+    np.testing.assert_allclose(var.numpy(), kvar.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_wrapper_maps_keras_hyper_parameters(rng):
+    sparse = sok.OptimizerWrapper(keras.optimizers.Adam(0.02, beta_1=0.8, beta_2=0.95, epsilon=1e-6))
+    assert isinstance(sparse, sok.optimizers.Adam)
+    assert (sparse.beta_1, sparse.beta_2) == (pytest.approx(0.8), pytest.approx(0.95))
+    assert float(sparse.current_learning_rate()) == pytest.approx(0.02)
+    assert isinstance(sok.OptimizerWrapper(keras.optimizers.SGD(0.1, momentum=0.9)), sok.optimizers.Momentum)
+    with pytest.raises(ValueError, match="clipnorm"):
+        sok.OptimizerWrapper(keras.optimizers.Adam(0.1, clipnorm=1.0))
+    with pytest.raises(ValueError, match="no sparse equivalent of Lion"):
+        sok.OptimizerWrapper(keras.optimizers.Lion(0.1))
+
+
+def test_bad_index_raises_and_changes_nothing(rng):
+    table = rng.standard_normal((10, 4)).astype(np.float32)
+    var = sok.Variable(table, name="items")
+    opt = sok.optimizers.Adam(0.1)
+    g = tf.IndexedSlices(tf.ones([3, 4]), tf.constant([1, 10, 2], tf.int64), [10, 4])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"adam update of table 'items': row index 10"):
+        opt.apply_gradients([(g, var)])
+    np.testing.assert_array_equal(var.numpy(), table)
+    for slot in opt.slots(var):
+        assert not slot.numpy().any()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="do not match"):
+        opt.apply_gradients([(tf.IndexedSlices(tf.ones([2, 3]), tf.constant([1, 2]), [10, 4]), var)])
+    np.testing.assert_array_equal(var.numpy(), table)

@@ -1,0 +1,139 @@
+"""Fused lookup vs tf.nn.embedding_lookup_sparse and NumPy; its gradient vs a dense reference."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sok as sok
+from tests.helpers import dense_grad, np_lookup, random_ragged, to_ragged
+
+
+def _tables(rng, specs):
+    return [rng.standard_normal((rows, dim)).astype(np.float32) for rows, dim in specs]
+
+
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fused_lookup_matches_tf_and_numpy(rng, id_dtype, weighted):
+    tables_np = _tables(rng, [(50, 8), (30, 5), (200, 16)])
+    tables = [sok.Variable(t, name=f"t{i}") for i, t in enumerate(tables_np)]
+    feature_table = [0, 2, 0, 1, 2]
+    combiners = ["sum", "mean", "sqrtn", "mean", "sum"]
+    batch = 37
+    feats, weights, ragged_ids, ragged_w = [], [], [], []
+    for f, t in enumerate(feature_table):
+        lens, ids = random_ragged(rng, batch, tables_np[t].shape[0], 5, id_dtype)
+        lens[:3] = [0, 4, 0]  # empty rows, and a row long enough for duplicates
+        ids = rng.integers(0, tables_np[t].shape[0], int(lens.sum())).astype(id_dtype)
+        ids[lens[0]:lens[0] + 2] = ids[lens[0]]  # a duplicate id inside one row
+        w = rng.uniform(0.1, 2.0, len(ids)).astype(np.float32) if weighted else None
+        feats.append((lens, ids))
+        weights.append(w)
+        ragged_ids.append(to_ragged(lens, ids))
+        ragged_w.append(to_ragged(lens, w) if weighted else None)
+    outs = sok.lookup_sparse([tables[t] for t in feature_table], ragged_ids,
+                             ragged_w if weighted else None, combiners=combiners)
+    for f, t in enumerate(feature_table):
+        lens, ids = feats[f]
+        ref = np_lookup(tables_np[t], lens, ids, weights[f], combiners[f])
+        np.testing.assert_allclose(outs[f].numpy(), ref, rtol=1e-5, atol=1e-5)
+        tf_ref = tf.nn.embedding_lookup_sparse(
+            tf.constant(tables_np[t]), ragged_ids[f].to_sparse(),
+            ragged_w[f].to_sparse() if weighted else None, combiner=combiners[f])
+        # tf drops trailing empty rows from its output; compare on the rows it returns
+        np.testing.assert_allclose(outs[f].numpy()[:tf_ref.shape[0]], tf_ref.numpy(), rtol=1e-5, atol=1e-5)
+        assert not np.isnan(outs[f].numpy()).any()
+
+
+def test_sparse_and_dense_inputs_equal_ragged(rng):
+    table_np = _tables(rng, [(40, 6)])[0]
+    table = sok.Variable(table_np, name="t")
+    lens, ids = random_ragged(rng, 20, 40, 4)
+    rt = to_ragged(lens, ids)
+    from_ragged = sok.lookup_sparse(table, rt, combiners="sqrtn")
+    from_sparse = sok.lookup_sparse(table, rt.to_sparse(), combiners="sqrtn")
+    np.testing.assert_array_equal(from_ragged.numpy(), from_sparse.numpy())
+    dense_ids = rng.integers(0, 40, (20, 3))
+    ref = np_lookup(table_np, np.full(20, 3), dense_ids.reshape(-1), None, "sum")
+    np.testing.assert_allclose(sok.lookup_sparse(table, tf.constant(dense_ids), combiners="sum").numpy(),
+                               ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_gradient_is_row_sparse_and_matches_dense_reference(rng, combiner):
+    t0, t1 = _tables(rng, [(60, 8), (25, 3)])
+    v0, v1 = sok.Variable(t0, name="a"), sok.Variable(t1, name="b")
+    ref0, ref1 = tf.Variable(t0), tf.Variable(t1)
+    feats = [(0, random_ragged(rng, 33, 60, 6)), (0, random_ragged(rng, 33, 60, 3)), (1, random_ragged(rng, 33, 25, 4))]
+    w = [rng.uniform(0.5, 1.5, len(ids)).astype(np.float32) for _, (lens, ids) in feats]
+    up = [rng.standard_normal((33, 8 if t == 0 else 3)).astype(np.float32) for t, _ in feats]
+    with tf.GradientTape(persistent=True) as tape:
+        outs = sok.lookup_sparse([v0 if t == 0 else v1 for t, _ in feats],
+                                 [to_ragged(*x) for _, x in feats],
+                                 [to_ragged(x[0], wi) for (_, x), wi in zip(feats, w)], combiners=combiner)
+        loss = sum(tf.reduce_sum(o * u) for o, u in zip(outs, up))
+        ref_outs = [tf.nn.embedding_lookup_sparse(ref0 if t == 0 else ref1, to_ragged(*x).to_sparse(),
+                                                  to_ragged(x[0], wi).to_sparse(), combiner=combiner)
+                    for (t, x), wi in zip(feats, w)]
+        ref_loss = sum(tf.reduce_sum(o * u[:o.shape[0]]) for o, u in zip(ref_outs, up))
+    g0, g1 = tape.gradient(loss, [v0, v1])
+    r0, r1 = tape.gradient(ref_loss, [ref0, ref1])
+    for g, r, rows in ((g0, r0, 60), (g1, r1, 25)):
+        assert isinstance(g, tf.IndexedSlices)
+        idx = g.indices.numpy()
+        assert len(np.unique(idx)) == len(idx), "indices must be unique"
+        np.testing.assert_allclose(dense_grad(g, rows), dense_grad(r, rows), rtol=1e-4, atol=1e-5)
+
+
+def test_works_in_tf_function_with_unknown_batch(rng):
+    table_np = _tables(rng, [(30, 4)])[0]
+    table = sok.Variable(table_np, name="t")
+
+    @tf.function(input_signature=[tf.RaggedTensorSpec([None, None], tf.int64, row_splits_dtype=tf.int64)])
+    def step(ids):
+        with tf.GradientTape() as tape:
+            out = sok.lookup_sparse([table], [ids], combiners=["mean"])[0]
+            loss = tf.reduce_sum(out)
+        return out, tape.gradient(loss, table)
+
+    for batch in (5, 11):
+        lens, ids = random_ragged(rng, batch, 30, 3)
+        out, g = step(to_ragged(lens, ids))
+        np.testing.assert_allclose(out.numpy(), np_lookup(table_np, lens, ids, None, "mean"), rtol=1e-5, atol=1e-6)
+        assert isinstance(g, tf.IndexedSlices)
+
+
+class TestBadInput:
+    def test_id_out_of_range_names_feature_table_and_id(self, rng):
+        table_np = _tables(rng, [(10, 4)])[0]
+        table = sok.Variable(table_np, name="users")
+        ids = tf.ragged.constant([[1, 2], [10]], dtype=tf.int64)
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"feature 'clicks' has id 10 .*table 'users'"):
+            sok.lookup_sparse([table], [ids], feature_names=["clicks"])
+        with pytest.raises(tf.errors.InvalidArgumentError, match="has id -3"):
+            sok.lookup_sparse([table], [tf.ragged.constant([[-3]], dtype=tf.int64)])
+        np.testing.assert_array_equal(table.numpy(), table_np)
+
+    def test_bad_row_splits(self, rng):
+        from tf_sok.python.ops import lookup_ops
+
+        table = sok.Variable(_tables(rng, [(10, 4)])[0], name="t")
+        kwargs = dict(feature_table=[0], combiners=["sum"], weighted=[False], dims=[4],
+                      feature_names=["f"], table_names=["t"])
+        ids = tf.constant([1, 2, 3], tf.int64)
+        for splits in ([0, 2, 1, 3], [1, 2, 3], [0, 1, 2]):
+            with pytest.raises(tf.errors.InvalidArgumentError, match="row_splits of feature 'f' are invalid"):
+                lookup_ops.fused_lookup([table.handle], [ids], [tf.constant(splits, tf.int64)],
+                                        [tf.zeros([0])], **kwargs)
+
+    def test_weights_shape_and_types(self, rng):
+        table = sok.Variable(_tables(rng, [(10, 4)])[0], name="t")
+        ids = tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)
+        bad_w = tf.ragged.constant([[1.0], [1.0]])
+        with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="weights"):
+            sok.lookup_sparse([table], [ids], [bad_w])
+        with pytest.raises(TypeError, match="int32 or int64"):
+            sok.lookup_sparse([table], [tf.ragged.constant([[1.0]])])
+        with pytest.raises(TypeError, match="not a tf_sok variable"):
+            sok.lookup_sparse([tf.Variable(tf.zeros([4, 4]))], [ids])
+        with pytest.raises(ValueError, match="combiner"):
+            sok.lookup_sparse([table], [ids], combiners=["max"])
