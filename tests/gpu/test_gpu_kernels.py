@@ -1,0 +1,108 @@
+"""The CUDA kernels compute the same function as the CPU kernels (GPU:0 vs CPU,
+same random inputs). Skipped, with a reason, where no GPU is visible."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sok as sok
+from tests.helpers import dense_grad, random_ragged, to_ragged
+from tests.python.optimizers.test_optimizers import CASES
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
+                                                   reason="no GPU visible to TensorFlow")]
+
+
+def _on(device, fn):
+    with tf.device(device):
+        return fn()
+
+
+def _lookup_and_grad(device, tables_np, feature_table, ragged, weights, combiners, upstream):
+    with tf.device(device):
+        tables = [sok.Variable(t, name=f"t{i}") for i, t in enumerate(tables_np)]
+        with tf.GradientTape() as tape:
+            outs = sok.lookup_sparse([tables[t] for t in feature_table], ragged, weights, combiners=combiners)
+            loss = sum(tf.reduce_sum(o * u) for o, u in zip(outs, upstream))
+        grads = tape.gradient(loss, tables)
+    return [o.numpy() for o in outs], grads
+
+
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_lookup_and_gradient_gpu_equals_cpu(rng, id_dtype, weighted):
+    tables_np = [rng.standard_normal(s).astype(np.float32) for s in ((1000, 16), (300, 7), (5000, 128))]
+    feature_table = [0, 1, 2, 0, 2]
+    combiners = ["sum", "mean", "sqrtn", "mean", "sum"]
+    batch = 4099
+    ragged, weights, upstream = [], [], []
+    for t in feature_table:
+        lens, ids = random_ragged(rng, batch, tables_np[t].shape[0], 6, id_dtype, zipf=1.2)
+        lens[:2] = 0
+        ids = ids[:int(lens.sum())]
+        ragged.append(to_ragged(lens, ids))
+        weights.append(to_ragged(lens, rng.uniform(0.1, 2, len(ids)).astype(np.float32)) if weighted else None)
+        upstream.append(rng.standard_normal((batch, tables_np[t].shape[1])).astype(np.float32))
+    w = weights if weighted else None
+    cpu_out, cpu_g = _lookup_and_grad("/CPU:0", tables_np, feature_table, ragged, w, combiners, upstream)
+    gpu_out, gpu_g = _lookup_and_grad("/GPU:0", tables_np, feature_table, ragged, w, combiners, upstream)
+    for c, g in zip(cpu_out, gpu_out):
+        np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-5)
+    for t, (c, g) in enumerate(zip(cpu_g, gpu_g)):
+        assert "GPU" in g.values.device
+        assert sorted(c.indices.numpy().tolist()) == g.indices.numpy().tolist()  # GPU: ascending, unique
+        rows = tables_np[t].shape[0]
+        np.testing.assert_allclose(dense_grad(g, rows), dense_grad(c, rows), rtol=1e-4, atol=1e-4)
+
+
+def test_large_batch_and_table(rng):
+    rows, dim, batch = 10_000_000, 16, 65_536
+    table_np = rng.standard_normal((rows, dim), dtype=np.float32)
+    lens, ids = random_ragged(rng, batch, rows, 8, np.int64, zipf=1.05)
+    rt = to_ragged(lens, ids)
+    cpu = _on("/CPU:0", lambda: sok.lookup_sparse(sok.Variable(table_np, name="big"), rt, combiners="mean"))
+    gpu = _on("/GPU:0", lambda: sok.lookup_sparse(sok.Variable(table_np, name="big"), rt, combiners="mean"))
+    np.testing.assert_allclose(gpu.numpy(), cpu.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_optimizer_gpu_equals_cpu(rng, case):
+    cls, hp, _ = CASES[case]
+    rows, dim = 20_000, 36
+    table = rng.standard_normal((rows, dim)).astype(np.float32)
+    steps = []
+    for _ in range(4):
+        n = 30_000
+        idx = np.minimum(rng.zipf(1.1, n) - 1, rows // 2)  # heavy duplicates; upper rows untouched
+        steps.append((idx, rng.standard_normal((n, dim)).astype(np.float32)))
+    results = {}
+    for device in ("/CPU:0", "/GPU:0"):
+        with tf.device(device):
+            var = sok.Variable(table, name="t")
+            opt = cls(learning_rate=0.05, **hp)
+            for idx, g in steps:
+                opt.apply_gradients([(tf.IndexedSlices(tf.constant(g), tf.constant(idx), [rows, dim]), var)])
+            results[device] = (var.numpy(), [s.numpy() for s in opt.slots(var)])
+    (cw, cs), (gw, gs) = results["/CPU:0"], results["/GPU:0"]
+    np.testing.assert_allclose(gw, cw, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(gw[rows // 2 + 1:], table[rows // 2 + 1:])
+    for a, b in zip(gs, cs):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_ids_on_gpu_raise_clear_errors_and_leave_tables(rng):
+    table_np = rng.standard_normal((100, 8)).astype(np.float32)
+    with tf.device("/GPU:0"):
+        table = sok.Variable(table_np, name="users")
+        ids = tf.ragged.constant([[1, 2], [100]], dtype=tf.int64)
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"feature 'clicks' has id 100 .*table 'users'"):
+            sok.lookup_sparse([table], [ids], feature_names=["clicks"])
+        opt = sok.optimizers.Adam(0.1)
+        g = tf.IndexedSlices(tf.ones([3, 8]), tf.constant([1, -1, 2], tf.int64), [100, 8])
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"table 'users': row index -1"):
+            opt.apply_gradients([(g, table)])
+        np.testing.assert_array_equal(table.numpy(), table_np)
+        for slot in opt.slots(table):
+            assert not slot.numpy().any()
+        # the device is still healthy afterwards
+        out = sok.lookup_sparse([table], [tf.ragged.constant([[3, 4]], dtype=tf.int64)], combiners="sum")
+    np.testing.assert_allclose(out.numpy()[0], table_np[3] + table_np[4], rtol=1e-6)
