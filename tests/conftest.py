@@ -7,9 +7,6 @@ import numpy as np
 import pytest
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skips itself (saying so) where none is visible")
-
 
 @pytest.fixture
 def rng(request):

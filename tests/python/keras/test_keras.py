@@ -1,0 +1,94 @@
+"""Keras facade: model.fit trains tables and dense layers; checkpoints round-trip."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sok as sok
+from examples import dlrm_synthetic as demo
+from tests.helpers import np_lookup, random_ragged, to_ragged
+
+
+def _data(steps, batch, seed):
+    return demo.make_dataset(*demo.make_data(steps * batch, seed=seed), batch)
+
+
+def test_fit_trains_demo_model_and_checkpoint_round_trips(tmp_path):
+    model = demo.build_model()
+    hist = demo.History()
+    model.fit(_data(120, 512, seed=1), epochs=1, callbacks=[hist], verbose=0)
+    first, last = np.mean(hist.loss[:10]), np.mean(hist.loss[-10:])
+    assert last < first - 0.05, (first, last)
+    test = _data(10, 1000, seed=2)
+    _, auc = model.evaluate(test, verbose=0)
+    assert auc > 0.75
+    sparse_vars, dense_vars = sok.filter_variables(model.trainable_variables)
+    assert len(sparse_vars) == len(demo.FEATURES) and dense_vars
+
+    x, _ = next(iter(test))
+    before = model.predict_on_batch(x)
+    path = str(tmp_path / "dlrm.weights.h5")
+    model.save_weights(path)
+    restored = demo.build_model()
+    restored(x)
+    restored.optimizer.build(restored.trainable_variables)
+    restored.load_weights(path)
+    np.testing.assert_array_equal(restored.predict_on_batch(x), before)
+    for a, b in zip(model.optimizer.variables, restored.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    ckpt_dir = str(tmp_path / "ckpt")
+    saved = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(ckpt_dir)
+    again = demo.build_model()
+    again(x)
+    again.optimizer.build(again.trainable_variables)
+    tf.train.Checkpoint(model=again, optimizer=again.optimizer).restore(saved).assert_existing_objects_matched()
+    np.testing.assert_array_equal(again.predict_on_batch(x), before)
+    sparse_state = [v for v in again.optimizer.variables if "user" in v.name]
+    assert sparse_state and any(np.asarray(v).any() for v in sparse_state)
+
+
+def test_embedding_layer_fit_updates_only_touched_rows(rng):
+    vocab, dim, n = 500, 4, 256
+    lens, ids = random_ragged(rng, n, vocab // 2, 3)  # upper half never looked up
+    lens = np.maximum(lens, 1)
+    ids = rng.integers(0, vocab // 2, int(lens.sum()))
+    y = rng.standard_normal((n, 1)).astype(np.float32)
+    emb = sok.layers.Embedding(vocab, dim, combiner="sum", name="emb")
+    inp = tf.RaggedTensor.from_row_lengths(ids, lens)
+    out_layer = keras.layers.Dense(1)
+
+    class M(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = emb, out_layer
+
+        def call(self, x):
+            return self.out(self.emb(x))
+
+    model = M()
+    model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.SGD(0.05),
+                                                sparse=sok.optimizers.Adagrad(0.1)), loss="mse")
+    model(inp[:2])
+    init = emb.table.numpy().copy()
+    np.testing.assert_allclose(model(inp[:5]).numpy(),
+                               np_lookup(init, lens[:5], ids[:int(lens[:5].sum())], None, "sum")
+                               @ out_layer.kernel.numpy() + out_layer.bias.numpy(), rtol=1e-5, atol=1e-5)
+    ds = tf.data.Dataset.from_tensor_slices((inp, y)).batch(32)
+    h = model.fit(ds, epochs=3, verbose=0)
+    assert h.history["loss"][-1] < h.history["loss"][0]
+    after = emb.table.numpy()
+    np.testing.assert_array_equal(after[vocab // 2:], init[vocab // 2:])
+    assert not np.array_equal(after[:vocab // 2], init[:vocab // 2])
+
+
+def test_keras_optimizer_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="sparse must be a sok.optimizers"):
+        sok.keras.Optimizer(dense=keras.optimizers.Adam(), sparse=keras.optimizers.Adam())
+    with pytest.raises(ValueError, match="unsupported options"):
+        sok.keras.Optimizer(dense=keras.optimizers.Adam(), sparse=sok.optimizers.SGD(), clipnorm=1.0)
+    with pytest.raises(ValueError, match="defined twice"):
+        sok.layers.EmbeddingCollection(tables=[sok.TableConfig("a", 5, 2), sok.TableConfig("a", 5, 2)],
+                                       feature_to_table={"f": "a"})
+    with pytest.raises(ValueError, match="unknown tables"):
+        sok.layers.EmbeddingCollection(tables=[sok.TableConfig("a", 5, 2)], feature_to_table={"f": "b"})
