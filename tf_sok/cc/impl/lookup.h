@@ -41,31 +41,34 @@ struct FusedLookup {
                    const std::vector<float*>& outputs);
 };
 
-// Backward for one table: the features reading it and their output gradients.
-// Phase 1 (Prepare) sorts and dedups the ids and returns the unique count;
-// the caller allocates [unique] indices and [unique, dim] values, then calls
-// Finish. The plan holds scratch pointers valid until the kernel returns.
+// Backward, per table: the features reading it and their output gradients.
+template <typename Id>
+struct TableGradInput {
+  int32_t dim = 0;
+  std::vector<FeatureView<Id>> features;
+  std::vector<const float*> out_grads;  // [batch_f, dim] per feature
+};
+
+// Phase 1 (Prepare) expands the output gradients to ids and groups equal ids,
+// for every table, and returns each table's unique count; the caller
+// allocates [unique] indices and [unique, dim] values per table and calls
+// Finish. Indices come out strictly ascending (unique and sorted) on every
+// device. Plans hold scratch valid until the kernel returns.
 template <typename Id>
 struct GradPlan {
   int64_t total_ids = 0;
   int64_t num_unique = 0;
   int32_t dim = 0;
-  // Device-specific scratch (sorted positions, coefficients, segment offsets).
-  void* sorted_pos = nullptr;
-  void* unique_ids = nullptr;
-  void* seg_offsets = nullptr;
-  void* coef = nullptr;
-  void* grad_rows = nullptr;
-  std::shared_ptr<void> host_state;  // CPU: the grouping of positions by id
+  void* coef = nullptr;       // [total_ids] weight x combiner scale per id
+  void* grad_rows = nullptr;  // [total_ids] output-gradient row per id
+  std::shared_ptr<void> state;  // device-specific grouping of ids
 };
 
 template <typename Device, typename Id>
 struct LookupGrad {
-  Error Prepare(const Device& d, int32_t dim,
-                const std::vector<FeatureView<Id>>& features,
-                const std::vector<const float*>& out_grads, GradPlan<Id>* plan);
-  void Finish(const Device& d, const GradPlan<Id>& plan, int64_t* indices,
-              float* values);
+  Error Prepare(const Device& d, const std::vector<TableGradInput<Id>>& tables,
+                std::vector<GradPlan<Id>>* plans);
+  void Finish(const Device& d, const GradPlan<Id>& plan, int64_t* indices, float* values);
 };
 
 // Combiner denominator for a row: 1, sum(w) or sqrt(sum(w^2)); 0 means the row

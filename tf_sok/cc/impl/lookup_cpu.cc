@@ -1,6 +1,5 @@
 // CPU functors for the fused lookup and its gradient.
 #include <algorithm>
-#include <atomic>
 #include <mutex>
 
 #include "tf_sok/cc/impl/cpu_dedup.h"
@@ -15,12 +14,12 @@ class FirstError {
  public:
   void Offer(const Error& e) {
     std::lock_guard<std::mutex> l(mu_);
-    if (err_.ok() || e.group < err_.group ||
-        (e.group == err_.group && e.item < err_.item)) {
-      err_ = e;
-    }
+    if (err_.ok() || e.group < err_.group || (e.group == err_.group && e.item < err_.item)) err_ = e;
   }
-  Error get() const { return err_; }
+  Error get() {
+    std::lock_guard<std::mutex> l(mu_);
+    return err_;
+  }
 
  private:
   std::mutex mu_;
@@ -53,30 +52,25 @@ Error CheckSplits(const std::vector<FeatureView<Id>>& features) {
   return Error();
 }
 
+// Per id of one feature: its weight times its row's combiner scale, and the
+// output-gradient row it reads.
 template <typename Id>
-Error CheckIds(const CpuDevice& d, const std::vector<TableView>& tables,
-               const std::vector<FeatureView<Id>>& features) {
-  FirstError first;
-  for (size_t f = 0; f < features.size(); ++f) {
-    const auto& ft = features[f];
-    const int64_t rows = tables[ft.table].rows;
-    std::atomic<bool> bad{false};
-    d.parallel_for(ft.num_ids, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t id = static_cast<int64_t>(ft.ids[i]);
-        if (id < 0 || id >= rows) {
-          Error e;
-          e.kind = ErrorKind::kIdOutOfRange;
-          e.group = static_cast<int32_t>(f), e.item = i, e.value = id;
-          first.Offer(e);
-          bad = true;
-          return;
-        }
-      }
-    });
-    if (bad) return first.get();
+void ExpandFeature(const FeatureView<Id>& ft, const float* dout, int dim, int64_t b0, int64_t b1,
+                   int64_t base, float* coef, const float** rows, int64_t* keys) {
+  for (int64_t b = b0; b < b1; ++b) {
+    float wsum = 0.0f, wsq = 0.0f;
+    for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) {
+      const float w = ft.weights ? ft.weights[i] : 1.0f;
+      wsum += w;
+      wsq += w * w;
+    }
+    const float scale = CombinerScale(ft.combiner, wsum, wsq);
+    for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) {
+      coef[base + i] = (ft.weights ? ft.weights[i] : 1.0f) * scale;
+      rows[base + i] = dout + b * dim;
+      keys[base + i] = static_cast<int64_t>(ft.ids[i]);
+    }
   }
-  return Error();
 }
 
 }  // namespace
@@ -87,14 +81,14 @@ struct FusedLookup<CpuDevice, Id> {
                    const std::vector<FeatureView<Id>>& features,
                    const std::vector<float*>& outputs) {
     Error e = CheckSplits(features);
-    if (e.ok()) e = CheckIds(d, tables, features);
     if (!e.ok()) return e;
     // One flat index space over all (feature, row) pairs.
     std::vector<int64_t> start(features.size() + 1, 0);
     for (size_t f = 0; f < features.size(); ++f) start[f + 1] = start[f] + features[f].batch;
-    int64_t avg_dim = 0;
-    for (const auto& t : tables) avg_dim = std::max<int64_t>(avg_dim, t.dim);
-    d.parallel_for(start.back(), 8 * avg_dim, [&](int64_t begin, int64_t end) {
+    int64_t max_dim = 1;
+    for (const auto& t : tables) max_dim = std::max<int64_t>(max_dim, t.dim);
+    FirstError first;
+    d.parallel_for(start.back(), 12 * max_dim, [&](int64_t begin, int64_t end) {
       size_t f = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1;
       for (int64_t r = begin; r < end; ++r) {
         while (r >= start[f + 1]) ++f;
@@ -102,12 +96,20 @@ struct FusedLookup<CpuDevice, Id> {
         const TableView& t = tables[ft.table];
         const int64_t b = r - start[f];
         const int dim = t.dim;
-        float* out = outputs[f] + b * dim;
+        float* __restrict out = outputs[f] + b * dim;
         std::fill(out, out + dim, 0.0f);
         float wsum = 0.0f, wsq = 0.0f;
         for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) {
+          const int64_t id = static_cast<int64_t>(ft.ids[i]);
+          if (id < 0 || id >= t.rows) {
+            Error bad;
+            bad.kind = ErrorKind::kIdOutOfRange;
+            bad.group = static_cast<int32_t>(f), bad.item = i, bad.value = id;
+            first.Offer(bad);
+            continue;
+          }
           const float w = ft.weights ? ft.weights[i] : 1.0f;
-          const float* row = t.data + static_cast<int64_t>(ft.ids[i]) * dim;
+          const float* __restrict row = t.data + id * dim;
           for (int j = 0; j < dim; ++j) out[j] += w * row[j];
           wsum += w;
           wsq += w * w;
@@ -118,73 +120,82 @@ struct FusedLookup<CpuDevice, Id> {
         }
       }
     });
-    return Error();
+    return first.get();
   }
 };
 
 template <typename Id>
 struct LookupGrad<CpuDevice, Id> {
-  Error Prepare(const CpuDevice& d, int32_t dim, const std::vector<FeatureView<Id>>& features,
-                const std::vector<const float*>& out_grads, GradPlan<Id>* plan) {
-    int64_t total = 0;
-    for (const auto& ft : features) total += ft.num_ids;
-    auto* coef = static_cast<float*>(d.scratch->Allocate(sizeof(float) * total));
-    auto* grad_rows = static_cast<const float**>(d.scratch->Allocate(sizeof(float*) * total));
-    auto* keys = static_cast<int64_t*>(d.scratch->Allocate(sizeof(int64_t) * total));
-    if (total > 0 && (coef == nullptr || grad_rows == nullptr || keys == nullptr)) {
-      Error e;
-      e.kind = ErrorKind::kOutOfMemory;
-      return e;
-    }
-    // Per id: the output-gradient row it reads and its weight times the
-    // combiner scale of its row.
-    int64_t base = 0;
-    for (size_t f = 0; f < features.size(); ++f) {
-      const auto& ft = features[f];
-      const float* dout = out_grads[f];
-      d.parallel_for(ft.batch, 16, [&, base](int64_t begin, int64_t end) {
-        for (int64_t b = begin; b < end; ++b) {
-          float wsum = 0.0f, wsq = 0.0f;
-          for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) {
-            const float w = ft.weights ? ft.weights[i] : 1.0f;
-            wsum += w;
-            wsq += w * w;
-          }
-          const float scale = CombinerScale(ft.combiner, wsum, wsq);
-          for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) {
-            coef[base + i] = (ft.weights ? ft.weights[i] : 1.0f) * scale;
-            keys[base + i] = static_cast<int64_t>(ft.ids[i]);
-            grad_rows[base + i] = dout + b * dim;
-          }
-        }
+  Error Prepare(const CpuDevice& d, const std::vector<TableGradInput<Id>>& tables,
+                std::vector<GradPlan<Id>>* plans) {
+    const int64_t T = static_cast<int64_t>(tables.size());
+    plans->assign(T, GradPlan<Id>());
+    int busy = 0;
+    for (const auto& t : tables) busy += t.features.empty() ? 0 : 1;
+    // Several tables: one table per thread. One table: threads share its features.
+    const bool per_table = busy > 1;
+    const CpuDevice serial{[](int64_t n, int64_t, const std::function<void(int64_t, int64_t)>& fn) {
+                             if (n > 0) fn(0, n);
+                           },
+                           d.scratch};
+    const CpuDevice& inner = per_table ? serial : d;
+    std::vector<Error> errors(T);
+    auto plan_table = [&](int64_t t) {
+      const auto& in = tables[t];
+      GradPlan<Id>& plan = (*plans)[t];
+      int64_t total = 0;
+      for (const auto& ft : in.features) total += ft.num_ids;
+      plan.dim = in.dim;
+      plan.total_ids = total;
+      if (total == 0) return;
+      auto* coef = static_cast<float*>(d.scratch->Allocate(sizeof(float) * total));
+      auto* rows = static_cast<const float**>(d.scratch->Allocate(sizeof(float*) * total));
+      auto* keys = static_cast<int64_t*>(d.scratch->Allocate(sizeof(int64_t) * total));
+      if (!coef || !rows || !keys) {
+        errors[t].kind = ErrorKind::kOutOfMemory;
+        return;
+      }
+      int64_t base = 0;
+      for (size_t f = 0; f < in.features.size(); ++f) {
+        const auto& ft = in.features[f];
+        inner.parallel_for(ft.batch, 16, [&, base](int64_t b0, int64_t b1) {
+          ExpandFeature(ft, in.out_grads[f], in.dim, b0, b1, base, coef, rows, keys);
+        });
+        base += ft.num_ids;
+      }
+      auto groups = std::make_shared<Groups>();
+      GroupByKey(total, [keys](int64_t p) { return keys[p]; }, groups.get());
+      plan.num_unique = groups->size();
+      plan.coef = coef;
+      plan.grad_rows = rows;
+      plan.state = groups;
+    };
+    if (per_table) {
+      d.parallel_for(T, 1 << 20, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) plan_table(t);
       });
-      base += ft.num_ids;
+    } else {
+      for (int64_t t = 0; t < T; ++t) plan_table(t);
     }
-    auto groups = std::make_shared<Groups>();
-    GroupByKey(total, [keys](int64_t p) { return keys[p]; }, groups.get());
-    plan->total_ids = total;
-    plan->num_unique = groups->size();
-    plan->dim = dim;
-    plan->coef = coef;
-    plan->grad_rows = grad_rows;
-    plan->host_state = groups;
+    for (const auto& e : errors)
+      if (!e.ok()) return e;
     return Error();
   }
 
   void Finish(const CpuDevice& d, const GradPlan<Id>& plan, int64_t* indices, float* values) {
-    const Groups* g = static_cast<const Groups*>(plan.host_state.get());
+    const Groups* g = static_cast<const Groups*>(plan.state.get());
     const auto* coef = static_cast<const float*>(plan.coef);
     const auto* rows = static_cast<const float* const*>(plan.grad_rows);
     const int dim = plan.dim;
     d.parallel_for(g->size(), 4 * dim, [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) {
         indices[u] = g->keys[u];
-        float* out = values + u * dim;
+        float* __restrict out = values + u * dim;
         std::fill(out, out + dim, 0.0f);
         for (int64_t k = g->offsets[u]; k < g->offsets[u + 1]; ++k) {
           const int64_t p = g->order[k];
           const float c = coef[p];
-          const float* src = rows[p];
+          const float* __restrict src = rows[p];
           for (int j = 0; j < dim; ++j) out[j] += c * src[j];
         }
       }

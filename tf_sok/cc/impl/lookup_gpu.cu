@@ -228,9 +228,20 @@ struct FusedLookup<GpuDevice, Id> {
 
 template <typename Id>
 struct LookupGrad<GpuDevice, Id> {
-  Error Prepare(const GpuDevice& d, int32_t dim, const std::vector<FeatureView<Id>>& features,
-                const std::vector<const float*>& out_grads, GradPlan<Id>* plan) {
+  Error Prepare(const GpuDevice& d, const std::vector<TableGradInput<Id>>& tables,
+                std::vector<GradPlan<Id>>* plans) {
+    plans->assign(tables.size(), GradPlan<Id>());
+    for (size_t t = 0; t < tables.size(); ++t) {
+      Error e = PrepareTable(d, tables[t], &(*plans)[t]);
+      if (!e.ok()) return e;
+    }
+    return Error();
+  }
+
+  Error PrepareTable(const GpuDevice& d, const TableGradInput<Id>& in, GradPlan<Id>* plan) {
     using namespace gpu;
+    const auto& features = in.features;
+    const int dim = in.dim;
     long long total = 0;
     for (const auto& ft : features) total += ft.num_ids;
     plan->dim = dim;
@@ -246,7 +257,7 @@ struct LookupGrad<GpuDevice, Id> {
       const size_t count = std::min<size_t>(kChunk, features.size() - first);
       Batch<Id> b = MakeBatch(features, first, count);
       for (size_t k = 0; k < count; ++k) {
-        b.rows_out[k] = const_cast<float*>(out_grads[first + k]);
+        b.rows_out[k] = const_cast<float*>(in.out_grads[first + k]);
         b.dim[k] = dim;
         b.id_base[k] = base;
         base += features[first + k].num_ids;
@@ -267,13 +278,13 @@ struct LookupGrad<GpuDevice, Id> {
     plan->num_unique = num_unique;
     plan->coef = coef;
     plan->grad_rows = grad_rows;
-    plan->host_state = g;
+    plan->state = g;
     return Error();
   }
 
   void Finish(const GpuDevice& d, const GradPlan<Id>& plan, int64_t* indices, float* values) {
     using namespace gpu;
-    const Groups& g = *static_cast<const Groups*>(plan.host_state.get());
+    const Groups& g = *static_cast<const Groups*>(plan.state.get());
     const bool vec4 = plan.dim % 4 == 0;
     const int group = GroupWidth(plan.dim, vec4 ? 4 : 1);
     const long long blocks = (plan.num_unique * group + kThreads - 1) / kThreads;

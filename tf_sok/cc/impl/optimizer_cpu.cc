@@ -23,7 +23,12 @@ struct SparseApply<CpuDevice, Id> {
       }
     }
     Groups g;
-    GroupByKey(n, [indices](int64_t i) { return static_cast<int64_t>(indices[i]); }, &g);
+    auto key_at = [indices](int64_t i) { return static_cast<int64_t>(indices[i]); };
+    if (StrictlyAscending(n, key_at)) {
+      IdentityGroups(n, key_at, &g);  // already unique (e.g. from the lookup gradient)
+    } else {
+      GroupByKey(n, key_at, &g);
+    }
     const int dim = u.dim;
     const int num_slots = NumDenseSlots(h);
     d.parallel_for(g.size(), 16 * dim, [&](int64_t begin, int64_t end) {

@@ -25,6 +25,7 @@ class TensorScratch : public impl::ScratchAllocator {
  public:
   explicit TensorScratch(tf::OpKernelContext* ctx) : ctx_(ctx) {}
   void* Allocate(size_t bytes) override {
+    tf::mutex_lock l(mu_);  // the CPU functors allocate from several threads
     tf::Tensor t;
     const int64_t n = static_cast<int64_t>(std::max<size_t>(bytes, 1));
     if (!ctx_->allocate_temp(tf::DT_INT8, tf::TensorShape({n}), &t).ok()) return nullptr;
@@ -33,6 +34,7 @@ class TensorScratch : public impl::ScratchAllocator {
   }
 
  private:
+  tf::mutex mu_;
   tf::OpKernelContext* ctx_;
   std::vector<tf::Tensor> held_;
 };

@@ -177,34 +177,34 @@ class FusedLookupGradOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, attrs_.Features<Id>(ctx, 0, &all));
     TensorScratch scratch(ctx);
     const Device d = MakeDevice<Device>(ctx, &scratch);
+    std::vector<impl::TableGradInput<Id>> tables(T);
+    for (int t = 0; t < T; ++t) tables[t].dim = attrs_.dims[t];
+    for (int f = 0; f < F; ++f) {
+      const int t = all[f].table;
+      const tf::Tensor& g = ctx->input(3 * F + f);
+      OP_REQUIRES(ctx, g.dims() == 2 && g.dim_size(0) == all[f].batch &&
+                           g.dim_size(1) == attrs_.dims[t],
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "tf_sok lookup gradient: output gradient of feature ", f, " has shape ",
+                      g.shape().DebugString(), ", expected [", all[f].batch, ", ",
+                      attrs_.dims[t], "]")));
+      tables[t].features.push_back(all[f]);
+      tables[t].out_grads.push_back(g.flat<float>().data());
+    }
+    impl::LookupGrad<Device, Id> grad;
+    std::vector<impl::GradPlan<Id>> plans;
+    impl::Error e = grad.Prepare(d, tables, &plans);
+    OP_REQUIRES(ctx, e.ok(), absl::InternalError(absl::StrCat(
+                                 "tf_sok lookup gradient failed (kind ", static_cast<int>(e.kind),
+                                 ", value ", e.value, ")")));
     for (int t = 0; t < T; ++t) {
-      std::vector<impl::FeatureView<Id>> features;
-      std::vector<const float*> grads;
-      for (int f = 0; f < F; ++f) {
-        if (all[f].table != t) continue;
-        const tf::Tensor& g = ctx->input(3 * F + f);
-        OP_REQUIRES(ctx, g.dims() == 2 && g.dim_size(0) == all[f].batch &&
-                             g.dim_size(1) == attrs_.dims[t],
-                    absl::InvalidArgumentError(absl::StrCat(
-                        "tf_sok lookup gradient: output gradient of feature ", f, " has shape ",
-                        g.shape().DebugString(), ", expected [", all[f].batch, ", ",
-                        attrs_.dims[t], "]")));
-        features.push_back(all[f]);
-        grads.push_back(g.flat<float>().data());
-      }
-      impl::GradPlan<Id> plan;
-      impl::LookupGrad<Device, Id> grad;
-      impl::Error e = grad.Prepare(d, attrs_.dims[t], features, grads, &plan);
-      OP_REQUIRES(ctx, e.ok(), absl::InternalError(absl::StrCat(
-                                   "tf_sok lookup gradient failed (kind ",
-                                   static_cast<int>(e.kind), ", value ", e.value, ")")));
       tf::Tensor* indices = nullptr;
       tf::Tensor* values = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(t, tf::TensorShape({plan.num_unique}), &indices));
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                              T + t, tf::TensorShape({plan.num_unique, attrs_.dims[t]}), &values));
-      if (plan.num_unique > 0) {
-        grad.Finish(d, plan, indices->flat<int64_t>().data(), values->flat<float>().data());
+      const int64_t u = plans[t].num_unique;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(t, tf::TensorShape({u}), &indices));
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(T + t, tf::TensorShape({u, attrs_.dims[t]}), &values));
+      if (u > 0) {
+        grad.Finish(d, plans[t], indices->flat<int64_t>().data(), values->flat<float>().data());
       }
     }
   }
