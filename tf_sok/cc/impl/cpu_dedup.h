@@ -1,16 +1,13 @@
-// Host-side dedup: groups positions 0..n-1 by key with a hash map, then
-// orders the groups by key. Unique keys come out ascending and positions keep
-// their order inside each group, so results are deterministic (and match the
-// CUDA path, which sorts).
+// Host-side dedup: groups positions 0..n-1 by key. Unique keys come out
+// ascending and positions keep their order inside each group, so results are
+// deterministic and match the CUDA path, which also sorts.
 #ifndef TF_SOK_CC_IMPL_CPU_DEDUP_H_
 #define TF_SOK_CC_IMPL_CPU_DEDUP_H_
 
 #include <algorithm>
 #include <cstdint>
-#include <numeric>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 
 namespace tf_sok {
 namespace impl {
@@ -22,39 +19,51 @@ struct Groups {
   int64_t size() const { return static_cast<int64_t>(keys.size()); }
 };
 
+// Groups by key with an LSD radix sort of (key, position) pairs over the bits
+// the largest key needs: O(n) per 11-bit digit, stable, so positions keep their
+// order inside each group. Keys must be non-negative.
 template <typename KeyAt>
 void GroupByKey(int64_t n, KeyAt key_at, Groups* g) {
-  absl::flat_hash_map<int64_t, int64_t> uid;
-  uid.reserve(static_cast<size_t>(n));
-  std::vector<int64_t> slot(static_cast<size_t>(n));
-  g->keys.clear();
-  std::vector<int64_t> counts;
+  constexpr int kDigitBits = 11;
+  constexpr int64_t kBuckets = int64_t{1} << kDigitBits;
+  std::vector<int64_t> keys(static_cast<size_t>(n)), keys_tmp(static_cast<size_t>(n));
+  std::vector<int64_t> pos(static_cast<size_t>(n)), pos_tmp(static_cast<size_t>(n));
+  int64_t max_key = 0;
   for (int64_t i = 0; i < n; ++i) {
-    auto ins = uid.try_emplace(key_at(i), static_cast<int64_t>(g->keys.size()));
-    if (ins.second) {
-      g->keys.push_back(ins.first->first);
-      counts.push_back(0);
+    keys[i] = key_at(i);
+    pos[i] = i;
+    max_key = std::max(max_key, keys[i]);
+  }
+  int bits = 0;
+  while (bits < 63 && (max_key >> bits) != 0) ++bits;
+  std::vector<int64_t> count(static_cast<size_t>(kBuckets));
+  for (int shift = 0; shift < bits; shift += kDigitBits) {
+    std::fill(count.begin(), count.end(), 0);
+    for (int64_t i = 0; i < n; ++i) ++count[(keys[i] >> shift) & (kBuckets - 1)];
+    int64_t sum = 0;
+    for (auto& c : count) {
+      const int64_t here = c;
+      c = sum;
+      sum += here;
     }
-    slot[i] = ins.first->second;
-    ++counts[ins.first->second];
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t dst = count[(keys[i] >> shift) & (kBuckets - 1)]++;
+      keys_tmp[dst] = keys[i];
+      pos_tmp[dst] = pos[i];
+    }
+    keys.swap(keys_tmp);
+    pos.swap(pos_tmp);
   }
-  const int64_t u = g->size();
-  // rank[k]: position of first-seen group k once groups are sorted by key.
-  std::vector<int64_t> by_key(static_cast<size_t>(u)), rank(static_cast<size_t>(u));
-  std::iota(by_key.begin(), by_key.end(), 0);
-  std::sort(by_key.begin(), by_key.end(),
-            [&](int64_t a, int64_t b) { return g->keys[a] < g->keys[b]; });
-  std::vector<int64_t> sorted_keys(static_cast<size_t>(u));
-  g->offsets.assign(static_cast<size_t>(u + 1), 0);
-  for (int64_t r = 0; r < u; ++r) {
-    rank[by_key[r]] = r;
-    sorted_keys[r] = g->keys[by_key[r]];
-    g->offsets[r + 1] = g->offsets[r] + counts[by_key[r]];
+  g->keys.clear();
+  g->offsets.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    if (i == 0 || keys[i] != keys[i - 1]) {
+      g->keys.push_back(keys[i]);
+      g->offsets.push_back(i);
+    }
   }
-  g->keys.swap(sorted_keys);
-  g->order.resize(static_cast<size_t>(n));
-  std::vector<int64_t> fill(g->offsets.begin(), g->offsets.end() - 1);
-  for (int64_t i = 0; i < n; ++i) g->order[fill[rank[slot[i]]]++] = i;
+  g->offsets.push_back(n);
+  g->order.swap(pos);
 }
 
 // True when keys are strictly ascending: already unique and sorted, so every
