@@ -65,7 +65,7 @@ class BuildOps(build_ext):
         build_defs = ['-DTF_SOK_BUILT_TF_VERSION="%s"' % tf.__version__,
                       '-DTF_SOK_BUILT_CUDA_ARCHS="%s"' % (",".join(archs) if nvcc else "")]
         cxx = os.environ.get("CXX", "g++")
-        cxxflags = [*tf_cflags, *defs, *build_defs, "-I" + ROOT, "-O3", "-fPIC", "-Wall",
+        cxxflags = [*tf_cflags, *defs, *build_defs, "-I" + ROOT, "-O3", "-fno-math-errno", "-fPIC", "-Wall",
                     "-Wno-deprecated-declarations", "-Wno-interference-size", "-Wno-sign-compare", "-Wno-unused-function"]
         if cuda_home:
             cxxflags.append("-I" + os.path.join(cuda_home, "include"))

@@ -9,6 +9,8 @@ namespace tf_sok {
 namespace impl {
 namespace {
 
+constexpr int64_t kPrefetch = 4;
+
 // Keeps the error with the smallest (feature, position) seen by any thread.
 class FirstError {
  public:
@@ -107,6 +109,10 @@ struct FusedLookup<CpuDevice, Id> {
             bad.group = static_cast<int32_t>(f), bad.item = i, bad.value = id;
             first.Offer(bad);
             continue;
+          }
+          if (i + kPrefetch < ft.num_ids) {  // rows are random: fetch a few ids ahead
+            const int64_t ahead = static_cast<int64_t>(ft.ids[i + kPrefetch]);
+            if (ahead >= 0 && ahead < t.rows) __builtin_prefetch(t.data + ahead * dim);
           }
           const float w = ft.weights ? ft.weights[i] : 1.0f;
           const float* __restrict row = t.data + id * dim;

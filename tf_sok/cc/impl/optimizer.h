@@ -5,6 +5,7 @@
 #define TF_SOK_CC_IMPL_OPTIMIZER_H_
 
 #include <cmath>
+#include <type_traits>
 
 #include "tf_sok/cc/impl/common.h"
 
@@ -64,62 +65,68 @@ TF_SOK_HD RowScalars RowConstants(const Hyper& h, float steps_before) {
   return s;
 }
 
-// Updates element j of one row: w is the weight, g the summed gradient.
-TF_SOK_HD float UpdateElement(const Hyper& h, const RowScalars& s, float w, float g,
-                             float* const* slot, int64_t j) {
-  switch (h.algorithm) {
-    case Algorithm::kSgd:
-      return w - h.lr * g;
-    case Algorithm::kMomentum: {  // Keras SGD(momentum): v = m*v - lr*g
-      float v = h.momentum * slot[0][j] - h.lr * g;
-      slot[0][j] = v;
-      return h.nesterov ? w + h.momentum * v - h.lr * g : w + v;
+// Updates element j of one row: w is the weight, g the summed gradient, slot
+// the row's state. A template on the algorithm so each row loop is a tight,
+// vectorisable loop with no per-element dispatch.
+template <Algorithm A>
+TF_SOK_HD float UpdateElement(const Hyper& h, const RowScalars& s, float w, float g, float& s0,
+                             float& s1, float& s2) {
+  if (A == Algorithm::kSgd) {
+    return w - h.lr * g;
+  } else if (A == Algorithm::kMomentum) {  // Keras SGD(momentum): v = m*v - lr*g
+    const float v = h.momentum * s0 - h.lr * g;
+    s0 = v;
+    return h.nesterov ? w + h.momentum * v - h.lr * g : w + v;
+  } else if (A == Algorithm::kAdagrad) {
+    const float a = s0 + g * g;
+    s0 = a;
+    return w - h.lr * g / sqrtf(a + h.epsilon);
+  } else if (A == Algorithm::kAdam) {
+    const float m = s0 + (g - s0) * (1.0f - h.beta1);
+    const float v = s1 + (g * g - s1) * (1.0f - h.beta2);
+    s0 = m;
+    s1 = v;
+    return w - s.alpha * m / (sqrtf(v) + h.epsilon);
+  } else if (A == Algorithm::kFtrl) {  // s0: accumulator, s1: linear
+    const float g2 = g + 2.0f * h.l2_shrinkage * w;
+    const float new_acc = s0 + g * g;
+    const float p_new = powf(new_acc, -h.lr_power), p_old = powf(s0, -h.lr_power);
+    const float lin = s1 + g2 - (p_new - p_old) / h.lr * w;
+    s0 = new_acc;
+    s1 = lin;
+    const float quad = p_new / h.lr + 2.0f * (h.l2 + h.beta / (2.0f * h.lr));
+    const float clipped = lin < -h.l1 ? -h.l1 : (lin > h.l1 ? h.l1 : lin);
+    return (clipped - lin) / quad;
+  } else {  // kRmsprop: s0 velocity, then [mean gradient if centered], then [momentum]
+    const float vel = h.rho * s0 + (1.0f - h.rho) * g * g;
+    s0 = vel;
+    float denom = vel + h.epsilon;
+    if (h.centered) {
+      const float mg = h.rho * s1 + (1.0f - h.rho) * g;
+      s1 = mg;
+      denom = vel - mg * mg + h.epsilon;
     }
-    case Algorithm::kAdagrad: {
-      float a = slot[0][j] + g * g;
-      slot[0][j] = a;
-      return w - h.lr * g / sqrtf(a + h.epsilon);
+    const float inc = h.lr * g / sqrtf(denom);
+    if (h.momentum > 0.0f) {
+      float& mom = h.centered ? s2 : s1;
+      mom = h.momentum * mom + inc;
+      return w - mom;
     }
-    case Algorithm::kAdam: {
-      float m = slot[0][j] + (g - slot[0][j]) * (1.0f - h.beta1);
-      float v = slot[1][j] + (g * g - slot[1][j]) * (1.0f - h.beta2);
-      slot[0][j] = m;
-      slot[1][j] = v;
-      return w - s.alpha * m / (sqrtf(v) + h.epsilon);
-    }
-    case Algorithm::kFtrl: {
-      float acc = slot[0][j];
-      float g2 = g + 2.0f * h.l2_shrinkage * w;
-      float new_acc = acc + g * g;
-      float p_new = powf(new_acc, -h.lr_power), p_old = powf(acc, -h.lr_power);
-      float lin = slot[1][j] + g2 - (p_new - p_old) / h.lr * w;
-      slot[0][j] = new_acc;
-      slot[1][j] = lin;
-      float quad = p_new / h.lr + 2.0f * (h.l2 + h.beta / (2.0f * h.lr));
-      float clipped = lin < -h.l1 ? -h.l1 : (lin > h.l1 ? h.l1 : lin);
-      return (clipped - lin) / quad;
-    }
-    case Algorithm::kRmsprop: {
-      float vel = h.rho * slot[0][j] + (1.0f - h.rho) * g * g;
-      slot[0][j] = vel;
-      float denom = vel + h.epsilon;
-      int k = 1;
-      if (h.centered) {
-        float mg = h.rho * slot[1][j] + (1.0f - h.rho) * g;
-        slot[1][j] = mg;
-        denom = vel - mg * mg + h.epsilon;
-        k = 2;
-      }
-      float inc = h.lr * g / sqrtf(denom);
-      if (h.momentum > 0.0f) {
-        float mom = h.momentum * slot[k][j] + inc;
-        slot[k][j] = mom;
-        return w - mom;
-      }
-      return w - inc;
-    }
+    return w - inc;
   }
-  return w;
+}
+
+// Calls fn(std::integral_constant<Algorithm, A>) for the runtime algorithm.
+template <typename Fn>
+auto DispatchAlgorithm(Algorithm a, Fn&& fn) {
+  switch (a) {
+    case Algorithm::kMomentum: return fn(std::integral_constant<Algorithm, Algorithm::kMomentum>());
+    case Algorithm::kAdagrad: return fn(std::integral_constant<Algorithm, Algorithm::kAdagrad>());
+    case Algorithm::kAdam: return fn(std::integral_constant<Algorithm, Algorithm::kAdam>());
+    case Algorithm::kFtrl: return fn(std::integral_constant<Algorithm, Algorithm::kFtrl>());
+    case Algorithm::kRmsprop: return fn(std::integral_constant<Algorithm, Algorithm::kRmsprop>());
+    default: return fn(std::integral_constant<Algorithm, Algorithm::kSgd>());
+  }
 }
 
 struct SparseUpdate {

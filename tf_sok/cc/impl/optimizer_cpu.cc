@@ -9,6 +9,48 @@
 namespace tf_sok {
 namespace impl {
 
+namespace {
+
+// Updates every grouped row: sum its gradient rows, then one pass over dim.
+template <Algorithm A>
+void ApplyRows(const CpuDevice& d, const Hyper& h, const SparseUpdate& u, const Groups& g,
+               const float* grads) {
+  const int dim = u.dim;
+  const int num_slots = NumDenseSlots(h);
+  constexpr int64_t kAhead = 4;  // rows are scattered: prefetch a few ahead
+  d.parallel_for(g.size(), (A == Algorithm::kSgd ? 4 : 24) * dim, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(dim), unused(dim);
+    for (int64_t k = begin; k < end; ++k) {
+      if (k + kAhead < end) {
+        const int64_t next = g.keys[k + kAhead] * dim;
+        __builtin_prefetch(u.var + next, 1);
+        for (int s = 0; s < num_slots; ++s) __builtin_prefetch(u.slots[s] + next, 1);
+      }
+      const int64_t row = g.keys[k];
+      const float* __restrict grad;
+      if (g.offsets[k + 1] - g.offsets[k] == 1) {
+        grad = grads + g.order[g.offsets[k]] * dim;
+      } else {
+        std::fill(sum.begin(), sum.end(), 0.0f);
+        for (int64_t p = g.offsets[k]; p < g.offsets[k + 1]; ++p) {
+          const float* __restrict src = grads + g.order[p] * dim;
+          for (int j = 0; j < dim; ++j) sum[j] += src[j];
+        }
+        grad = sum.data();
+      }
+      float* __restrict s0 = num_slots > 0 ? u.slots[0] + row * dim : unused.data();
+      float* __restrict s1 = num_slots > 1 ? u.slots[1] + row * dim : unused.data();
+      float* __restrict s2 = num_slots > 2 ? u.slots[2] + row * dim : unused.data();
+      const RowScalars rs = RowConstants(h, u.step ? u.step[row] : 0.0f);
+      if (u.step) u.step[row] += 1.0f;
+      float* __restrict w = u.var + row * dim;
+      for (int j = 0; j < dim; ++j) w[j] = UpdateElement<A>(h, rs, w[j], grad[j], s0[j], s1[j], s2[j]);
+    }
+  });
+}
+
+}  // namespace
+
 template <typename Id>
 struct SparseApply<CpuDevice, Id> {
   Error operator()(const CpuDevice& d, const Hyper& h, const SparseUpdate& u,
@@ -29,30 +71,9 @@ struct SparseApply<CpuDevice, Id> {
     } else {
       GroupByKey(n, key_at, &g);
     }
-    const int dim = u.dim;
-    const int num_slots = NumDenseSlots(h);
-    d.parallel_for(g.size(), 16 * dim, [&](int64_t begin, int64_t end) {
-      std::vector<float> sum(dim);
-      for (int64_t k = begin; k < end; ++k) {
-        const int64_t row = g.keys[k];
-        const float* grad;
-        if (g.offsets[k + 1] - g.offsets[k] == 1) {
-          grad = grads + g.order[g.offsets[k]] * dim;
-        } else {
-          std::fill(sum.begin(), sum.end(), 0.0f);
-          for (int64_t p = g.offsets[k]; p < g.offsets[k + 1]; ++p) {
-            const float* src = grads + g.order[p] * dim;
-            for (int j = 0; j < dim; ++j) sum[j] += src[j];
-          }
-          grad = sum.data();
-        }
-        float* slot[3] = {nullptr, nullptr, nullptr};
-        for (int s = 0; s < num_slots; ++s) slot[s] = u.slots[s] + row * dim;
-        const RowScalars rs = RowConstants(h, u.step ? u.step[row] : 0.0f);
-        if (u.step) u.step[row] += 1.0f;
-        float* w = u.var + row * dim;
-        for (int j = 0; j < dim; ++j) w[j] = UpdateElement(h, rs, w[j], grad[j], slot, j);
-      }
+    DispatchAlgorithm(h.algorithm, [&](auto algo) {
+      ApplyRows<decltype(algo)::value>(d, h, u, g, grads);
+      return 0;
     });
     return Error();
   }

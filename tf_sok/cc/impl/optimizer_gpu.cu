@@ -22,6 +22,7 @@ __global__ void CheckAndWidenKernel(const Id* indices, long long n, long long ro
   keys[i] = r;
 }
 
+template <Algorithm A>
 __global__ void UpdateKernel(Hyper h, SparseUpdate u, Groups g, const float* grads, int group,
                              const DeviceError* err) {
   const long long k = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
@@ -37,7 +38,11 @@ __global__ void UpdateKernel(Hyper h, SparseUpdate u, Groups g, const float* gra
   for (int j = lane; j < dim; j += group) {
     float gsum = 0.0f;
     for (int p = begin; p < end; ++p) gsum += grads[static_cast<long long>(g.order[p]) * dim + j];
-    w[j] = UpdateElement(h, rs, w[j], gsum, slot, j);
+    float unused = 0.0f;
+    float& s0 = slot[0] ? slot[0][j] : unused;
+    float& s1 = slot[1] ? slot[1][j] : unused;
+    float& s2 = slot[2] ? slot[2][j] : unused;
+    w[j] = UpdateElement<A>(h, rs, w[j], gsum, s0, s1, s2);
   }
 }
 
@@ -71,8 +76,11 @@ struct SparseApply<GpuDevice, Id> {
     Error e = GroupByKey(d, keys, static_cast<int>(n), KeyBits(u.rows), &g);
     if (!e.ok()) return e;
     const int group = GroupWidth(u.dim, 1);
-    UpdateKernel<<<(n * group + kThreads - 1) / kThreads, kThreads, 0, s>>>(h, u, g, grads, group,
-                                                                          err);
+    DispatchAlgorithm(h.algorithm, [&](auto algo) {
+      UpdateKernel<decltype(algo)::value><<<(n * group + kThreads - 1) / kThreads, kThreads, 0, s>>>(
+          h, u, g, grads, group, err);
+      return 0;
+    });
     if (u.step) BumpStepKernel<<<(n + kThreads - 1) / kThreads, kThreads, 0, s>>>(u.step, g, err);
     cudaError_t c = cudaGetLastError();
     if (c != cudaSuccess) return CudaFailure(c);
