@@ -41,6 +41,7 @@ struct Vec<1> {
   __device__ static void Store(float* p, T v) { *p = v; }
   __device__ static void Fma(T& acc, float w, T x) { acc += w * x; }
   __device__ static T Scale(T v, float s) { return v * s; }
+  __device__ static void AtomicAdd(float* p, T v) { atomicAdd(p, v); }
 };
 template <>
 struct Vec<4> {
@@ -52,6 +53,9 @@ struct Vec<4> {
     a.x += w * x.x, a.y += w * x.y, a.z += w * x.z, a.w += w * x.w;
   }
   __device__ static T Scale(T v, float s) { return make_float4(v.x * s, v.y * s, v.z * s, v.w * s); }
+  __device__ static void AtomicAdd(float* p, T v) {
+    atomicAdd(p, v.x), atomicAdd(p + 1, v.y), atomicAdd(p + 2, v.z), atomicAdd(p + 3, v.w);
+  }
 };
 
 template <typename Id>
@@ -143,22 +147,46 @@ __global__ void ExpandKernel(const Batch<Id> b, long long* keys, float* coef,
   }
 }
 
+// Sums each id group's scaled output-gradient rows. Work is cut into chunks
+// of kSegChunk sorted positions (hot ids make very long groups): a group that
+// lies inside one chunk is stored directly; one that spans chunks is added
+// atomically into the zeroed output.
+constexpr int kSegChunk = 32;
+
 template <int VEC>
-__global__ void SegmentSumKernel(Groups g, const float* coef, const float* const* grad_rows,
-                                 int dim, int group, long long* indices, float* values) {
+__global__ void SegmentSumKernel(Groups g, int total, const float* coef,
+                                 const float* const* grad_rows, int dim, int group,
+                                 long long* indices, float* values) {
   using V = Vec<VEC>;
-  const long long u = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
+  const long long chunk = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
   const int lane = threadIdx.x % group;
-  if (u >= *g.num_unique) return;
-  if (lane == 0) indices[u] = g.unique_keys[u];
-  const int begin = g.offsets[u], end = g.offsets[u + 1];
+  const long long start = chunk * kSegChunk;
+  if (start >= total) return;
+  const int stop = static_cast<int>(start + kSegChunk < total ? start + kSegChunk : total);
+  // the group holding position `start`: the last u with offsets[u] <= start
+  int lo = 0, hi = *g.num_unique - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (g.offsets[mid] <= start) lo = mid; else hi = mid - 1;
+  }
   for (int j0 = lane * VEC; j0 < dim; j0 += group * VEC) {
-    typename V::T acc = V::Zero();
-    for (int k = begin; k < end; ++k) {
-      const int p = g.order[k];
-      V::Fma(acc, coef[p], V::Load(grad_rows[p] + j0));
+    int u = lo;
+    for (int k = static_cast<int>(start); k < stop; ++u) {
+      const int seg_begin = g.offsets[u], seg_end = g.offsets[u + 1];
+      const int end = seg_end < stop ? seg_end : stop;
+      typename V::T acc = V::Zero();
+      for (; k < end; ++k) {
+        const int p = g.order[k];
+        V::Fma(acc, coef[p], V::Load(grad_rows[p] + j0));
+      }
+      float* out = values + static_cast<long long>(u) * dim + j0;
+      if (seg_begin >= start && seg_end <= stop) {
+        V::Store(out, acc);
+      } else {
+        V::AtomicAdd(out, acc);
+      }
+      if (j0 == lane * VEC && lane == 0 && seg_begin >= start) indices[u] = g.unique_keys[u];
     }
-    V::Store(values + u * dim + j0, acc);
   }
 }
 
@@ -287,14 +315,19 @@ struct LookupGrad<GpuDevice, Id> {
     const Groups& g = *static_cast<const Groups*>(plan.state.get());
     const bool vec4 = plan.dim % 4 == 0;
     const int group = GroupWidth(plan.dim, vec4 ? 4 : 1);
-    const long long blocks = (plan.num_unique * group + kThreads - 1) / kThreads;
+    const int total = static_cast<int>(plan.total_ids);
+    const long long chunks = (total + kSegChunk - 1) / kSegChunk;
+    const long long blocks = (chunks * group + kThreads - 1) / kThreads;
     auto* idx = reinterpret_cast<long long*>(indices);
     const auto* coef = static_cast<const float*>(plan.coef);
     const auto* rows = static_cast<const float* const*>(plan.grad_rows);
+    cudaMemsetAsync(values, 0, sizeof(float) * plan.num_unique * plan.dim, StreamOf(d));
     if (vec4) {
-      SegmentSumKernel<4><<<blocks, kThreads, 0, StreamOf(d)>>>(g, coef, rows, plan.dim, group, idx, values);
+      SegmentSumKernel<4><<<blocks, kThreads, 0, StreamOf(d)>>>(g, total, coef, rows, plan.dim, group,
+                                                              idx, values);
     } else {
-      SegmentSumKernel<1><<<blocks, kThreads, 0, StreamOf(d)>>>(g, coef, rows, plan.dim, group, idx, values);
+      SegmentSumKernel<1><<<blocks, kThreads, 0, StreamOf(d)>>>(g, total, coef, rows, plan.dim, group,
+                                                              idx, values);
     }
   }
 };

@@ -1,0 +1,67 @@
+"""Profiles one training step (tf_sok or TensorFlow's path) and prints the
+time per op type, from TensorFlow's profiler trace.
+
+    python benchmarks/profile_step.py --path sok|tf [--device GPU:0] [--batch 65536]
+"""
+import argparse
+import collections
+import glob
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+import keras
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+import tf_sok as sok
+from lookup_bench import make_batch, sok_path, tf_path
+
+
+def summarize(logdir, steps, top=25):
+    f = sorted(glob.glob(logdir + "/**/*.xplane.pb", recursive=True))[-1]
+    xs = xplane_pb2.XSpace()
+    with open(f, "rb") as fh:
+        xs.ParseFromString(fh.read())
+    agg = collections.Counter()
+    for plane in xs.planes:
+        md = plane.event_metadata
+        for line in plane.lines:
+            for ev in line.events:
+                name = md[ev.metadata_id].name.split(":")[-1][:60]
+                agg[(plane.name[:18], line.name[:18], name)] += ev.duration_ps / 1e9 / steps
+    for (p, l, n), v in agg.most_common(top):
+        print(f"{v:9.3f} ms/step  {p:18s} {l:18s} {n}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--path", default="sok")
+    p.add_argument("--device", default="CPU:0")
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--optimizer", default="sgd")
+    a = p.parse_args()
+    sok.init()
+    rng = np.random.default_rng(0)
+    batches = [make_batch(rng, 8, a.batch, a.rows, 4, 1.1) for _ in range(4)]
+    init = keras.initializers.RandomUniform(-0.05, 0.05)
+    kopt = keras.optimizers.SGD(0.01) if a.optimizer == "sgd" else keras.optimizers.Adam(1e-3)
+    with tf.device(a.device):
+        if a.path == "sok":
+            tables = [sok.Variable(shape=[a.rows, 32], initializer=init, name=f"t{i}") for i in range(8)]
+            step = sok_path(tables, sok.OptimizerWrapper(kopt), "mean")
+        else:
+            tables = [tf.Variable(init((a.rows, 32))) for _ in range(8)]
+            step = tf_path(tables, kopt, "mean")
+        for i in range(5):
+            float(step(batches[i % 4]))
+        logdir = tempfile.mkdtemp()
+        tf.profiler.experimental.start(logdir)
+        for i in range(10):
+            float(step(batches[i % 4]))
+        tf.profiler.experimental.stop()
+    summarize(logdir, 10)
+
+
+if __name__ == "__main__":
+    main()
