@@ -5,8 +5,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 DEPS   := $(VENV)/.deps-installed
+HVD    := $(VENV)/.horovod-installed
 
-.PHONY: all build demo test test-gpu bench clean
+.PHONY: all build demo demo-horovod test test-gpu bench clean
 
 all: build
 
@@ -16,12 +17,22 @@ $(DEPS): requirements.txt requirements-dev.txt
 	$(BIN)/python -m pip install -q -r requirements-dev.txt
 	touch $@
 
+# Horovod 0.28.1 built against the pinned TensorFlow (Gloo; NCCL/MPI when found).
+# The wheel is cached in ~/.cache/tf_sok/wheels, so re-installs do not rebuild.
+$(HVD): $(DEPS) tools/install_horovod.py
+	$(BIN)/python tools/install_horovod.py
+	touch $@
+
 # Compiles only what changed (objects are cached under build/tf_sok_obj).
-build: $(DEPS)
+build: $(DEPS) $(HVD)
 	$(BIN)/python -m pip install -q --no-build-isolation --no-deps -e .
 
 demo: build
 	$(BIN)/python examples/dlrm_synthetic.py
+
+# The same model trained by 2 processes (tables sharded across them).
+demo-horovod: build
+	$(BIN)/horovodrun -np 2 -H localhost:2 --gloo $(BIN)/python examples/horovod_dlrm.py
 
 test: build
 	$(BIN)/python -m pytest -q tests

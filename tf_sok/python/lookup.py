@@ -4,6 +4,8 @@ from typing import List, Optional, Sequence, Union
 import tensorflow as tf
 from tensorflow.python.eager import tape as tape_lib
 
+from tf_sok.python import context as context_lib
+from tf_sok.python import exchange
 from tf_sok.python.config import check_combiner
 from tf_sok.python.ops import lookup_ops
 from tf_sok.python.variable import backing_variable, table_meta
@@ -106,8 +108,15 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
             if var.trainable:
                 tape_lib.variable_accessed(var)  # lets GradientTape / Keras see the read
             handles.append(var.handle)
-        outs = lookup_ops.fused_lookup(
-            handles, ids, splits, weights, feature_table=feature_table, combiners=comb, weighted=weighted,
-            dims=[table_meta(t).dim for t in tables], feature_names=names,
-            table_names=[table_meta(t).name for t in tables])
+        metas = [table_meta(t) for t in tables]
+        ctx = context_lib.context()
+        if ctx.num_ranks > 1:
+            outs = exchange.exchanged_lookup(
+                ctx.communicator, handles, metas, feature_table, [tf.cast(v, tf.int64) for v in ids], splits,
+                [w if on else None for w, on in zip(weights, weighted)], comb, names,
+                ctx.sparse_grad_reduction, ctx.collective_index())
+        else:
+            outs = lookup_ops.fused_lookup(
+                handles, ids, splits, weights, feature_table=feature_table, combiners=comb, weighted=weighted,
+                dims=[m.dim for m in metas], feature_names=names, table_names=[m.name for m in metas])
     return outs if as_list else outs[0]

@@ -6,6 +6,7 @@ weights and attach the same description, so both kinds are recognised by
 `filter_variables`, `lookup_sparse` and the sparse optimizers.
 """
 import dataclasses
+import zlib
 from typing import Any, Iterable, Optional, Tuple
 
 import keras
@@ -44,10 +45,36 @@ def backing_variable(var) -> tf.Variable:
 
 
 def make_meta(name: str, rows: int, dim: int, mode: str) -> TableMeta:
+    """Describes a table for this rank; with several ranks, checks that every
+    rank declares the same table at the same point (else ValueError on all)."""
     ctx = context_lib.context()
     spec = ShardingSpec.parse(mode)
     spec.validate(ctx.num_ranks, name)
-    return TableMeta(name, int(rows), int(dim), spec, spec.local_rows(int(rows), ctx.rank, ctx.num_ranks))
+    meta = TableMeta(name, int(rows), int(dim), spec, spec.local_rows(int(rows), ctx.rank, ctx.num_ranks))
+    if ctx.num_ranks > 1:
+        _check_same_on_all_ranks(ctx, meta)
+    return meta
+
+
+def _check_same_on_all_ranks(ctx, meta: TableMeta) -> None:
+    desc = repr((meta.name, meta.rows, meta.dim, str(meta.sharding)))
+    with tf.init_scope():
+        step = ctx.collective_index()
+        mine = tf.constant([[zlib.crc32(desc.encode())]], tf.int64)
+        every = ctx.communicator.allgather(mine, name=f"tf_sok.table.{step}").numpy()[:, 0]
+    if (every != every[ctx.rank]).any():
+        differ = [r for r in range(len(every)) if every[r] != every[0]]
+        raise ValueError(f"table {meta.name!r}: ranks declare different tables at this point (this rank: "
+                         f"{desc}); ranks {differ} differ from rank 0. Every rank must create the same tables, "
+                         f"with the same shapes and modes, in the same order")
+
+
+def local_shard(value: tf.Tensor, meta: TableMeta) -> tf.Tensor:
+    """This rank's rows of a global [rows, dim] table value."""
+    ctx = context_lib.context()
+    if meta.sharding.kind == "distributed":
+        return value[ctx.rank::ctx.num_ranks]
+    return value if ctx.rank == meta.sharding.owner else value[:0]
 
 
 def make_initializer(initializer: Any):
@@ -73,7 +100,9 @@ class Variable(resource_variable_ops.ResourceVariable):
       mode: "distributed" (row-wise round robin) or "localized:<rank>".
       name: the table's name, used in error messages and checkpoints.
     In one process the variable holds the whole table; with N ranks it holds
-    this rank's shard (global rows r, r+N, r+2N, ... under "distributed").
+    this rank's shard (rank r: global rows r, r+N, r+2N, ... under
+    "distributed"; all rows on rank k and none elsewhere under "localized:k").
+    Every rank must create the same tables in the same order (checked).
     """
 
     def __init__(self, initial_value=None, *, shape=None, initializer="uniform", dtype=tf.float32,
@@ -97,7 +126,7 @@ class Variable(resource_variable_ops.ResourceVariable):
             init = make_initializer(initializer)
             value = lambda: tf.convert_to_tensor(init(local_shape, tf.float32), tf.float32)  # noqa: E731
         else:
-            value = initial_value  # one rank: the whole table is local
+            value = local_shard(initial_value, meta)
         super().__init__(initial_value=value, dtype=tf.float32, name=table_name, trainable=trainable)
         attach_meta(self, meta)
 
@@ -116,3 +145,21 @@ def filter_variables(variables: Iterable) -> Tuple[list, list]:
     for v in variables:
         (sok_vars if table_meta(v) is not None else other).append(v)
     return sok_vars, other
+
+
+def broadcast_variables(variables: Iterable, root: int = 0) -> None:
+    """Sets every variable to rank `root`'s value (no-op in one process).
+
+    Example (custom training loop, after the first step built the model):
+        >>> sok_vars, dense_vars = sok.filter_variables(model.variables)
+        >>> sok.broadcast_variables(dense_vars)
+    """
+    ctx = context_lib.context()
+    if ctx.num_ranks == 1:
+        return
+    with tf.init_scope():
+        for i, v in enumerate(variables):
+            if table_meta(v) is not None:
+                raise ValueError(f"broadcast_variables: {v.name} is a sharded tf_sok table; broadcast dense "
+                                 f"variables only")
+            v.assign(ctx.communicator.broadcast(tf.convert_to_tensor(v), root, name=f"tf_sok.broadcast.{i}"))

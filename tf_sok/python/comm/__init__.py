@@ -2,4 +2,12 @@
 from tf_sok.python.comm.base import Communicator
 from tf_sok.python.comm.single import SingleProcess
 
-__all__ = ["Communicator", "SingleProcess"]
+__all__ = ["Communicator", "SingleProcess", "HorovodCommunicator"]
+
+
+def __getattr__(name):
+    if name == "HorovodCommunicator":  # imports Horovod only when asked for
+        from tf_sok.python.comm.horovod import HorovodCommunicator
+
+        return HorovodCommunicator
+    raise AttributeError(name)

@@ -15,15 +15,18 @@ class SingleProcess(Communicator):
     def size(self) -> int:
         return 1
 
-    def alltoall(self, tensor, splits):
+    def alltoall(self, tensor, splits, name=None):
         return tensor, splits
 
-    def allreduce(self, tensors, op="mean"):
+    def allgather(self, tensor, name=None):
+        return tensor
+
+    def allreduce(self, tensors, op="mean", name=None):
         if op not in ("sum", "mean"):
             raise ValueError(f"unknown reduction {op!r}: use 'sum' or 'mean'")
         return list(tensors)
 
-    def broadcast(self, tensor, root=0):
+    def broadcast(self, tensor, root=0, name=None):
         if root != 0:
             raise ValueError(f"broadcast root {root} does not exist in a single process")
         return tensor

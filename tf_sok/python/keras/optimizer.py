@@ -4,8 +4,11 @@ from typing import Optional
 
 import keras
 
+import tensorflow as tf
+
+from tf_sok.python import context as context_lib
 from tf_sok.python.optimizers.base import SparseOptimizer
-from tf_sok.python.variable import filter_variables
+from tf_sok.python.variable import broadcast_variables, filter_variables
 
 
 class Optimizer(keras.optimizers.Optimizer):
@@ -14,7 +17,9 @@ class Optimizer(keras.optimizers.Optimizer):
     The tables' gradients stay `tf.IndexedSlices` and only touched rows (and
     their optimizer state) change. The sparse state is created as this
     optimizer's variables, so `model.save_weights` / `tf.train.Checkpoint`
-    carry it.
+    carry it. With several ranks (Horovod), the dense gradients are averaged
+    across ranks in one grouped all-reduce before the dense update, and the
+    dense weights are broadcast from rank 0 when the optimizer is built.
 
     Example:
         >>> model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.Adam(1e-3),
@@ -42,6 +47,7 @@ class Optimizer(keras.optimizers.Optimizer):
 
     def build(self, var_list):
         sparse_vars, dense_vars = filter_variables(var_list)
+        broadcast_variables(dense_vars, root=0)
         self.dense.build(dense_vars)
         self.sparse.build(sparse_vars, slot_factory=self._slot)
         super().build(var_list)
@@ -63,6 +69,10 @@ class Optimizer(keras.optimizers.Optimizer):
         if sparse_pairs:
             self.sparse.apply_gradients(sparse_pairs)
         if dense_vars:
+            comm = context_lib.context().communicator
+            if comm.size > 1:
+                dense_grads = comm.allreduce([tf.convert_to_tensor(g) for g in dense_grads], "mean",
+                                             name="tf_sok.dense_gradients")
             self.dense.apply(dense_grads, dense_vars)
         self.iterations.assign_add(1)
 

@@ -1,0 +1,128 @@
+"""Multi-process behaviour through the real launcher (horovodrun, Gloo): N ranks
+must give what one process gives on the concatenated global batch."""
+import glob
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sok as sok
+from tests.horovod import cases, model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HOROVODRUN = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or shutil.which("horovodrun")
+pytestmark = pytest.mark.skipif(HOROVODRUN is None, reason="horovodrun not installed (make test installs it)")
+
+
+def launch(n, args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    cmd = [HOROVODRUN, "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_workers(n, scenario, seed, tmp_path):
+    p = launch(n, ["-m", "tests.horovod.worker", scenario, str(seed), str(tmp_path)])
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    return [dict(np.load(tmp_path / f"{scenario}.rank{r}.npz")) for r in range(n)]
+
+
+@pytest.fixture
+def seed():
+    s = secrets.randbits(31)
+    print(f"horovod case seed {s}")
+    return s
+
+
+def single_process_lookup(seed, num_ranks):
+    """Outputs (per feature, global batch) and dense gradients (per table) in one process."""
+    sok.init()
+    tables = model.make_tables(seed, 1)
+    feats, upstream, _ = cases.global_batch(seed, 0, num_ranks)
+    with tf.GradientTape() as tape:
+        outs = model.lookup(tables, feats)
+        loss = tf.add_n([tf.reduce_sum(o * upstream[n]) for o, (n, _, _, _) in zip(outs, cases.FEATURES)])
+    grads = tape.gradient(loss, list(tables.values()))
+    dense = {name: tf.math.unsorted_segment_sum(g.values, g.indices, tables[name].shape[0]).numpy()
+             for name, g in zip(tables, grads)}
+    return {n: o.numpy() for o, (n, _, _, _) in zip(outs, cases.FEATURES)}, dense
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_lookup_and_gradients_equal_single_process(tmp_path, seed, num_ranks):
+    ranks = run_workers(num_ranks, "lookups", seed, tmp_path)
+    ref_out, ref_grad = single_process_lookup(seed, num_ranks)
+    starts = np.cumsum([0] + [cases.batch_size(0, r) for r in range(num_ranks)])
+    for r, res in enumerate(ranks):
+        for reduction in ("sum", "mean"):
+            for mode in ("eager", "function"):
+                for name, _, _, _ in cases.FEATURES:
+                    np.testing.assert_allclose(res[f"{reduction}/{mode}/out/{name}"],
+                                               ref_out[name][starts[r]:starts[r + 1]], rtol=1e-5, atol=1e-6)
+                for table in cases.TABLES:
+                    rows = cases.local_rows(table, r, num_ranks)
+                    expect = ref_grad[table][rows] / (num_ranks if reduction == "mean" else 1)
+                    np.testing.assert_allclose(res[f"{reduction}/{mode}/grad/{table}"], expect, rtol=1e-5,
+                                               atol=1e-5, err_msg=f"rank {r} {reduction} {mode} {table}")
+
+
+def single_process_training(seed, num_ranks, opt_name, loss_scale):
+    sok.init()
+    cls, kwargs = cases.OPTIMIZERS[opt_name]
+    tables = model.make_tables(seed, 1)
+    dense_w = tf.Variable(model.dense_init(seed))
+    sparse_opt = getattr(sok.optimizers, cls)(**kwargs)
+    dense_opt = keras.optimizers.SGD(0.05)
+    for s in range(cases.STEPS):
+        feats, _, target = cases.global_batch(seed, s + 1, num_ranks)
+        with tf.GradientTape() as tape:
+            loss = model.mean_loss(tables, dense_w, feats, tf.constant(target)) * loss_scale
+        grads = tape.gradient(loss, list(tables.values()) + [dense_w])
+        sparse_opt.apply_gradients(zip(grads[:-1], tables.values()))
+        dense_opt.apply_gradients([(grads[-1] / loss_scale, dense_w)])  # dense grads are averaged
+    return {k: v.numpy() for k, v in tables.items()}, dense_w.numpy()
+
+
+def test_training_with_every_optimizer_equals_single_process(tmp_path, seed):
+    """N = 2. "mean": per-rank mean losses train like one process on the global
+    batch. "sum": the owners sum every rank's contributions, i.e. one process
+    with the loss summed over ranks (N x the global mean). Dense weights are
+    averaged by Horovod either way."""
+    n = 2
+    ranks = run_workers(n, "training", seed, tmp_path)
+    for reduction, scale in (("mean", 1.0), ("sum", float(n))):
+        for opt_name in cases.OPTIMIZERS:
+            ref_tables, ref_dense = single_process_training(seed, n, opt_name, scale)
+            for r, res in enumerate(ranks):
+                for table in cases.TABLES:
+                    np.testing.assert_allclose(res[f"{reduction}/{opt_name}/{table}"],
+                                               ref_tables[table][cases.local_rows(table, r, n)],
+                                               rtol=2e-4, atol=2e-5, err_msg=f"{reduction} {opt_name} {table}")
+                np.testing.assert_allclose(res[f"{reduction}/{opt_name}/dense"], ref_dense, rtol=2e-4, atol=2e-5)
+            np.testing.assert_array_equal(ranks[0][f"{reduction}/{opt_name}/dense"],
+                                          ranks[1][f"{reduction}/{opt_name}/dense"])
+
+
+def test_bad_configurations_raise_on_every_rank(tmp_path, seed):
+    ranks = run_workers(2, "bad_configs", seed, tmp_path)
+    for r, res in enumerate(ranks):
+        assert "ranks declare different tables" in str(res["shape"]) and "'mismatch'" in str(res["shape"])
+        assert "mode 'localized:2' needs rank 2, but there are 2 rank(s)" in str(res["localized"])
+        assert "ranks disagree on lookup step" in str(res["order"])
+        assert "feature 'clicks' has id 10 on rank 1, outside table 'ta' of 10 rows" in str(res["id"])
+    # the tables were not touched and the job could go on
+    assert ranks[0]["ok"].shape == (2, 4)
+
+
+def test_a_dead_rank_stops_the_job_in_bounded_time(tmp_path):
+    t0 = time.time()
+    p = launch(2, ["-m", "tests.horovod.worker", "rank_dies", "0", str(tmp_path)], timeout=300)
+    assert p.returncode != 0
+    assert "exit with status code 3" in p.stdout + p.stderr or "Exit code: 3" in p.stdout + p.stderr
+    assert time.time() - t0 < 120

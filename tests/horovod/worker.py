@@ -1,0 +1,118 @@
+"""Runs under horovodrun: `python -m tests.horovod.worker SCENARIO SEED OUTDIR`.
+Each rank writes what it computed to OUTDIR/<scenario>.rank<r>.npz; the pytest
+driver compares it with a single-process run of the same global batch."""
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as hvd
+
+hvd.init()
+
+import keras  # noqa: E402
+
+import tf_sok as sok  # noqa: E402
+from tests.horovod import cases, model  # noqa: E402
+
+
+def lookups(seed, out):
+    """Forward outputs and table gradients, both reductions, eager and tf.function."""
+    N, r = hvd.size(), hvd.rank()
+    res = {}
+    for reduction in ("sum", "mean"):
+        sok.init(sparse_grad_reduction=reduction)
+        tables = model.make_tables(seed, N)
+        feats, upstream, _ = cases.rank_batch(seed, 0, r)
+
+        def run():
+            with tf.GradientTape() as tape:
+                outs = model.lookup(tables, feats)
+                loss = tf.add_n([tf.reduce_sum(o * upstream[n]) for o, (n, _, _, _) in zip(outs, cases.FEATURES)])
+            return outs, tape.gradient(loss, list(tables.values()))
+
+        for mode, fn in (("eager", run), ("function", tf.function(run))):
+            outs, grads = fn()
+            for (name, _, _, _), o in zip(cases.FEATURES, outs):
+                res[f"{reduction}/{mode}/out/{name}"] = o.numpy()
+            for name, g in zip(tables, grads):
+                assert isinstance(g, tf.IndexedSlices), type(g)
+                res[f"{reduction}/{mode}/grad/{name}"] = tf.math.unsorted_segment_sum(
+                    g.values, g.indices, tables[name].shape[0]).numpy()
+    np.savez(out, **res)
+
+
+def training(seed, out):
+    """STEPS steps of every sparse optimizer + Keras SGD on the dense weight,
+    dense gradients averaged by hvd.DistributedGradientTape."""
+    N, r = hvd.size(), hvd.rank()
+    res = {}
+    for reduction in ("mean", "sum"):
+        sok.init(sparse_grad_reduction=reduction)
+        for opt_name, (cls, kwargs) in cases.OPTIMIZERS.items():
+            tables = model.make_tables(seed, N)
+            dense_w = tf.Variable(model.dense_init(seed))
+            sparse_opt = getattr(sok.optimizers, cls)(**kwargs)
+            dense_opt = keras.optimizers.SGD(0.05)
+
+            @tf.function
+            def step(feats, target):
+                with tf.GradientTape(persistent=True) as tape:
+                    loss = model.mean_loss(tables, dense_w, feats, target)
+                sok_vars, dense_vars = sok.filter_variables(list(tables.values()) + [dense_w])
+                dense_grads = hvd.DistributedGradientTape(tape).gradient(loss, dense_vars)
+                sparse_opt.apply_gradients(zip(tape.gradient(loss, sok_vars), sok_vars))
+                dense_opt.apply_gradients(zip(dense_grads, dense_vars))
+                return loss
+
+            for s in range(cases.STEPS):
+                feats, _, target = cases.rank_batch(seed, s + 1, r)
+                step(feats, tf.constant(target))
+            for name, t in tables.items():
+                res[f"{reduction}/{opt_name}/{name}"] = t.numpy()
+            res[f"{reduction}/{opt_name}/dense"] = dense_w.numpy()
+    np.savez(out, **res)
+
+
+def bad_configs(seed, out):
+    N, r = hvd.size(), hvd.rank()
+    sok.init()
+    errors = {}
+    try:
+        sok.Variable(shape=[10 + r, 4], name="mismatch")
+    except ValueError as e:
+        errors["shape"] = str(e)
+    try:
+        sok.Variable(shape=[10, 4], name="far", mode=f"localized:{N}")
+    except ValueError as e:
+        errors["localized"] = str(e)
+    a = sok.Variable(shape=[10, 4], name="ta")
+    b = sok.Variable(shape=[12, 4], name="tb")
+    ids = tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)
+    try:
+        sok.lookup_sparse([a, b] if r == 0 else [b, a], [ids, ids])
+    except tf.errors.InvalidArgumentError as e:
+        errors["order"] = str(e)
+    try:
+        bad = tf.ragged.constant([[1, 2], [3 if r == 0 else 10]], dtype=tf.int64)
+        sok.lookup_sparse([a], [bad], feature_names=["clicks"])
+    except tf.errors.InvalidArgumentError as e:
+        errors["id"] = str(e)
+    out_ok = sok.lookup_sparse([a], [ids], combiners="sum")[0]  # still healthy afterwards
+    np.savez(out, **{k: np.array(v) for k, v in errors.items()}, ok=out_ok.numpy(), table=a.numpy())
+
+
+def rank_dies(seed, out):
+    """Rank 1 dies before a lookup; rank 0 must not wait forever."""
+    sok.init()
+    table = sok.Variable(shape=[10, 4], name="t")
+    ids = tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)
+    sok.lookup_sparse(table, ids)
+    if hvd.rank() == 1:
+        os._exit(3)
+    sok.lookup_sparse(table, ids)
+
+
+if __name__ == "__main__":
+    scenario, seed, outdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    globals()[scenario](seed, os.path.join(outdir, f"{scenario}.rank{hvd.rank()}.npz"))

@@ -1,0 +1,45 @@
+"""Communication through Horovod's TensorFlow collectives (Gloo, MPI or NCCL)."""
+import tensorflow as tf
+
+from tf_sok.python.comm.base import Communicator
+
+
+class HorovodCommunicator(Communicator):
+    """Wraps an initialised `horovod.tensorflow` (call `hvd.init()` first).
+
+    Collectives are named by the caller so that every rank matches the same
+    operation whatever its graph looks like.
+    """
+
+    def __init__(self, hvd=None):
+        if hvd is None:
+            import horovod.tensorflow as hvd  # noqa: WPS433 (optional dependency)
+        if not hvd.is_initialized():
+            raise RuntimeError("HorovodCommunicator: call hvd.init() before sok.init()")
+        self._hvd = hvd
+
+    @property
+    def rank(self) -> int:
+        return self._hvd.rank()
+
+    @property
+    def size(self) -> int:
+        return self._hvd.size()
+
+    def alltoall(self, tensor, splits, name=None):
+        return self._hvd.alltoall(tensor, splits=tf.cast(splits, tf.int32), name=name, ignore_name_scope=True)
+
+    def allgather(self, tensor, name=None):
+        return self._hvd.allgather(tensor, name=name, ignore_name_scope=True)
+
+    def allreduce(self, tensors, op="mean", name=None):
+        if op not in ("sum", "mean"):
+            raise ValueError(f"unknown reduction {op!r}: use 'sum' or 'mean'")
+        tensors = list(tensors)
+        if not tensors:
+            return []
+        return self._hvd.grouped_allreduce(tensors, op=self._hvd.Average if op == "mean" else self._hvd.Sum,
+                                           name=name)
+
+    def broadcast(self, tensor, root=0, name=None):
+        return self._hvd.broadcast(tensor, root, name=name, ignore_name_scope=True)
