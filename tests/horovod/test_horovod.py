@@ -120,6 +120,18 @@ def test_bad_configurations_raise_on_every_rank(tmp_path, seed):
     assert ranks[0]["ok"].shape == (2, 4)
 
 
+def test_model_fit_averages_dense_weights_and_checkpoint_round_trips(tmp_path, seed):
+    ranks = run_workers(2, "keras_fit", seed % 1000, tmp_path)
+    dense_keys = sorted(k for k in ranks[0] if k.startswith("dense"))
+    assert len(dense_keys) >= 6
+    for k in dense_keys:  # each rank trained on different data, yet the dense weights agree
+        np.testing.assert_array_equal(ranks[0][k], ranks[1][k])
+    for res in ranks:
+        assert np.mean(res["loss"][-5:]) < np.mean(res["loss"][:5])
+        np.testing.assert_array_equal(res["after"], res["before"])
+    assert not np.array_equal(ranks[0]["before"], ranks[1]["before"])  # different inputs per rank
+
+
 def test_a_dead_rank_stops_the_job_in_bounded_time(tmp_path):
     t0 = time.time()
     p = launch(2, ["-m", "tests.horovod.worker", "rank_dies", "0", str(tmp_path)], timeout=300)

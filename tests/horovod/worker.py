@@ -102,6 +102,31 @@ def bad_configs(seed, out):
     np.savez(out, **{k: np.array(v) for k, v in errors.items()}, ok=out_ok.numpy(), table=a.numpy())
 
 
+def keras_fit(seed, out):
+    """model.fit of the DLRM example on each rank's own data; then a per-rank
+    tf.train.Checkpoint restored into a fresh model."""
+    from examples import dlrm_synthetic as demo
+
+    sok.init()
+    r = hvd.rank()
+    mdl = demo.build_model()
+    train = demo.make_dataset(*demo.make_data(40 * 256, seed=seed + r), 256)
+    hist = demo.History()
+    mdl.fit(train, epochs=1, verbose=0, callbacks=[hist])
+    x, _ = next(iter(demo.make_dataset(*demo.make_data(512, seed=seed + 100 + r), 512)))
+    before = mdl.predict_on_batch(x)
+    path = tf.train.Checkpoint(model=mdl, optimizer=mdl.optimizer).save(
+        os.path.join(os.path.dirname(out), f"ckpt_rank{r}", "ckpt"))
+    fresh = demo.build_model()
+    fresh(x)
+    fresh.optimizer.build(fresh.trainable_variables)
+    tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).restore(path).assert_existing_objects_matched()
+    after = fresh.predict_on_batch(x)
+    _, dense = sok.filter_variables(mdl.trainable_variables)
+    np.savez(out, before=before, after=after, loss=np.array(hist.loss),
+             **{f"dense{i}": v.numpy() for i, v in enumerate(dense)})
+
+
 def rank_dies(seed, out):
     """Rank 1 dies before a lookup; rank 0 must not wait forever."""
     sok.init()

@@ -1,6 +1,7 @@
-"""The lookup across ranks: ids travel to the ranks owning their rows by
-all-to-all, owners gather (once per distinct id) from their shards, vectors
-come back by all-to-all and are combined where the batch lives.
+"""The lookup across ranks: each distinct id of the step travels once, by
+all-to-all, to the rank owning its row; owners gather (once per distinct row)
+from their shards; vectors come back by all-to-all and are combined where the
+batch lives.
 
 Backward is TensorFlow's autodiff of the same graph: the all-to-all's gradient
 is the reverse all-to-all, so each owner receives the gradients of its rows and
@@ -81,8 +82,8 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
     with tf.control_dependencies(_check(comm, step, sig, metas, feature_table, ids, names)):
         ids = [tf.identity(v) for v in ids]
 
-    # 1. owner and key (table, local row) of every id, all features concatenated
-    owners, keys, counts = [], [], []
+    # 1. owner and (table, local row) of every id, all features concatenated
+    owners, wire_keys, global_keys, counts = [], [], [], []
     for f in range(F):
         t, v = feature_table[f], ids[f]
         spec = metas[t].sharding
@@ -90,13 +91,18 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
             owner, local = v % N, v // N
         else:
             owner, local = tf.fill(tf.shape(v), tf.constant(spec.owner, tf.int64)), v
+        tag = tf.bitwise.left_shift(tf.constant(t, tf.int64), _TABLE_SHIFT)
         owners.append(owner)
-        keys.append(tf.bitwise.bitwise_or(tf.bitwise.left_shift(tf.constant(t, tf.int64), _TABLE_SHIFT), local))
+        wire_keys.append(tf.bitwise.bitwise_or(tag, local))      # what the owner needs
+        global_keys.append(tf.bitwise.bitwise_or(tag, v))        # what identifies the row
         counts.append(tf.size(v, out_type=tf.int64))
-    owner = tf.concat(owners, 0)
-    order = tf.argsort(owner, stable=True)                       # send buffer in rank order
-    send_keys = tf.gather(tf.concat(keys, 0), order)
-    send_splits = tf.math.bincount(tf.cast(owner, tf.int32), minlength=N, maxlength=N)
+    # each distinct row travels once per step, however often the batch repeats it
+    distinct, req_inv = tf.unique(tf.concat(global_keys, 0))
+    first = tf.math.unsorted_segment_min(tf.range(tf.size(req_inv)), req_inv, tf.size(distinct))
+    req_owner = tf.gather(tf.concat(owners, 0), first)
+    order = tf.argsort(req_owner, stable=True)                   # send buffer in rank order
+    send_keys = tf.gather(tf.gather(tf.concat(wire_keys, 0), first), order)
+    send_splits = tf.math.bincount(tf.cast(req_owner, tf.int32), minlength=N, maxlength=N)
     recv_keys, recv_splits = comm.alltoall(send_keys, send_splits, name=f"tf_sok.keys.{step}.{sig}")
 
     # 2. owners: gather each distinct requested row once, from every table at once
@@ -116,7 +122,8 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
 
     # 3. vectors back, one all-to-all per embedding width
     sorted_table = tf.bitwise.right_shift(send_keys, _TABLE_SHIFT)
-    position_in_sorted = tf.math.invert_permutation(order)       # original position -> send position
+    # id position -> its distinct key -> that key's place in the send buffer
+    send_position = tf.gather(tf.math.invert_permutation(order), req_inv)
     starts = tf.cumsum(tf.stack(counts), exclusive=True)
     outputs = [None] * F
     for dim in sorted({m.dim for m in metas}):
@@ -137,7 +144,7 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
         for f in range(F):
             if feature_table[f] not in group:
                 continue
-            pos = tf.gather(position_in_sorted, tf.range(starts[f], starts[f] + counts[f]))
+            pos = tf.gather(send_position, tf.range(starts[f], starts[f] + counts[f]))
             rows = tf.gather(returned, tf.gather(slot_of_sent, pos))
             outputs[f] = _combine(rows, splits[f], weights[f], combiners[f])
     return outputs

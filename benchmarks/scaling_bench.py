@@ -1,0 +1,108 @@
+"""Per-rank throughput of a tf_sok training step at N = 1 and N = 2 ranks
+(horovodrun, Gloo), and the bytes each rank exchanges per step by all-to-all
+against the all-gather alternative, measured side by side in one run.
+
+    python benchmarks/scaling_bench.py [--ranks 1 2] [--batch 4096]
+
+The step: fused lookup of 8 features over 8 distributed tables, backward, lazy
+Adam on the shards. The per-rank batch is fixed, so ideal scaling keeps
+samples/s per rank constant. Bytes are counted from the step's actual ids:
+  all-to-all (tf_sok): each distinct (table, id) of the step to its owner
+    (8 B), its vector back (4*dim B) and, in backward, its gradient to the
+    owner (4*dim B), counting only what leaves the rank;
+  all-gather alternative: every rank receives every other rank's ids, and the
+    pooled outputs are reduce-scattered forward and all-gathered backward.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def worker(a):
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    import tensorflow as tf
+    import keras
+
+    import tf_sok as sok
+    from lookup_bench import make_batch
+
+    ctx = sok.init(sparse_grad_reduction="mean")
+    n, rank = ctx.num_ranks, ctx.rank
+    rng = np.random.default_rng(100 + rank)
+    batches = [make_batch(rng, a.tables, a.batch, a.rows, 4, 1.1) for _ in range(4)]
+    init = keras.initializers.RandomUniform(-0.05, 0.05)
+    tables = [sok.Variable(shape=[a.rows, a.dim], initializer=init, name=f"t{i}") for i in range(a.tables)]
+    opt = sok.optimizers.Adam(1e-3)
+
+    @tf.function(reduce_retracing=True)
+    def step(ids):
+        with tf.GradientTape() as tape:
+            outs = sok.lookup_sparse(tables, list(ids), combiners="mean")
+            loss = tf.add_n([tf.reduce_mean(tf.reduce_sum(o * o, 1)) for o in outs])
+        opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
+        return loss
+
+    for i in range(a.warmup):
+        float(step(batches[i % 4]))
+    times = []
+    for i in range(a.iters):
+        t0 = time.perf_counter()
+        float(step(batches[i % 4]))
+        times.append(time.perf_counter() - t0)
+    ids = np.concatenate([x.values.numpy() for x in batches[0]])
+    # tf_sok sends each distinct (table, id) of the step once; count those leaving the rank
+    remote = sum(len(np.unique(x.values.numpy()[x.values.numpy() % n != rank])) for x in batches[0])
+    alltoall = remote * (8 + 2 * 4 * a.dim)
+    allgather = (n - 1) * len(ids) * 8 + 2 * (n - 1) * a.batch * a.tables * a.dim * 4
+    if rank == 0:
+        print(json.dumps({"ranks": n, "ms": 1e3 * float(np.median(times)), "batch": a.batch,
+                          "alltoall_bytes": alltoall, "allgather_bytes": allgather}), flush=True)
+
+
+def driver(a):
+    runner = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
+    rows = []
+    for n in a.ranks:
+        cmd = [runner, "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable, __file__, "--worker",
+               "--batch", str(a.batch), "--rows", str(a.rows), "--dim", str(a.dim), "--tables", str(a.tables),
+               "--iters", str(a.iters)]
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        line = [l for l in p.stdout.splitlines() if '"ranks"' in l]
+        if p.returncode != 0 or not line:
+            sys.exit(f"N={n} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+        rows.append(json.loads(line[-1].split("<stdout>:")[-1]))
+    print(f"{a.tables} distributed tables x {a.rows:,} rows, dim {a.dim}, per-rank batch {a.batch}, "
+          f"sok Adam; {os.cpu_count()} CPU cores shared by all ranks")
+    print(f"{'ranks':>5s} {'ms/step':>9s} {'samples/s/rank':>15s} {'vs N=1':>7s} {'all-to-all B/rank':>18s} "
+          f"{'all-gather B/rank':>18s} {'ratio':>6s}")
+    base = rows[0]["batch"] / rows[0]["ms"]
+    for r in rows:
+        sps = r["batch"] / r["ms"] * 1e3
+        ratio = r["allgather_bytes"] / r["alltoall_bytes"] if r["alltoall_bytes"] else float("nan")
+        print(f"{r['ranks']:5d} {r['ms']:9.2f} {sps:15,.0f} {sps / base / 1e3:7.2f} {r['alltoall_bytes']:18,d} "
+              f"{r['allgather_bytes']:18,d} {ratio:6.2f}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args()
+    worker(args) if args.worker else driver(args)
