@@ -33,6 +33,10 @@ def worker(a):
     import tensorflow as tf
     import keras
 
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:  # one GPU per rank
+        tf.config.set_visible_devices(gpus[hvd.local_rank() % len(gpus)], "GPU")
+
     import tf_sok as sok
     from lookup_bench import make_batch
 
@@ -65,7 +69,8 @@ def worker(a):
     alltoall = remote * (8 + 2 * 4 * a.dim)
     allgather = (n - 1) * len(ids) * 8 + 2 * (n - 1) * a.batch * a.tables * a.dim * 4
     if rank == 0:
-        print(json.dumps({"ranks": n, "ms": 1e3 * float(np.median(times)), "batch": a.batch,
+        device = f"one GPU per rank ({len(gpus)} visible)" if gpus else f"{os.cpu_count()} CPU cores shared by all ranks"
+        print(json.dumps({"ranks": n, "device": device, "ms": 1e3 * float(np.median(times)), "batch": a.batch,
                           "alltoall_bytes": alltoall, "allgather_bytes": allgather}), flush=True)
 
 
@@ -76,14 +81,15 @@ def driver(a):
         cmd = [runner, "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable, __file__, "--worker",
                "--batch", str(a.batch), "--rows", str(a.rows), "--dim", str(a.dim), "--tables", str(a.tables),
                "--iters", str(a.iters)]
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+                   PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH")])))
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = [l for l in p.stdout.splitlines() if '"ranks"' in l]
         if p.returncode != 0 or not line:
             sys.exit(f"N={n} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
         rows.append(json.loads(line[-1].split("<stdout>:")[-1]))
-    print(f"{a.tables} distributed tables x {a.rows:,} rows, dim {a.dim}, per-rank batch {a.batch}, "
-          f"sok Adam; {os.cpu_count()} CPU cores shared by all ranks")
+    print(f"{a.tables} distributed tables x {a.rows:,} rows, dim {a.dim}, per-rank batch {a.batch}, sok Adam; "
+          f"{rows[-1]['device']}")
     print(f"{'ranks':>5s} {'ms/step':>9s} {'samples/s/rank':>15s} {'vs N=1':>7s} {'all-to-all B/rank':>18s} "
           f"{'all-gather B/rank':>18s} {'ratio':>6s}")
     base = rows[0]["batch"] / rows[0]["ms"]

@@ -22,7 +22,12 @@ pytestmark = pytest.mark.skipif(HOROVODRUN is None, reason="horovodrun not insta
 
 
 def launch(n, args, timeout=600):
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    """horovodrun -np n over Gloo. Ranks use the CPU unless TF_SOK_TEST_HOROVOD_GPU=1, where
+    each rank takes GPU local_rank (the two-GPU machine)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               TF_CPP_MIN_LOG_LEVEL="2")
+    if os.environ.get("TF_SOK_TEST_HOROVOD_GPU") != "1":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [HOROVODRUN, "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable, *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -9,6 +9,9 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 hvd.init()
+_gpus = tf.config.list_physical_devices("GPU")
+if _gpus:  # one GPU per rank
+    tf.config.set_visible_devices(_gpus[hvd.local_rank() % len(_gpus)], "GPU")
 
 import keras  # noqa: E402
 

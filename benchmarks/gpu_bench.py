@@ -1,0 +1,211 @@
+"""GPU benchmark of tf_sok on one device, everything measured in one run.
+
+    python benchmarks/gpu_bench.py [--quick] [--torch]   (on a machine with a CUDA GPU)
+
+(a) forward lookup throughput (bytes/s) against the device copy bandwidth measured
+    here: uniform and Zipf(1.05, 1.2) ids, dim 16/64/128, hotness 1/10/64, batch 64K,
+    one 1e7-row table. "physical" bytes count ids, splits, each distinct gathered row
+    once and the outputs; "application" bytes count every id's row (no dedup).
+(b) DLRM-like training step: 26 tables (Criteo Kaggle cardinalities capped at 1e7),
+    dim 128, batch 64K, 1 and 10 Zipf(1.05) ids per feature, loss = sum of squared
+    pooled outputs: tf_sok + lazy Adam / SGD against TensorFlow's path
+    (tf.nn.embedding_lookup_sparse + Keras Adam / SGD), and the step's bandwidth floor.
+(c) step time with a 1e5-row vs a 5e7-row table, same ids.
+(d) with --torch: the same (a) and (b) shapes with PyTorch's EmbeddingBag
+    (+ SparseAdam / SGD) in a separate process (benchmarks/torch_bench.py).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+import tf_sok as sok
+from gpu_common import CARDINALITIES, fixed_hot_batch, ids_for
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def timed(fn, iters, warmup=3):
+    for _ in range(warmup):
+        float(fn())
+    t = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        float(fn())
+        t.append(time.perf_counter() - t0)
+    return float(np.median(t))
+
+
+def copy_bandwidth():
+    x = tf.random.uniform([256 * 1024 * 1024], dtype=tf.float32)  # 1 GiB
+
+    @tf.function
+    def copy():
+        return (x + 1.0)[0]  # reads and writes 1 GiB
+
+    return 2 * 4 * x.shape[0] / timed(copy, 10)
+
+
+def forward_section(a, bw):
+    rows = 10_000_000
+    print(f"\n(a) forward lookup, 1 table x {rows:,} rows, batch {a.batch}, sum combiner "
+          f"(copy bandwidth {bw / 1e12:.2f} TB/s)")
+    print(f"{'ids':>10s} {'dim':>4s} {'hot':>4s} {'ms':>8s} {'physical TB/s':>14s} {'% copy':>7s} "
+          f"{'application TB/s':>17s}")
+    rng = np.random.default_rng(0)
+    res = []
+    for dim in a.dims:
+        table = sok.Variable(shape=[rows, dim], initializer=keras.initializers.RandomUniform(-1, 1), name=f"fw{dim}")
+        for hot in a.hotness:
+            for dist in ("uniform", "zipf:1.05", "zipf:1.2"):
+                ids, splits = fixed_hot_batch(rng, rows, a.batch, hot, dist)
+                rt = tf.RaggedTensor.from_row_splits(tf.constant(ids), tf.constant(splits))
+
+                @tf.function
+                def fwd():
+                    return tf.reduce_sum(sok.lookup_sparse(table, rt, combiners="sum")[:1])
+
+                s = timed(fwd, a.iters)
+                n, uniq = len(ids), len(np.unique(ids))
+                common = n * 8 + (a.batch + 1) * 8 + a.batch * dim * 4
+                phys, app = (common + uniq * dim * 4) / s, (common + n * dim * 4) / s
+                res.append({"dist": dist, "dim": dim, "hot": hot, "ms": s * 1e3, "physical": phys, "app": app})
+                print(f"{dist:>10s} {dim:4d} {hot:4d} {s * 1e3:8.3f} {phys / 1e12:14.2f} {100 * phys / bw:6.0f}% "
+                      f"{app / 1e12:17.2f}")
+        del table
+    return res
+
+
+def make_step(tables, features, opt, path):
+    if path == "sok":
+        @tf.function
+        def step(batch):
+            with tf.GradientTape() as tape:
+                outs = sok.lookup_sparse([tables[t] for t in features], list(batch), combiners="sum")
+                loss = tf.add_n([tf.reduce_sum(o * o) for o in outs])
+            opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
+            return loss
+    else:
+        @tf.function
+        def step(batch):
+            with tf.GradientTape() as tape:
+                outs = [tf.nn.embedding_lookup_sparse(tables[t], x.to_sparse(), None, combiner="sum")
+                        for t, x in zip(features, batch)]
+                loss = tf.add_n([tf.reduce_sum(o * o) for o in outs])
+            opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
+            return loss
+    return step
+
+
+def floor_bytes(batches, dims, batch, adam):
+    """Bytes one training step must move: ids + splits, distinct rows gathered, outputs and
+    their gradients, and each distinct row's weights and optimizer state read and written."""
+    total = 0
+    for (ids, _), dim in zip(batches, dims):
+        uniq = len(np.unique(ids))
+        total += len(ids) * 8 + (batch + 1) * 8 + uniq * dim * 4 + 2 * batch * dim * 4
+        total += uniq * dim * 4 * 2 * (3 if adam else 1) + (uniq * 4 * 2 if adam else 0)
+    return total
+
+
+def training_section(a, bw):
+    dim = 128
+    print(f"\n(b) DLRM-like step: 26 tables (Criteo Kaggle cardinalities capped at 1e7), dim {dim}, "
+          f"batch {a.batch}, Zipf(1.05), loss = sum of squared pooled outputs")
+    rng = np.random.default_rng(1)
+    init = keras.initializers.RandomUniform(-0.05, 0.05)
+    res = {}
+    for hot in a.train_hotness:
+        raw = [fixed_hot_batch(rng, rows, a.batch, hot, "zipf:1.05") for rows in CARDINALITIES]
+        batch = [tf.RaggedTensor.from_row_splits(tf.constant(i), tf.constant(s)) for i, s in raw]
+        for name, make_opt, adam in (("adam", lambda: keras.optimizers.Adam(1e-3), True),
+                                     ("sgd", lambda: keras.optimizers.SGD(1e-2), False)):
+            row = {}
+            for path in ("tf", "sok"):
+                if path == "sok":
+                    tables = [sok.Variable(shape=[r, dim], initializer=init, name=f"c{i}")
+                              for i, r in enumerate(CARDINALITIES)]
+                    opt = sok.OptimizerWrapper(make_opt())
+                else:
+                    tables = [tf.Variable(init((r, dim))) for r in CARDINALITIES]
+                    opt = make_opt()
+                step_fn = make_step(tables, list(range(26)), opt, path)
+                row[path] = timed(lambda: step_fn(batch), a.iters)
+                del tables, opt, step_fn
+            floor = floor_bytes(raw, [dim] * 26, a.batch, adam) / bw
+            res[f"{name}/{hot}"] = {"tf_ms": row["tf"] * 1e3, "sok_ms": row["sok"] * 1e3, "floor_ms": floor * 1e3}
+            print(f"  {hot:2d} id/feature, {name:4s}: TensorFlow {row['tf'] * 1e3:8.2f} ms "
+                  f"({a.batch / row['tf']:12,.0f} samples/s) | tf_sok {row['sok'] * 1e3:7.2f} ms "
+                  f"({a.batch / row['sok']:12,.0f} samples/s) | {row['tf'] / row['sok']:5.1f}x | "
+                  f"bandwidth floor {floor * 1e3:.2f} ms, tf_sok at {row['sok'] / floor:.1f}x the floor")
+    return res
+
+
+def size_section(a):
+    print("\n(c) tf_sok Adam step, one table, 8 features x batch "
+          f"{a.batch} x 4 ids, dim 128, the same ids in both tables")
+    out = {}
+    for rows in (100_000, 50_000_000):
+        rng = np.random.default_rng(2)
+        batch = []
+        for _ in range(8):
+            ids, splits = fixed_hot_batch(rng, 100_000, a.batch, 4, "zipf:1.05")
+            batch.append(tf.RaggedTensor.from_row_splits(tf.constant(ids * 2654435761 % rows), tf.constant(splits)))
+        table = sok.Variable(shape=[rows, 128], initializer="zeros", name=f"size{rows}")
+        step = make_step([table], [0] * 8, sok.optimizers.Adam(1e-3), "sok")
+        out[rows] = timed(lambda: step(batch), a.iters)
+        del table, step
+    print(f"  100,000 rows {out[100_000] * 1e3:.2f} ms, 50,000,000 rows {out[50_000_000] * 1e3:.2f} ms, "
+          f"ratio {out[50_000_000] / out[100_000]:.2f}")
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=65536)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--dims", type=int, nargs="+", default=[16, 64, 128])
+    p.add_argument("--hotness", type=int, nargs="+", default=[1, 10, 64])
+    p.add_argument("--train-hotness", type=int, nargs="+", default=[1, 10])
+    p.add_argument("--torch", action="store_true", help="also run the PyTorch peer (benchmarks/torch_bench.py)")
+    p.add_argument("--json", help="write all results here")
+    a = p.parse_args()
+    if not tf.config.list_physical_devices("GPU"):
+        sys.exit("gpu_bench: no GPU visible to TensorFlow")
+    sok.init()
+    gpu = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0]).get("device_name")
+    with tf.device("/GPU:0"):
+        bw = copy_bandwidth()
+        print(f"{gpu}: copy bandwidth (read + write) {bw / 1e12:.2f} TB/s")
+        results = {"copy_bw": bw, "forward": forward_section(a, bw), "train": training_section(a, bw),
+                   "size": size_section(a)}
+    if a.torch:
+        cmd = [sys.executable, os.path.join(HERE, "torch_bench.py"), "--batch", str(a.batch), "--iters",
+               str(a.iters), "--copy-bw", str(bw)]
+        p2 = subprocess.run(cmd, capture_output=True, text=True)
+        print(p2.stdout + p2.stderr[-2000:])
+        peer = json.loads([l for l in p2.stdout.splitlines() if l.startswith("{")][-1])
+        results["torch"] = peer
+        print("\n(d) tf_sok vs PyTorch on the same shapes (ratio = PyTorch time / tf_sok time)")
+        for key, r in results["train"].items():
+            t = peer["train"].get(key)
+            if t:
+                print(f"  step {key:8s}: PyTorch {t:8.2f} ms, tf_sok {r['sok_ms']:7.2f} ms, {t / r['sok_ms']:5.2f}x")
+        for f in results["forward"]:
+            t = peer["forward"].get(f"{f['dist']}/{f['dim']}/{f['hot']}")
+            if t:
+                print(f"  forward {f['dist']:>9s} dim {f['dim']:3d} hot {f['hot']:2d}: PyTorch {t:7.3f} ms, "
+                      f"tf_sok {f['ms']:7.3f} ms, {t / f['ms']:5.2f}x")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(results, fh, indent=1, default=float)
+
+
+if __name__ == "__main__":
+    main()
