@@ -1,0 +1,1 @@
+"""Criteo-format input pipelines (see tf_sok.data)."""
