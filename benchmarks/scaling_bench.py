@@ -16,7 +16,6 @@ samples/s per rank constant. Bytes are counted from the step's actual ids:
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -75,10 +74,9 @@ def worker(a):
 
 
 def driver(a):
-    runner = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or "horovodrun"
     rows = []
     for n in a.ranks:
-        cmd = [runner, "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable, __file__, "--worker",
+        cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable, __file__, "--worker",
                "--batch", str(a.batch), "--rows", str(a.rows), "--dim", str(a.dim), "--tables", str(a.tables),
                "--iters", str(a.iters)]
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",

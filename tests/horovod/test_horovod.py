@@ -3,7 +3,6 @@ must give what one process gives on the concatenated global batch."""
 import glob
 import os
 import secrets
-import shutil
 import subprocess
 import sys
 import time
@@ -17,18 +16,30 @@ import tf_sok as sok
 from tests.horovod import cases, model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HOROVODRUN = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or shutil.which("horovodrun")
-pytestmark = pytest.mark.skipif(HOROVODRUN is None, reason="horovodrun not installed (make test installs it)")
+try:
+    import horovod.runner.launch  # noqa: F401  (horovodrun's entry point, run with this interpreter)
+    HOROVOD = True
+except ImportError:
+    HOROVOD = False
+pytestmark = pytest.mark.skipif(not HOROVOD, reason="Horovod not installed (make test installs it)")
+
+if os.environ.get("TF_SOK_TEST_HOROVOD_GPU") == "1":
+    # the workers take the GPUs; the single-process references here run on the CPU, and must not
+    # reserve GPU memory the workers' NCCL communicators need
+    tf.config.set_visible_devices([], "GPU")
 
 
 def launch(n, args, timeout=600):
-    """horovodrun -np n over Gloo. Ranks use the CPU unless TF_SOK_TEST_HOROVOD_GPU=1, where
+    """horovodrun -np n over Gloo (as `python -m horovod.runner.launch`, same interpreter). Ranks use the CPU unless TF_SOK_TEST_HOROVOD_GPU=1, where
     each rank takes GPU local_rank (the two-GPU machine)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                TF_CPP_MIN_LOG_LEVEL="2")
     if os.environ.get("TF_SOK_TEST_HOROVOD_GPU") != "1":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [HOROVODRUN, "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable, *args]
+    else:
+        env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
+    cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(n), "-H", f"localhost:{n}", "--gloo",
+           sys.executable, *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
