@@ -133,7 +133,7 @@ def training_section(a, bw):
         for name, make_opt, adam in (("adam", lambda: keras.optimizers.Adam(1e-3), True),
                                      ("sgd", lambda: keras.optimizers.SGD(1e-2), False)):
             row = {}
-            for path in ("tf", "sok"):
+            for path in a.paths:
                 if path == "sok":
                     tables = [sok.Variable(shape=[r, dim], initializer=init, name=f"c{i}")
                               for i, r in enumerate(CARDINALITIES)]
@@ -146,11 +146,13 @@ def training_section(a, bw):
                 del tables, opt, step_fn
                 gc.collect()  # traced functions hold the tables: free them before the next path
             floor = floor_bytes(raw, [dim] * 26, a.batch, adam) / bw
-            res[f"{name}/{hot}"] = {"tf_ms": row["tf"] * 1e3, "sok_ms": row["sok"] * 1e3, "floor_ms": floor * 1e3}
-            print(f"  {hot:2d} id/feature, {name:4s}: TensorFlow {row['tf'] * 1e3:8.2f} ms "
-                  f"({a.batch / row['tf']:12,.0f} samples/s) | tf_sok {row['sok'] * 1e3:7.2f} ms "
-                  f"({a.batch / row['sok']:12,.0f} samples/s) | {row['tf'] / row['sok']:5.1f}x | "
-                  f"bandwidth floor {floor * 1e3:.2f} ms, tf_sok at {row['sok'] / floor:.1f}x the floor")
+            res[f"{name}/{hot}"] = {f"{k}_ms": v * 1e3 for k, v in row.items()}
+            res[f"{name}/{hot}"]["floor_ms"] = floor * 1e3
+            tf_part = (f"TensorFlow {row['tf'] * 1e3:8.2f} ms ({a.batch / row['tf']:12,.0f} samples/s) | "
+                       f"{row['tf'] / row['sok']:5.1f}x | ") if "tf" in row else ""
+            print(f"  {hot:2d} id/feature, {name:4s}: {tf_part}tf_sok {row['sok'] * 1e3:7.2f} ms "
+                  f"({a.batch / row['sok']:12,.0f} samples/s) | bandwidth floor {floor * 1e3:.2f} ms, "
+                  f"tf_sok at {row['sok'] / floor:.1f}x the floor")
     return res
 
 
@@ -183,6 +185,10 @@ def main():
     p.add_argument("--train-hotness", type=int, nargs="+", default=[1, 10])
     p.add_argument("--torch", action="store_true", help="also run the PyTorch peer (benchmarks/torch_bench.py)")
     p.add_argument("--json", help="write all results here")
+    p.add_argument("--sections", nargs="+", default=["forward", "train", "size"],
+                   choices=["forward", "train", "size"])
+    p.add_argument("--paths", nargs="+", default=["tf", "sok"], choices=["tf", "sok"],
+                   help="training step paths to time (sok only: a quick check without the baseline)")
     a = p.parse_args()
     if not tf.config.list_physical_devices("GPU"):
         sys.exit("gpu_bench: no GPU visible to TensorFlow")
@@ -191,8 +197,13 @@ def main():
     with tf.device("/GPU:0"):
         bw = copy_bandwidth()
         print(f"{gpu}: copy bandwidth (read + write) {bw / 1e12:.2f} TB/s")
-        results = {"copy_bw": bw, "forward": forward_section(a, bw), "train": training_section(a, bw),
-                   "size": size_section(a)}
+        results = {"copy_bw": bw}
+        if "forward" in a.sections:
+            results["forward"] = forward_section(a, bw)
+        if "train" in a.sections:
+            results["train"] = training_section(a, bw)
+        if "size" in a.sections:
+            results["size"] = size_section(a)
     if a.torch:
         cmd = [sys.executable, os.path.join(HERE, "torch_bench.py"), "--batch", str(a.batch), "--iters",
                str(a.iters), "--copy-bw", str(bw)]

@@ -258,15 +258,28 @@ template <typename Id>
 struct LookupGrad<GpuDevice, Id> {
   Error Prepare(const GpuDevice& d, const std::vector<TableGradInput<Id>>& tables,
                 std::vector<GradPlan<Id>>* plans) {
-    plans->assign(tables.size(), GradPlan<Id>());
-    for (size_t t = 0; t < tables.size(); ++t) {
-      Error e = PrepareTable(d, tables[t], &(*plans)[t]);
+    using namespace gpu;
+    const size_t T = tables.size();
+    plans->assign(T, GradPlan<Id>());
+    // Every table's sort and dedup is queued first; their unique counts then come
+    // back in ONE device-to-host copy, so the stream is waited on once per op.
+    int* counts = Alloc<int>(d, T);
+    if (!counts) return OutOfMemory();
+    cudaMemsetAsync(counts, 0, sizeof(int) * T, StreamOf(d));
+    for (size_t t = 0; t < T; ++t) {
+      Error e = PrepareTable(d, tables[t], &(*plans)[t], counts + t);
       if (!e.ok()) return e;
     }
+    std::vector<int> host(T, 0);
+    cudaMemcpyAsync(host.data(), counts, sizeof(int) * T, cudaMemcpyDeviceToHost, StreamOf(d));
+    cudaError_t c = cudaStreamSynchronize(StreamOf(d));
+    if (c != cudaSuccess) return CudaFailure(c);
+    for (size_t t = 0; t < T; ++t) (*plans)[t].num_unique = host[t];
     return Error();
   }
 
-  Error PrepareTable(const GpuDevice& d, const TableGradInput<Id>& in, GradPlan<Id>* plan) {
+  // Queues one table's expand + group-by-id; its unique count lands in *count (device).
+  Error PrepareTable(const GpuDevice& d, const TableGradInput<Id>& in, GradPlan<Id>* plan, int* count) {
     using namespace gpu;
     const auto& features = in.features;
     const int dim = in.dim;
@@ -299,11 +312,7 @@ struct LookupGrad<GpuDevice, Id> {
     auto g = std::make_shared<Groups>();
     Error e = GroupByKey(d, keys, static_cast<int>(total), 64, g.get());
     if (!e.ok()) return e;
-    int num_unique = 0;
-    cudaMemcpyAsync(&num_unique, g->num_unique, sizeof(int), cudaMemcpyDeviceToHost, StreamOf(d));
-    cudaError_t c = cudaStreamSynchronize(StreamOf(d));
-    if (c != cudaSuccess) return CudaFailure(c);
-    plan->num_unique = num_unique;
+    cudaMemcpyAsync(count, g->num_unique, sizeof(int), cudaMemcpyDeviceToDevice, StreamOf(d));
     plan->coef = coef;
     plan->grad_rows = grad_rows;
     plan->state = g;
