@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -37,7 +36,7 @@ def worker(a):
         tf.config.set_visible_devices(gpus[hvd.local_rank() % len(gpus)], "GPU")
 
     import tf_sok as sok
-    from lookup_bench import make_batch
+    from lookup_bench import make_batch, time_step
 
     ctx = sok.init(sparse_grad_reduction="mean")
     n, rank = ctx.num_ranks, ctx.rank
@@ -55,13 +54,7 @@ def worker(a):
         opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
         return loss
 
-    for i in range(a.warmup):
-        float(step(batches[i % 4]))
-    times = []
-    for i in range(a.iters):
-        t0 = time.perf_counter()
-        float(step(batches[i % 4]))
-        times.append(time.perf_counter() - t0)
+    seconds = time_step(step, batches, a.warmup, a.iters)
     ids = np.concatenate([x.values.numpy() for x in batches[0]])
     # tf_sok sends each distinct (table, id) of the step once; count those leaving the rank
     remote = sum(len(np.unique(x.values.numpy()[x.values.numpy() % n != rank])) for x in batches[0])
@@ -69,7 +62,7 @@ def worker(a):
     allgather = (n - 1) * len(ids) * 8 + 2 * (n - 1) * a.batch * a.tables * a.dim * 4
     if rank == 0:
         device = f"one GPU per rank ({len(gpus)} visible)" if gpus else f"{os.cpu_count()} CPU cores shared by all ranks"
-        print(json.dumps({"ranks": n, "device": device, "ms": 1e3 * float(np.median(times)), "batch": a.batch,
+        print(json.dumps({"ranks": n, "device": device, "ms": 1e3 * seconds, "batch": a.batch,
                           "alltoall_bytes": alltoall, "allgather_bytes": allgather}), flush=True)
 
 
