@@ -137,3 +137,34 @@ class TestBadInput:
             sok.lookup_sparse([tf.Variable(tf.zeros([4, 4]))], [ids])
         with pytest.raises(ValueError, match="combiner"):
             sok.lookup_sparse([table], [ids], combiners=["max"])
+
+
+def test_fused_combine_over_tensors_matches_numpy_and_its_gradient(rng):
+    from tf_sok.python.ops import lookup_ops
+
+    params_np = [rng.standard_normal((30, 4)).astype(np.float32), rng.standard_normal((12, 6)).astype(np.float32)]
+    params = [tf.constant(p) for p in params_np]
+    feats = [(0, random_ragged(rng, 9, 30, 4), "mean"), (1, random_ragged(rng, 9, 12, 3), "sqrtn"),
+             (0, random_ragged(rng, 9, 30, 2), "sum")]
+    up = [rng.standard_normal((9, params_np[t].shape[1])).astype(np.float32) for t, _, _ in feats]
+    with tf.GradientTape() as tape:
+        tape.watch(params)
+        outs = lookup_ops.fused_combine(
+            params, [tf.constant(ids) for _, (_, ids), _ in feats],
+            [to_ragged(lens, ids).row_splits for _, (lens, ids), _ in feats], [tf.zeros([0])] * 3,
+            feature_table=[t for t, _, _ in feats], combiners=[c for _, _, c in feats], weighted=[False] * 3,
+            feature_names=["a", "b", "c"], table_names=["p0", "p1"])
+        loss = sum(tf.reduce_sum(o * u) for o, u in zip(outs, up))
+    grads = tape.gradient(loss, params)
+    with tf.GradientTape() as ref_tape:
+        ref_tape.watch(params)
+        ref = [tf.nn.embedding_lookup_sparse(params[t], to_ragged(*x).to_sparse(), None, combiner=c)
+               for t, x, c in feats]
+        ref_loss = sum(tf.reduce_sum(o * u[:o.shape[0]]) for o, u in zip(ref, up))
+    ref_grads = ref_tape.gradient(ref_loss, params)
+    for (t, (lens, ids), c), o in zip(feats, outs):
+        np.testing.assert_allclose(o.numpy(), np_lookup(params_np[t], lens, ids, None, c), rtol=1e-5, atol=1e-6)
+    for t, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert isinstance(g, tf.IndexedSlices)
+        rows = params_np[t].shape[0]
+        np.testing.assert_allclose(dense_grad(g, rows), dense_grad(r, rows), rtol=1e-5, atol=1e-5)

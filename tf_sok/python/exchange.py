@@ -125,8 +125,9 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
     # id position -> its distinct key -> that key's place in the send buffer
     send_position = tf.gather(tf.math.invert_permutation(order), req_inv)
     starts = tf.cumsum(tf.stack(counts), exclusive=True)
-    outputs = [None] * F
-    for dim in sorted({m.dim for m in metas}):
+    dims = sorted({m.dim for m in metas})
+    returned_by_dim, slot_by_dim = [], []
+    for dim in dims:
         group = [t for t in range(T) if metas[t].dim == dim]
         u_rows = tf.concat([gathered[t] for t in group], 0)
         u_index = tf.concat([sel[t] for t in group], 0)
@@ -137,27 +138,19 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
             vectors = _scale_gradient(vectors, 1.0 / N)
         back_splits = tf.math.unsorted_segment_sum(tf.cast(in_group, tf.int32), src_rank, N)
         returned, _ = comm.alltoall(vectors, back_splits, name=f"tf_sok.vectors{dim}.{step}.{sig}")
+        returned_by_dim.append(returned)
         sent_in_group = tf.reduce_any(tf.equal(sorted_table[:, None], tf.constant(group, tf.int64)[None, :]), axis=1)
-        slot_of_sent = tf.cumsum(tf.cast(sent_in_group, tf.int64)) - 1  # send position -> row of `returned`
+        slot_by_dim.append(tf.cumsum(tf.cast(sent_in_group, tf.int64)) - 1)  # send position -> returned row
 
-        # 4. combine where the batch lives
-        for f in range(F):
-            if feature_table[f] not in group:
-                continue
-            pos = tf.gather(send_position, tf.range(starts[f], starts[f] + counts[f]))
-            rows = tf.gather(returned, tf.gather(slot_of_sent, pos))
-            outputs[f] = _combine(rows, splits[f], weights[f], combiners[f])
-    return outputs
-
-
-def _combine(rows, splits, weights, combiner):
-    """sum / mean / sqrtn of each batch row's vectors, as tf.nn.embedding_lookup_sparse."""
-    batch = tf.size(splits) - 1
-    row_ids = tf.repeat(tf.range(batch), splits[1:] - splits[:-1])
-    w = tf.ones(tf.shape(rows)[:1], tf.float32) if weights is None else weights
-    total = tf.math.unsorted_segment_sum(rows * w[:, None], row_ids, batch)
-    if combiner == "sum":
-        return total
-    wsum = tf.math.unsorted_segment_sum(w, row_ids, batch)
-    denom = wsum if combiner == "mean" else tf.sqrt(tf.math.unsorted_segment_sum(w * w, row_ids, batch))
-    return tf.math.divide_no_nan(total, denom[:, None])
+    # 4. combine where the batch lives: one fused op pools every feature from the received vectors
+    rows_of_feature = []
+    for f in range(F):
+        g = dims.index(metas[feature_table[f]].dim)
+        pos = tf.gather(send_position, tf.range(starts[f], starts[f] + counts[f]))
+        rows_of_feature.append(tf.gather(slot_by_dim[g], pos))
+    weighted = [w is not None for w in weights]
+    return lookup_ops.fused_combine(
+        returned_by_dim, rows_of_feature, splits,
+        [w if w is not None else tf.zeros([0], tf.float32) for w in weights],
+        feature_table=[dims.index(metas[feature_table[f]].dim) for f in range(F)], combiners=combiners,
+        weighted=weighted, feature_names=names, table_names=[f"vectors of width {d}" for d in dims])

@@ -115,7 +115,27 @@ absl::Status Explain(const LookupAttrs& a, const impl::Error& e,
   return absl::UnknownError("tf_sok lookup: unknown error");
 }
 
-template <typename Device, typename Id>
+// Table t's current value: a variable's buffer (TfSokFusedLookup) or a plain
+// float tensor (TfSokFusedCombine).
+absl::Status TableInput(tf::OpKernelContext* ctx, int t, bool from_variable, const std::string& name,
+                        tf::Tensor* out) {
+  if (!from_variable) {
+    *out = ctx->input(t);
+    if (out->dtype() != tf::DT_FLOAT || out->dims() != 2) {
+      return absl::InvalidArgumentError(absl::StrCat("tf_sok combine: rows of '", name,
+                                                     "' must be a float32 matrix, got ",
+                                                     out->shape().DebugString()));
+    }
+    return absl::OkStatus();
+  }
+  tf::core::RefCountPtr<tf::Var> var;
+  TF_RETURN_IF_ERROR(GetVar(ctx, t, 2, absl::StrCat("table '", name, "'"), &var));
+  tf::tf_shared_lock l(*var->mu());
+  *out = *var->tensor();
+  return absl::OkStatus();
+}
+
+template <typename Device, typename Id, bool kFromVariables>
 class FusedLookupOp : public tf::OpKernel {
  public:
   explicit FusedLookupOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
@@ -127,13 +147,7 @@ class FusedLookupOp : public tf::OpKernel {
     std::vector<tf::Tensor> held(T);  // keeps each table's buffer alive while reading
     std::vector<impl::TableView> tables(T);
     for (int t = 0; t < T; ++t) {
-      tf::core::RefCountPtr<tf::Var> var;
-      OP_REQUIRES_OK(ctx, GetVar(ctx, t, 2, absl::StrCat("table '", attrs_.table_names[t], "'"),
-                                 &var));
-      {
-        tf::tf_shared_lock l(*var->mu());
-        held[t] = *var->tensor();
-      }
+      OP_REQUIRES_OK(ctx, TableInput(ctx, t, kFromVariables, attrs_.table_names[t], &held[t]));
       OP_REQUIRES(ctx, held[t].dim_size(1) == attrs_.dims[t],
                   absl::InvalidArgumentError(absl::StrCat(
                       "tf_sok lookup: table '", attrs_.table_names[t], "' has shape ",
@@ -216,7 +230,10 @@ class FusedLookupGradOp : public tf::OpKernel {
 #define TF_SOK_REGISTER_LOOKUP(DEV, DEVICE, ID)                        \
   REGISTER_KERNEL_BUILDER(                                                           \
       Name("TfSokFusedLookup").Device(DEV).TypeConstraint<ID>("Tid"),                \
-      FusedLookupOp<DEVICE, ID>);                                                    \
+      FusedLookupOp<DEVICE, ID, true>);                                              \
+  REGISTER_KERNEL_BUILDER(                                                           \
+      Name("TfSokFusedCombine").Device(DEV).TypeConstraint<ID>("Tid"),               \
+      FusedLookupOp<DEVICE, ID, false>);                                             \
   REGISTER_KERNEL_BUILDER(                                                           \
       Name("TfSokFusedLookupGrad").Device(DEV).TypeConstraint<ID>("Tid"),            \
       FusedLookupGradOp<DEVICE, ID>);

@@ -8,6 +8,33 @@ namespace tf_sok {
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
+// Output f is [rows of row_splits f - 1, dims[feature_table[f]]].
+absl::Status PooledOutputShapes(InferenceContext* c) {
+  int num_features, num_tables;
+  std::vector<int> feature_table, dims;
+  TF_RETURN_IF_ERROR(c->GetAttr("num_features", &num_features));
+  TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &num_tables));
+  TF_RETURN_IF_ERROR(c->GetAttr("feature_table", &feature_table));
+  TF_RETURN_IF_ERROR(c->GetAttr("dims", &dims));
+  if (static_cast<int>(feature_table.size()) != num_features ||
+      static_cast<int>(dims.size()) != num_tables) {
+    return absl::InvalidArgumentError(
+        "tf_sok lookup: feature_table needs one entry per feature and dims one per table");
+  }
+  for (int f = 0; f < num_features; ++f) {
+    ShapeHandle splits;
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(num_tables + num_features + f), 1, &splits));
+    auto n = c->Dim(splits, 0);
+    auto batch = c->ValueKnown(n) ? c->MakeDim(c->Value(n) - 1) : c->UnknownDim();
+    int t = feature_table[f];
+    if (t < 0 || t >= num_tables) {
+      return absl::InvalidArgumentError("tf_sok lookup: feature_table entry out of range");
+    }
+    c->set_output(f, c->Matrix(batch, dims[t]));
+  }
+  return absl::OkStatus();
+}
+
 REGISTER_OP("TfSokFusedLookup")
     .Input("tables: num_tables * resource")
     .Input("ids: num_features * Tid")
@@ -23,35 +50,32 @@ REGISTER_OP("TfSokFusedLookup")
     .Attr("dims: list(int)")
     .Attr("feature_names: list(string)")
     .Attr("table_names: list(string)")
-    .SetShapeFn([](InferenceContext* c) {
-      int num_features, num_tables;
-      std::vector<int> feature_table, dims;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_features", &num_features));
-      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &num_tables));
-      TF_RETURN_IF_ERROR(c->GetAttr("feature_table", &feature_table));
-      TF_RETURN_IF_ERROR(c->GetAttr("dims", &dims));
-      if (static_cast<int>(feature_table.size()) != num_features ||
-          static_cast<int>(dims.size()) != num_tables) {
-        return absl::InvalidArgumentError(
-            "TfSokFusedLookup: feature_table needs one entry per feature and dims one per table");
-      }
-      for (int f = 0; f < num_features; ++f) {
-        ShapeHandle splits;
-        TF_RETURN_IF_ERROR(c->WithRank(c->input(num_tables + num_features + f), 1, &splits));
-        auto n = c->Dim(splits, 0);
-        auto batch = c->ValueKnown(n) ? c->MakeDim(c->Value(n) - 1) : c->UnknownDim();
-        int t = feature_table[f];
-        if (t < 0 || t >= num_tables) {
-          return absl::InvalidArgumentError("TfSokFusedLookup: feature_table entry out of range");
-        }
-        c->set_output(f, c->Matrix(batch, dims[t]));
-      }
-      return absl::OkStatus();
-    })
+    .SetShapeFn(PooledOutputShapes)
     .Doc(R"doc(
 Looks up every feature's ragged ids in its table and combines each row
 (sum, mean or sqrtn, optionally weighted) into one [batch, dim] output per
 feature. Unweighted features pass an empty weights tensor.
+)doc");
+
+REGISTER_OP("TfSokFusedCombine")
+    .Input("params: num_tables * float")
+    .Input("ids: num_features * Tid")
+    .Input("row_splits: num_features * int64")
+    .Input("weights: num_features * float")
+    .Output("outputs: num_features * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("num_features: int >= 1")
+    .Attr("Tid: {int32, int64}")
+    .Attr("feature_table: list(int)")
+    .Attr("combiners: list({'sum', 'mean', 'sqrtn'})")
+    .Attr("weighted: list(bool)")
+    .Attr("dims: list(int)")
+    .Attr("feature_names: list(string)")
+    .Attr("table_names: list(string)")
+    .SetShapeFn(PooledOutputShapes)
+    .Doc(R"doc(
+TfSokFusedLookup over plain float tensors instead of variables: pools rows of
+`params` (e.g. vectors received from other ranks) per feature and row.
 )doc");
 
 REGISTER_OP("TfSokFusedLookupGrad")
