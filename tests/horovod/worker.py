@@ -24,7 +24,8 @@ def lookups(seed, out):
     N, r = hvd.size(), hvd.rank()
     res = {}
     for reduction in ("sum", "mean"):
-        sok.init(sparse_grad_reduction=reduction)
+        ctx = sok.init(sparse_grad_reduction=reduction)  # finds the initialised Horovod by itself
+        assert type(ctx.communicator).__name__ == "HorovodCommunicator" and ctx.num_ranks == N
         tables = model.make_tables(seed, N)
         feats, upstream, _ = cases.rank_batch(seed, 0, r)
 

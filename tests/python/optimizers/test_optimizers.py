@@ -100,3 +100,34 @@ def test_bad_index_raises_and_changes_nothing(rng):
     with pytest.raises(tf.errors.InvalidArgumentError, match="do not match"):
         opt.apply_gradients([(tf.IndexedSlices(tf.ones([2, 3]), tf.constant([1, 2]), [10, 4]), var)])
     np.testing.assert_array_equal(var.numpy(), table)
+
+
+def test_native_keras_optimizer_trains_a_sok_table_like_a_tf_variable(rng):
+    """As in SOK, Keras 3 optimizers accept the tables' IndexedSlices gradients (not lazily)."""
+    table = rng.standard_normal((20, 3)).astype(np.float32)
+    var, ref = sok.Variable(table, name="t"), tf.Variable(table)
+    ids = tf.ragged.constant([[1, 2, 2], [5]], dtype=tf.int64)
+    for v, opt in ((var, keras.optimizers.Adam(0.1)), (ref, keras.optimizers.Adam(0.1))):
+        for _ in range(3):
+            with tf.GradientTape() as tape:
+                if v is var:
+                    out = sok.lookup_sparse(v, ids, combiners="sum")
+                else:
+                    out = tf.nn.embedding_lookup_sparse(v, ids.to_sparse(), None, combiner="sum")
+                loss = tf.reduce_sum(out * out)
+            g = tape.gradient(loss, v)
+            assert isinstance(g, tf.IndexedSlices)
+            opt.apply_gradients([(g, v)])
+    np.testing.assert_allclose(var.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_learning_rate_schedule_follows_the_step(rng):
+    table = rng.standard_normal((6, 2)).astype(np.float32)
+    var = sok.Variable(table, name="t")
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.5, decay_steps=1, decay_rate=0.5)
+    opt = sok.OptimizerWrapper(keras.optimizers.SGD(schedule))
+    g = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([3]), [6, 2])
+    for _ in range(3):
+        opt.apply_gradients([(g, var)])
+    np.testing.assert_allclose(var.numpy()[3], table[3] - (0.5 + 0.25 + 0.125), rtol=1e-6)
+    np.testing.assert_array_equal(np.delete(var.numpy(), 3, 0), np.delete(table, 3, 0))
