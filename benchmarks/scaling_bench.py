@@ -36,7 +36,7 @@ def worker(a):
         tf.config.set_visible_devices(gpus[hvd.local_rank() % len(gpus)], "GPU")
 
     import tf_sok as sok
-    from lookup_bench import make_batch, time_step
+    from lookup_bench import make_batch, sok_path, time_step
 
     ctx = sok.init(sparse_grad_reduction="mean")
     n, rank = ctx.num_ranks, ctx.rank
@@ -46,14 +46,7 @@ def worker(a):
     tables = [sok.Variable(shape=[a.rows, a.dim], initializer=init, name=f"t{i}") for i in range(a.tables)]
     opt = sok.optimizers.Adam(1e-3)
 
-    @tf.function(reduce_retracing=True)
-    def step(ids):
-        with tf.GradientTape() as tape:
-            outs = sok.lookup_sparse(tables, list(ids), combiners="mean")
-            loss = tf.add_n([tf.reduce_mean(tf.reduce_sum(o * o, 1)) for o in outs])
-        opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
-        return loss
-
+    step = sok_path(tables, opt, "mean")
     seconds = time_step(step, batches, a.warmup, a.iters)
     ids = np.concatenate([x.values.numpy() for x in batches[0]])
     # tf_sok sends each distinct (table, id) of the step once; count those leaving the rank

@@ -8,6 +8,17 @@ namespace tf_sok {
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
+// Attributes every pooling op shares: which table each feature reads, how it
+// pools, the id type and the tables' widths.
+#define TF_SOK_POOLING_ATTRS                                \
+  .Attr("num_tables: int >= 1")                             \
+      .Attr("num_features: int >= 1")                       \
+      .Attr("Tid: {int32, int64}")                          \
+      .Attr("feature_table: list(int)")                     \
+      .Attr("combiners: list({'sum', 'mean', 'sqrtn'})")    \
+      .Attr("weighted: list(bool)")                         \
+      .Attr("dims: list(int)")
+
 // Output f is [rows of row_splits f - 1, dims[feature_table[f]]].
 absl::Status PooledOutputShapes(InferenceContext* c) {
   int num_features, num_tables;
@@ -41,13 +52,7 @@ REGISTER_OP("TfSokFusedLookup")
     .Input("row_splits: num_features * int64")
     .Input("weights: num_features * float")
     .Output("outputs: num_features * float")
-    .Attr("num_tables: int >= 1")
-    .Attr("num_features: int >= 1")
-    .Attr("Tid: {int32, int64}")
-    .Attr("feature_table: list(int)")
-    .Attr("combiners: list({'sum', 'mean', 'sqrtn'})")
-    .Attr("weighted: list(bool)")
-    .Attr("dims: list(int)")
+    TF_SOK_POOLING_ATTRS
     .Attr("feature_names: list(string)")
     .Attr("table_names: list(string)")
     .SetShapeFn(PooledOutputShapes)
@@ -63,13 +68,7 @@ REGISTER_OP("TfSokFusedCombine")
     .Input("row_splits: num_features * int64")
     .Input("weights: num_features * float")
     .Output("outputs: num_features * float")
-    .Attr("num_tables: int >= 1")
-    .Attr("num_features: int >= 1")
-    .Attr("Tid: {int32, int64}")
-    .Attr("feature_table: list(int)")
-    .Attr("combiners: list({'sum', 'mean', 'sqrtn'})")
-    .Attr("weighted: list(bool)")
-    .Attr("dims: list(int)")
+    TF_SOK_POOLING_ATTRS
     .Attr("feature_names: list(string)")
     .Attr("table_names: list(string)")
     .SetShapeFn(PooledOutputShapes)
@@ -85,13 +84,7 @@ REGISTER_OP("TfSokFusedLookupGrad")
     .Input("output_grads: num_features * float")
     .Output("indices: num_tables * int64")
     .Output("values: num_tables * float")
-    .Attr("num_tables: int >= 1")
-    .Attr("num_features: int >= 1")
-    .Attr("Tid: {int32, int64}")
-    .Attr("feature_table: list(int)")
-    .Attr("combiners: list({'sum', 'mean', 'sqrtn'})")
-    .Attr("weighted: list(bool)")
-    .Attr("dims: list(int)")
+    TF_SOK_POOLING_ATTRS
     .SetShapeFn([](InferenceContext* c) {
       int num_tables;
       std::vector<int> dims;
