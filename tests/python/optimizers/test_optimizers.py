@@ -131,3 +131,15 @@ def test_learning_rate_schedule_follows_the_step(rng):
         opt.apply_gradients([(g, var)])
     np.testing.assert_allclose(var.numpy()[3], table[3] - (0.5 + 0.25 + 0.125), rtol=1e-6)
     np.testing.assert_array_equal(np.delete(var.numpy(), 3, 0), np.delete(table, 3, 0))
+
+
+def test_tables_with_the_same_name_keep_separate_state(rng):
+    a_np, b_np = rng.standard_normal((4, 2)).astype(np.float32), rng.standard_normal((4, 2)).astype(np.float32)
+    a, b = sok.Variable(a_np, name="same"), sok.Variable(b_np, name="same")
+    opt = sok.optimizers.Adagrad(0.1, initial_accumulator_value=0.1)
+    g = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), [4, 2])
+    opt.apply_gradients([(g, a), (g, b)])
+    for v, init in ((a, a_np), (b, b_np)):
+        np.testing.assert_allclose(opt.slots(v)[0].numpy()[0], [1.1, 1.1], rtol=1e-6)
+        np.testing.assert_allclose(v.numpy()[0], init[0] - 0.1 / np.sqrt(1.1 + 1e-7), rtol=1e-5)
+    assert opt.slots(a)[0] is not opt.slots(b)[0]

@@ -40,7 +40,8 @@ class SparseOptimizer(tf.Module, abc.ABC):
         super().__init__(name=name or type(self).__name__)
         self.learning_rate = learning_rate
         self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="iterations")
-        self._slots: Dict[str, List] = {}
+        self._slots: Dict[str, List] = {}       # checkpoint key -> the table's state
+        self._slot_keys: Dict[object, str] = {}  # table variable ref -> its key in _slots
         self._slot_factory: SlotFactory = _tf_slot
 
     @abc.abstractmethod
@@ -60,9 +61,8 @@ class SparseOptimizer(tf.Module, abc.ABC):
                 lr = lr()
         return tf.convert_to_tensor(lr, tf.float32)
 
-    @staticmethod
-    def _key(var) -> str:
-        return getattr(var, "path", None) or var.name
+    def _key(self, var) -> str:
+        return self._slot_keys[backing_variable(var).ref()]
 
     def build(self, var_list: Iterable, slot_factory: Optional[SlotFactory] = None) -> None:
         """Creates the state of each table in `var_list` (idempotent)."""
@@ -73,9 +73,15 @@ class SparseOptimizer(tf.Module, abc.ABC):
             if meta is None:
                 raise TypeError(f"{type(self).__name__}: {var.name} is not a tf_sok table; use "
                                 f"sok.filter_variables and a dense optimizer for the others")
-            key = self._key(var)
-            if key in self._slots:
+            ref = backing_variable(var).ref()
+            if ref in self._slot_keys:
                 continue
+            # tables may share a name: each gets its own state under a unique, stable key
+            base = getattr(var, "path", None) or var.name.split(":")[0]
+            key, n = base, 1
+            while key in self._slots:
+                key, n = f"{base}_{n}", n + 1
+            self._slot_keys[ref] = key
             rows, dim = backing_variable(var).shape.as_list()
             self._slots[key] = [
                 self._slot_factory(f"{meta.name}/{s.name}", [rows] if s.per_row else [rows, dim],
