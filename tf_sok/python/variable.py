@@ -114,6 +114,8 @@ class Variable(resource_variable_ops.ResourceVariable):
                 raise ValueError(f"sok.Variable {name!r}: give initial_value or a 2-D shape [rows, dim]")
             global_shape = [int(shape[0]), int(shape[1])]
         else:
+            if callable(initial_value):
+                initial_value = initial_value()
             initial_value = tf.convert_to_tensor(initial_value, dtype=tf.float32)
             if initial_value.shape.rank != 2:
                 raise ValueError(f"sok.Variable {name!r}: initial_value must be [rows, dim], "
