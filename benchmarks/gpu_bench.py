@@ -192,6 +192,14 @@ def main():
     a = p.parse_args()
     if not tf.config.list_physical_devices("GPU"):
         sys.exit("gpu_bench: no GPU visible to TensorFlow")
+    peer = None
+    if a.torch:  # first: TensorFlow keeps the GPU memory it takes until the process exits
+        cmd = [sys.executable, os.path.join(HERE, "torch_bench.py"), "--batch", str(a.batch), "--iters",
+               str(a.iters), "--dims", *map(str, a.dims), "--hotness", *map(str, a.hotness),
+               "--train-hotness", *map(str, a.train_hotness)]
+        p2 = subprocess.run(cmd, capture_output=True, text=True)
+        print(p2.stdout + p2.stderr[-2000:])
+        peer = json.loads([l for l in p2.stdout.splitlines() if l.startswith("{")][-1])
     sok.init()
     gpu = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0]).get("device_name")
     with tf.device("/GPU:0"):
@@ -204,19 +212,14 @@ def main():
             results["train"] = training_section(a, bw)
         if "size" in a.sections:
             results["size"] = size_section(a)
-    if a.torch:
-        cmd = [sys.executable, os.path.join(HERE, "torch_bench.py"), "--batch", str(a.batch), "--iters",
-               str(a.iters), "--copy-bw", str(bw)]
-        p2 = subprocess.run(cmd, capture_output=True, text=True)
-        print(p2.stdout + p2.stderr[-2000:])
-        peer = json.loads([l for l in p2.stdout.splitlines() if l.startswith("{")][-1])
+    if peer:
         results["torch"] = peer
         print("\n(d) tf_sok vs PyTorch on the same shapes (ratio = PyTorch time / tf_sok time)")
-        for key, r in results["train"].items():
+        for key, r in results.get("train", {}).items():
             t = peer["train"].get(key)
             if t:
                 print(f"  step {key:8s}: PyTorch {t:8.2f} ms, tf_sok {r['sok_ms']:7.2f} ms, {t / r['sok_ms']:5.2f}x")
-        for f in results["forward"]:
+        for f in results.get("forward", []):
             t = peer["forward"].get(f"{f['dist']}/{f['dim']}/{f['hot']}")
             if t:
                 print(f"  forward {f['dist']:>9s} dim {f['dim']:3d} hot {f['hot']:2d}: PyTorch {t:7.3f} ms, "

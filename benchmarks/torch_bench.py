@@ -34,7 +34,6 @@ def main():
     p.add_argument("--dims", type=int, nargs="+", default=[16, 64, 128])
     p.add_argument("--hotness", type=int, nargs="+", default=[1, 10, 64])
     p.add_argument("--train-hotness", type=int, nargs="+", default=[1, 10])
-    p.add_argument("--copy-bw", type=float, default=0.0)
     a = p.parse_args()
     dev = torch.device("cuda:0")
     out = {"forward": {}, "train": {}}
