@@ -3,6 +3,7 @@
 #include <mutex>
 
 #include "tf_sok/cc/impl/cpu_dedup.h"
+#include "tf_sok/cc/impl/cpu_memory.h"
 #include "tf_sok/cc/impl/lookup.h"
 
 namespace tf_sok {
@@ -84,6 +85,7 @@ struct FusedLookup<CpuDevice, Id> {
                    const std::vector<float*>& outputs) {
     Error e = CheckSplits(features);
     if (!e.ok()) return e;
+    for (const auto& t : tables) AdviseHugePages(t.data, sizeof(float) * static_cast<size_t>(t.rows) * t.dim);
     // One flat index space over all (feature, row) pairs.
     std::vector<int64_t> start(features.size() + 1, 0);
     for (size_t f = 0; f < features.size(); ++f) start[f + 1] = start[f] + features[f].batch;

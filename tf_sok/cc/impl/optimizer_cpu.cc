@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "tf_sok/cc/impl/cpu_dedup.h"
+#include "tf_sok/cc/impl/cpu_memory.h"
 #include "tf_sok/cc/impl/optimizer.h"
 
 namespace tf_sok {
@@ -64,6 +65,9 @@ struct SparseApply<CpuDevice, Id> {
         return e;
       }
     }
+    const size_t table_bytes = sizeof(float) * static_cast<size_t>(u.rows) * u.dim;
+    AdviseHugePages(u.var, table_bytes);
+    for (int s = 0; s < NumDenseSlots(h); ++s) AdviseHugePages(u.slots[s], table_bytes);
     Groups g;
     auto key_at = [indices](int64_t i) { return static_cast<int64_t>(indices[i]); };
     if (StrictlyAscending(n, key_at)) {
