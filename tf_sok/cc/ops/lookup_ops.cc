@@ -46,16 +46,20 @@ absl::Status PooledOutputShapes(InferenceContext* c) {
   return absl::OkStatus();
 }
 
+// Everything but the tables' input that the two forward pooling ops share.
+#define TF_SOK_POOLED_FORWARD                             \
+  .Input("ids: num_features * Tid")                       \
+      .Input("row_splits: num_features * int64")          \
+      .Input("weights: num_features * float")             \
+      .Output("outputs: num_features * float")            \
+          TF_SOK_POOLING_ATTRS                            \
+      .Attr("feature_names: list(string)")                \
+      .Attr("table_names: list(string)")                  \
+      .SetShapeFn(PooledOutputShapes)
+
 REGISTER_OP("TfSokFusedLookup")
     .Input("tables: num_tables * resource")
-    .Input("ids: num_features * Tid")
-    .Input("row_splits: num_features * int64")
-    .Input("weights: num_features * float")
-    .Output("outputs: num_features * float")
-    TF_SOK_POOLING_ATTRS
-    .Attr("feature_names: list(string)")
-    .Attr("table_names: list(string)")
-    .SetShapeFn(PooledOutputShapes)
+    TF_SOK_POOLED_FORWARD
     .Doc(R"doc(
 Looks up every feature's ragged ids in its table and combines each row
 (sum, mean or sqrtn, optionally weighted) into one [batch, dim] output per
@@ -64,14 +68,7 @@ feature. Unweighted features pass an empty weights tensor.
 
 REGISTER_OP("TfSokFusedCombine")
     .Input("params: num_tables * float")
-    .Input("ids: num_features * Tid")
-    .Input("row_splits: num_features * int64")
-    .Input("weights: num_features * float")
-    .Output("outputs: num_features * float")
-    TF_SOK_POOLING_ATTRS
-    .Attr("feature_names: list(string)")
-    .Attr("table_names: list(string)")
-    .SetShapeFn(PooledOutputShapes)
+    TF_SOK_POOLED_FORWARD
     .Doc(R"doc(
 TfSokFusedLookup over plain float tensors instead of variables: pools rows of
 `params` (e.g. vectors received from other ranks) per feature and row.
