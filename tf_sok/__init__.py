@@ -9,12 +9,13 @@ from tf_sok.python.config import TableConfig
 from tf_sok.python.context import context, init
 from tf_sok.python.lookup import lookup_sparse
 from tf_sok.python.ops.loader import build_info
-from tf_sok.python.variable import Variable, broadcast_variables, filter_variables
+from tf_sok.python.variable import (ReplicaTable, Variable, broadcast_variables, filter_variables, local_shard,
+                                    table_meta)
 
 __version__ = "0.1.0"
 
-__all__ = ["init", "context", "Variable", "TableConfig", "lookup_sparse", "filter_variables", "broadcast_variables",
-           "build_info", "optimizers", "OptimizerWrapper", "layers", "keras"]
+__all__ = ["init", "context", "Variable", "ReplicaTable", "TableConfig", "lookup_sparse", "filter_variables",
+           "broadcast_variables", "local_shard", "table_meta", "build_info", "optimizers", "OptimizerWrapper", "layers", "keras"]
 
 
 def __getattr__(name):

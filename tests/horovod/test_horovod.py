@@ -1,18 +1,15 @@
 """Multi-process behaviour through the real launcher (horovodrun, Gloo): N ranks
 must give what one process gives on the concatenated global batch."""
-import glob
 import os
 import secrets
 import subprocess
 import sys
 import time
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_sok as sok
 from tests.horovod import cases, model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,24 +53,10 @@ def seed():
     return s
 
 
-def single_process_lookup(seed, num_ranks):
-    """Outputs (per feature, global batch) and dense gradients (per table) in one process."""
-    sok.init()
-    tables = model.make_tables(seed, 1)
-    feats, upstream, _ = cases.global_batch(seed, 0, num_ranks)
-    with tf.GradientTape() as tape:
-        outs = model.lookup(tables, feats)
-        loss = tf.add_n([tf.reduce_sum(o * upstream[n]) for o, (n, _, _, _) in zip(outs, cases.FEATURES)])
-    grads = tape.gradient(loss, list(tables.values()))
-    dense = {name: tf.math.unsorted_segment_sum(g.values, g.indices, tables[name].shape[0]).numpy()
-             for name, g in zip(tables, grads)}
-    return {n: o.numpy() for o, (n, _, _, _) in zip(outs, cases.FEATURES)}, dense
-
-
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_lookup_and_gradients_equal_single_process(tmp_path, seed, num_ranks):
     ranks = run_workers(num_ranks, "lookups", seed, tmp_path)
-    ref_out, ref_grad = single_process_lookup(seed, num_ranks)
+    ref_out, ref_grad = model.single_process_lookup(seed, num_ranks)
     starts = np.cumsum([0] + [cases.batch_size(0, r) for r in range(num_ranks)])
     for r, res in enumerate(ranks):
         for reduction in ("sum", "mean"):
@@ -88,23 +71,6 @@ def test_lookup_and_gradients_equal_single_process(tmp_path, seed, num_ranks):
                                                atol=1e-5, err_msg=f"rank {r} {reduction} {mode} {table}")
 
 
-def single_process_training(seed, num_ranks, opt_name, loss_scale):
-    sok.init()
-    cls, kwargs = cases.OPTIMIZERS[opt_name]
-    tables = model.make_tables(seed, 1)
-    dense_w = tf.Variable(model.dense_init(seed))
-    sparse_opt = getattr(sok.optimizers, cls)(**kwargs)
-    dense_opt = keras.optimizers.SGD(0.05)
-    for s in range(cases.STEPS):
-        feats, _, target = cases.global_batch(seed, s + 1, num_ranks)
-        with tf.GradientTape() as tape:
-            loss = model.mean_loss(tables, dense_w, feats, tf.constant(target)) * loss_scale
-        grads = tape.gradient(loss, list(tables.values()) + [dense_w])
-        sparse_opt.apply_gradients(zip(grads[:-1], tables.values()))
-        dense_opt.apply_gradients([(grads[-1] / loss_scale, dense_w)])  # dense grads are averaged
-    return {k: v.numpy() for k, v in tables.items()}, dense_w.numpy()
-
-
 def test_training_with_every_optimizer_equals_single_process(tmp_path, seed):
     """N = 2. "mean": per-rank mean losses train like one process on the global
     batch. "sum": the owners sum every rank's contributions, i.e. one process
@@ -114,7 +80,7 @@ def test_training_with_every_optimizer_equals_single_process(tmp_path, seed):
     ranks = run_workers(n, "training", seed, tmp_path)
     for reduction, scale in (("mean", 1.0), ("sum", float(n))):
         for opt_name in cases.OPTIMIZERS:
-            ref_tables, ref_dense = single_process_training(seed, n, opt_name, scale)
+            ref_tables, ref_dense = model.single_process_training(seed, n, opt_name, scale)
             for r, res in enumerate(ranks):
                 for table in cases.TABLES:
                     np.testing.assert_allclose(res[f"{reduction}/{opt_name}/{table}"],

@@ -7,6 +7,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tf_sok.python.comm import Communicator, SingleProcess
+from tf_sok.python.context_errors import REPLICA_CONTEXT_MESSAGE, replica_context_required  # noqa: F401
 
 _log = logging.getLogger("tf_sok")
 _REDUCTIONS = ("sum", "mean")
@@ -48,7 +49,16 @@ _context: Optional[Context] = None
 
 def _detect_communicator() -> Communicator:
     hvd = sys.modules.get("horovod.tensorflow")
-    if hvd is not None and hvd.is_initialized():
+    horovod_on = hvd is not None and hvd.is_initialized()
+    if tf.distribute.has_strategy():
+        if horovod_on:
+            raise ValueError("sok.init(): both Horovod and a tf.distribute strategy are active; use one of them")
+        if not tf.distribute.in_cross_replica_context():
+            raise RuntimeError("sok.init(): call it under strategy.scope(), not inside strategy.run")
+        from tf_sok.python.comm.strategy import StrategyCommunicator
+
+        return StrategyCommunicator(tf.distribute.get_strategy())
+    if horovod_on:
         from tf_sok.python.comm.horovod import HorovodCommunicator
 
         return HorovodCommunicator(hvd)
@@ -59,8 +69,10 @@ def init(communicator: Optional[Communicator] = None, *, sparse_grad_reduction: 
     """Initialises tf_sok; call once before creating variables.
 
     Args:
-      communicator: how ranks talk; default: Horovod when `horovod.tensorflow`
-        is imported and initialised (`hvd.init()`), else a single process.
+      communicator: how ranks talk; default: the tf.distribute strategy whose
+        `scope()` is active (MirroredStrategy or MultiWorkerMirroredStrategy:
+        each replica is a rank); else Horovod when `horovod.tensorflow` is
+        imported and initialised (`hvd.init()`); else a single process.
       sparse_grad_reduction: "sum" (every rank's contributions to a row are
         summed at its owner, as SOK/HugeCTR) or "mean" (averaged across ranks,
         like Horovod's dense gradients). Equal in a single process.
@@ -74,9 +86,23 @@ def init(communicator: Optional[Communicator] = None, *, sparse_grad_reduction: 
     if sparse_grad_reduction not in _REDUCTIONS:
         raise ValueError(f"sparse_grad_reduction must be one of {_REDUCTIONS}, got {sparse_grad_reduction!r}")
     _context = Context(communicator or _detect_communicator(), sparse_grad_reduction)
-    _log.info("tf_sok initialised: rank %d of %d, sparse gradient reduction %s",
-              _context.rank, _context.num_ranks, sparse_grad_reduction)
+    _log.info("tf_sok initialised: ranks %s of %d here (%s), sparse gradient reduction %s",
+              _context.communicator.local_ranks if _context.communicator.per_replica_tables else [_context.rank],
+              _context.num_ranks, type(_context.communicator).__name__, sparse_grad_reduction)
     return _context
+
+
+def check_creation_scope(ctx: Context, what: str) -> None:
+    """Tables must be created under the strategy that sok.init() picked up, and
+    with no strategy when it picked up none."""
+    per_replica = ctx.communicator.per_replica_tables
+    active = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    if active is not None and not per_replica:
+        raise RuntimeError(f"{what}: created under a tf.distribute strategy scope, but sok.init() was called "
+                           f"outside it; call sok.init() inside strategy.scope() before creating tables")
+    if per_replica and active is not ctx.communicator.strategy:
+        raise RuntimeError(f"{what}: sok.init() was called under a tf.distribute strategy; create tables inside "
+                           f"that strategy's scope()")
 
 
 def context() -> Context:

@@ -104,6 +104,7 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
     send_keys = tf.gather(tf.gather(tf.concat(wire_keys, 0), first), order)
     send_splits = tf.math.bincount(tf.cast(req_owner, tf.int32), minlength=N, maxlength=N)
     recv_keys, recv_splits = comm.alltoall(send_keys, send_splits, name=f"tf_sok.keys.{step}.{sig}")
+    recv_splits = tf.cast(recv_splits, tf.int32)
 
     # 2. owners: gather each distinct requested row once, from every table at once
     uniq, inv = tf.unique(recv_keys)

@@ -72,6 +72,10 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
     if len(weights_list) != F:
         raise ValueError(f"lookup_sparse: {len(weights_list)} weights for {F} features")
 
+    ctx = context_lib.context()
+    if ctx.communicator.outside_replicas():
+        return _outside_replicas(params_list, ids_list, names, as_list)
+
     tables, table_index, feature_table = [], {}, []
     for f, p in enumerate(params_list):
         meta = table_meta(p)
@@ -109,7 +113,6 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
                 tape_lib.variable_accessed(var)  # lets GradientTape / Keras see the read
             handles.append(var.handle)
         metas = [table_meta(t) for t in tables]
-        ctx = context_lib.context()
         if ctx.num_ranks > 1:
             outs = exchange.exchanged_lookup(
                 ctx.communicator, handles, metas, feature_table, [tf.cast(v, tf.int64) for v in ids], splits,
@@ -119,4 +122,23 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
             outs = lookup_ops.fused_lookup(
                 handles, ids, splits, weights, feature_table=feature_table, combiners=comb, weighted=weighted,
                 dims=[m.dim for m in metas], feature_names=names, table_names=[m.name for m in metas])
+    return outs if as_list else outs[0]
+
+
+def _outside_replicas(params_list, ids_list, names, as_list):
+    """A lookup under tf.distribute outside strategy.run: tables are sharded over
+    the replicas, so there is nothing to compute here. Eagerly that is an error;
+    while Keras traces a model for its output shapes, the result has the right
+    shapes and raises the same error if it is ever run."""
+    if tf.executing_eagerly():
+        context_lib.replica_context_required()
+    failing = tf.debugging.Assert(tf.constant(False), [context_lib.REPLICA_CONTEXT_MESSAGE], name="replica_context")
+    outs = []
+    with tf.control_dependencies([failing]):
+        for f, (p, x) in enumerate(zip(params_list, ids_list)):
+            meta = table_meta(p)
+            if meta is None:
+                raise TypeError(f"lookup_sparse: the table of feature {names[f]!r} is not a tf_sok variable")
+            rows = _as_ragged(x, f"lookup_sparse feature {names[f]!r}").nrows()
+            outs.append(tf.zeros(tf.stack([rows, tf.constant(meta.dim, rows.dtype)]), tf.float32))
     return outs if as_list else outs[0]

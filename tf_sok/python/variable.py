@@ -5,9 +5,10 @@ table description and sharding spec. Keras layers of tf_sok create Keras
 weights and attach the same description, so both kinds are recognised by
 `filter_variables`, `lookup_sparse` and the sparse optimizers.
 """
+import contextlib
 import dataclasses
 import zlib
-from typing import Any, Iterable, Optional, Tuple
+from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
@@ -28,10 +29,14 @@ class TableMeta:
     dim: int
     sharding: ShardingSpec
     local_rows: int      # rows held by this rank
+    rank: int = 0        # the rank holding this shard
+    num_ranks: int = 1
 
 
 def table_meta(var) -> Optional[TableMeta]:
     """The table description of a tf_sok variable, or None for other variables."""
+    if isinstance(var, ReplicaTable):
+        return var.meta
     return getattr(var, _META_ATTR, None)
 
 
@@ -40,20 +45,109 @@ def attach_meta(var, meta: TableMeta) -> None:
 
 
 def backing_variable(var) -> tf.Variable:
-    """The tf.Variable holding the data (a Keras weight wraps one)."""
+    """The tf.Variable holding the data (a Keras weight wraps one); for a
+    `ReplicaTable`, the current replica's shard."""
+    if isinstance(var, ReplicaTable):
+        var = var.local()
     return var.value if isinstance(var, keras.Variable) else var
 
 
-def make_meta(name: str, rows: int, dim: int, mode: str) -> TableMeta:
-    """Describes a table for this rank; with several ranks, checks that every
-    rank declares the same table at the same point (else ValueError on all)."""
+def make_meta(name: str, rows: int, dim: int, mode: str, rank: Optional[int] = None) -> TableMeta:
+    """Describes a table's shard on `rank` (default: this process's rank); with
+    one rank per process, checks that every rank declares the same table at the
+    same point (else ValueError on all)."""
     ctx = context_lib.context()
+    context_lib.check_creation_scope(ctx, f"table {name!r}")
     spec = ShardingSpec.parse(mode)
     spec.validate(ctx.num_ranks, name)
-    meta = TableMeta(name, int(rows), int(dim), spec, spec.local_rows(int(rows), ctx.rank, ctx.num_ranks))
-    if ctx.num_ranks > 1:
+    rank = ctx.rank if rank is None else rank
+    meta = TableMeta(name, int(rows), int(dim), spec, spec.local_rows(int(rows), rank, ctx.num_ranks), rank,
+                     ctx.num_ranks)
+    if ctx.num_ranks > 1 and not ctx.communicator.per_replica_tables:
         _check_same_on_all_ranks(ctx, meta)
     return meta
+
+
+def make_shards(name: str, rows: int, dim: int, mode: str, create: Callable[[TableMeta], Any]):
+    """Creates a table's state in this process: `create(meta)` once, or under
+    tf.distribute once per local replica (on its device, unmirrored), wrapped
+    in a `ReplicaTable`."""
+    comm = context_lib.context().communicator
+    if not comm.per_replica_tables:
+        return create(make_meta(name, rows, dim, mode))
+    shards = []
+    for rank in comm.local_ranks:
+        meta = make_meta(name, rows, dim, mode, rank)
+        with comm.placement(rank):
+            shards.append(create(meta))
+    return ReplicaTable(shards, comm.local_ranks)
+
+
+def state_placement(var):
+    """Where per-row optimizer state of table `var` is created: next to it."""
+    comm = context_lib.context().communicator
+    if comm.per_replica_tables:
+        return comm.placement(table_meta(var).rank)
+    return _colocated(backing_variable(var).device)
+
+
+@contextlib.contextmanager
+def _colocated(device):
+    with tf.init_scope(), tf.device(device):
+        yield
+
+
+class ReplicaTable(tf.Module):
+    """A table under tf.distribute: this process's shards, one per local replica.
+
+    Inside `strategy.run` it stands for the current replica's shard: pass it to
+    `sok.lookup_sparse`, `tape.gradient` and the sparse optimizers as you would
+    a `sok.Variable`. Its shards (`.shards`) are the variables that
+    checkpoints save and `model.trainable_variables` lists; a replica's
+    gradient is None for the other replicas' shards.
+    """
+
+    def __init__(self, shards: Sequence, ranks: Sequence[int]):
+        super().__init__(name=getattr(shards[0], _META_ATTR).name)
+        self.shards = list(shards)
+        self._ranks = list(ranks)
+
+    def local(self):
+        """The current replica's shard (replica context only)."""
+        return self.shards[self._ranks.index(context_lib.context().communicator.rank)]
+
+    @property
+    def meta(self) -> TableMeta:
+        if context_lib.context().communicator.outside_replicas():
+            return getattr(self.shards[0], _META_ATTR)
+        return getattr(self.local(), _META_ATTR)
+
+    def _should_act_as_resource_variable(self):
+        """Lets GradientTape take the table as a source (the local shard's handle)."""
+
+    @property
+    def handle(self):
+        return backing_variable(self.local()).handle
+
+    @property
+    def dtype(self):
+        return tf.float32
+
+    @property
+    def shape(self):
+        return tf.TensorShape([self.meta.rows, self.meta.dim])
+
+
+def expand_tables(variables: Iterable) -> list:
+    """`variables` with each ReplicaTable replaced by its shards (all of them in
+    cross-replica context, the current replica's in replica context)."""
+    out = []
+    for v in variables:
+        if isinstance(v, ReplicaTable):
+            out.extend(v.shards if context_lib.context().communicator.outside_replicas() else [v.local()])
+        else:
+            out.append(v)
+    return out
 
 
 def _check_same_on_all_ranks(ctx, meta: TableMeta) -> None:
@@ -69,12 +163,16 @@ def _check_same_on_all_ranks(ctx, meta: TableMeta) -> None:
                          f"with the same shapes and modes, in the same order")
 
 
-def local_shard(value: tf.Tensor, meta: TableMeta) -> tf.Tensor:
-    """This rank's rows of a global [rows, dim] table value."""
-    ctx = context_lib.context()
+def local_shard(value, meta: TableMeta):
+    """The rows of a global [rows, dim] table value held by `meta`'s shard.
+
+    Example (set a table from a global value, e.g. under tf.distribute):
+        >>> for shard in sok.filter_variables(model.variables)[0]:
+        ...     shard.assign(sok.local_shard(full_table, sok.table_meta(shard)))
+    """
     if meta.sharding.kind == "distributed":
-        return value[ctx.rank::ctx.num_ranks]
-    return value if ctx.rank == meta.sharding.owner else value[:0]
+        return value[meta.rank::meta.num_ranks]
+    return value if meta.rank == meta.sharding.owner else value[:0]
 
 
 def make_initializer(initializer: Any):
@@ -103,26 +201,45 @@ class Variable(resource_variable_ops.ResourceVariable):
     this rank's shard (rank r: global rows r, r+N, r+2N, ... under
     "distributed"; all rows on rank k and none elsewhere under "localized:k").
     Every rank must create the same tables in the same order (checked).
+    Under tf.distribute (sok.init() inside strategy.scope()) the call returns
+    a `ReplicaTable`: one such shard per local replica, each on its device.
+    Under tf.distribute (sok.init() inside strategy.scope()) the call returns
+    a `ReplicaTable`: one such shard per local replica, each on its device.
     """
 
-    def __init__(self, initial_value=None, *, shape=None, initializer="uniform", dtype=tf.float32,
-                 mode: str = "distributed", name: Optional[str] = None, trainable: bool = True):
+    @classmethod
+    def _variable_call(cls, initial_value=None, _meta=None, **kwargs):
+        """Under tf.distribute: one shard per local replica, as a ReplicaTable."""
+        if _meta is not None or not context_lib.context().communicator.per_replica_tables:
+            return None
+        value, global_shape = cls._global_value(initial_value, kwargs.get("shape"), kwargs.get("dtype", tf.float32),
+                                                kwargs.get("name"))
+        name = kwargs.pop("name", None) or "sok_table"
+        return make_shards(name, global_shape[0], global_shape[1], kwargs.pop("mode", "distributed"),
+                           lambda meta: cls(value, name=f"{name}_replica{meta.rank}", _meta=meta, **kwargs))
+
+    @staticmethod
+    def _global_value(initial_value, shape, dtype, name):
         if tf.as_dtype(dtype) != tf.float32:
             raise ValueError(f"sok.Variable {name!r}: only float32 tables are supported, got {dtype}")
         if initial_value is None:
             if shape is None or len(shape) != 2:
                 raise ValueError(f"sok.Variable {name!r}: give initial_value or a 2-D shape [rows, dim]")
-            global_shape = [int(shape[0]), int(shape[1])]
-        else:
-            if callable(initial_value):
-                initial_value = initial_value()
-            initial_value = tf.convert_to_tensor(initial_value, dtype=tf.float32)
-            if initial_value.shape.rank != 2:
-                raise ValueError(f"sok.Variable {name!r}: initial_value must be [rows, dim], "
-                                 f"got shape {initial_value.shape}")
-            global_shape = initial_value.shape.as_list()
+            return None, [int(shape[0]), int(shape[1])]
+        if callable(initial_value):
+            initial_value = initial_value()
+        initial_value = tf.convert_to_tensor(initial_value, dtype=tf.float32)
+        if initial_value.shape.rank != 2:
+            raise ValueError(f"sok.Variable {name!r}: initial_value must be [rows, dim], "
+                             f"got shape {initial_value.shape}")
+        return initial_value, initial_value.shape.as_list()
+
+    def __init__(self, initial_value=None, *, shape=None, initializer="uniform", dtype=tf.float32,
+                 mode: str = "distributed", name: Optional[str] = None, trainable: bool = True,
+                 _meta: Optional[TableMeta] = None):
+        initial_value, global_shape = self._global_value(initial_value, shape, dtype, name)
         table_name = name or "sok_table"
-        meta = make_meta(table_name, global_shape[0], global_shape[1], mode)
+        meta = _meta or make_meta(table_name, global_shape[0], global_shape[1], mode)
         local_shape = [meta.local_rows, global_shape[1]]
         if initial_value is None:
             init = make_initializer(initializer)
@@ -157,7 +274,7 @@ def broadcast_variables(variables: Iterable, root: int = 0) -> None:
         >>> sok.broadcast_variables(dense_vars)
     """
     ctx = context_lib.context()
-    if ctx.num_ranks == 1:
+    if ctx.communicator.mirrors_dense_variables:
         return
     with tf.init_scope():
         for i, v in enumerate(variables):

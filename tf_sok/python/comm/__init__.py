@@ -2,7 +2,7 @@
 from tf_sok.python.comm.base import Communicator
 from tf_sok.python.comm.single import SingleProcess
 
-__all__ = ["Communicator", "SingleProcess", "HorovodCommunicator"]
+__all__ = ["Communicator", "SingleProcess", "HorovodCommunicator", "StrategyCommunicator"]
 
 
 def __getattr__(name):
@@ -10,4 +10,8 @@ def __getattr__(name):
         from tf_sok.python.comm.horovod import HorovodCommunicator
 
         return HorovodCommunicator
+    if name == "StrategyCommunicator":
+        from tf_sok.python.comm.strategy import StrategyCommunicator
+
+        return StrategyCommunicator
     raise AttributeError(name)

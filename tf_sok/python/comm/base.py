@@ -1,5 +1,7 @@
 """The interface every communication backend implements."""
 import abc
+import contextlib
+from typing import List
 
 import tensorflow as tf
 
@@ -7,8 +9,9 @@ import tensorflow as tf
 class Communicator(abc.ABC):
     """Collectives used by the lookup and the optimizers.
 
-    Implementations: `SingleProcess` (one rank; collectives are identities);
-    Horovod and tf.distribute plug in behind the same methods.
+    Implementations: `SingleProcess` (one rank; collectives are identities),
+    `HorovodCommunicator` (one rank per process) and `StrategyCommunicator`
+    (one rank per tf.distribute replica; a process may host several).
     """
 
     @property
@@ -35,3 +38,32 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def broadcast(self, tensor: tf.Tensor, root: int = 0, name: str = None) -> tf.Tensor:
         """Rank `root`'s value of `tensor` on every rank."""
+
+    @property
+    def local_ranks(self) -> List[int]:
+        """The ranks whose table shards live in this process."""
+        return [self.rank]
+
+    def outside_replicas(self) -> bool:
+        """True where tables cannot be used because no replica is running (tf.distribute only)."""
+        return False
+
+    @property
+    def per_replica_tables(self) -> bool:
+        """True when this process holds one shard per local rank (tf.distribute)."""
+        return False
+
+    def placement(self, rank: int):
+        """Where the state of `rank`'s shards is created (a context manager)."""
+        return contextlib.nullcontext()
+
+    def reduce_dense_gradients(self, grads: list) -> list:
+        """Dense gradients as the dense optimizer should apply them (averaged over ranks)."""
+        if self.size == 1:
+            return list(grads)
+        return self.allreduce([tf.convert_to_tensor(g) for g in grads], "mean", name="tf_sok.dense_gradients")
+
+    @property
+    def mirrors_dense_variables(self) -> bool:
+        """True when the framework keeps dense variables identical on every rank itself."""
+        return self.size == 1

@@ -4,18 +4,25 @@ from typing import Dict, Mapping, Optional, Sequence
 
 import keras
 
+from tf_sok.python import context as context_lib
 from tf_sok.python.config import TableConfig, check_combiner
 from tf_sok.python.lookup import lookup_sparse
-from tf_sok.python.variable import attach_meta, make_initializer, make_meta
+from tf_sok.python.variable import attach_meta, make_initializer, make_shards
 
 
 def _add_table(layer: keras.layers.Layer, cfg: TableConfig):
-    meta = make_meta(cfg.name, cfg.vocab_size, cfg.dim, cfg.mode)
+    """The table's weight: this rank's shard, or under tf.distribute one
+    weight per local replica (a ReplicaTable)."""
     init = make_initializer(cfg.initializer)
-    weight = layer.add_weight(shape=(meta.local_rows, cfg.dim), initializer=init, name=cfg.name,
-                              trainable=True, dtype="float32", autocast=False)
-    attach_meta(weight, meta)
-    return weight
+    per_replica = context_lib.context().communicator.per_replica_tables
+
+    def create(meta):
+        name = f"{cfg.name}_replica{meta.rank}" if per_replica else cfg.name
+        weight = layer.add_weight(shape=(meta.local_rows, cfg.dim), initializer=init, name=name,
+                                  trainable=True, dtype="float32", autocast=False)
+        attach_meta(weight, meta)
+        return weight
+    return make_shards(cfg.name, cfg.vocab_size, cfg.dim, cfg.mode, create)
 
 
 class Embedding(keras.layers.Layer):

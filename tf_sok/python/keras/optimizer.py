@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tf_sok.python import context as context_lib
 from tf_sok.python.optimizers.base import SparseOptimizer
-from tf_sok.python.variable import broadcast_variables, filter_variables
+from tf_sok.python.variable import broadcast_variables, filter_variables, state_placement
 
 
 class Optimizer(keras.optimizers.Optimizer):
@@ -19,7 +19,9 @@ class Optimizer(keras.optimizers.Optimizer):
     optimizer's variables, so `model.save_weights` / `tf.train.Checkpoint`
     carry it. With several ranks (Horovod), the dense gradients are averaged
     across ranks in one grouped all-reduce before the dense update, and the
-    dense weights are broadcast from rank 0 when the optimizer is built.
+    dense weights are broadcast from rank 0 when the optimizer is built. Under
+    tf.distribute the strategy does both (the Keras optimizer's all-reduce,
+    mirrored variables); each replica updates its own table shards.
 
     Example:
         >>> model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.Adam(1e-3),
@@ -42,8 +44,9 @@ class Optimizer(keras.optimizers.Optimizer):
         self.sparse = sparse
 
     def _slot(self, name, shape, initial_value, like):
-        return self.add_variable(shape=shape, initializer=keras.initializers.Constant(initial_value),
-                                 dtype="float32", name=name.replace("/", "_"))
+        with state_placement(like):
+            return self.add_variable(shape=shape, initializer=keras.initializers.Constant(initial_value),
+                                     dtype="float32", name=name.replace("/", "_"))
 
     def build(self, var_list):
         sparse_vars, dense_vars = filter_variables(var_list)
@@ -70,9 +73,7 @@ class Optimizer(keras.optimizers.Optimizer):
             self.sparse.apply_gradients(sparse_pairs)
         if dense_vars:
             comm = context_lib.context().communicator
-            if comm.size > 1:
-                dense_grads = comm.allreduce([tf.convert_to_tensor(g) for g in dense_grads], "mean",
-                                             name="tf_sok.dense_gradients")
+            dense_grads = comm.reduce_dense_gradients(dense_grads)
             self.dense.apply(dense_grads, dense_vars)
         self.iterations.assign_add(1)
 

@@ -6,7 +6,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 import tensorflow as tf
 
 from tf_sok.python.ops import optimizer_ops
-from tf_sok.python.variable import backing_variable, table_meta
+from tf_sok.python.variable import backing_variable, expand_tables, state_placement, table_meta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,7 +21,7 @@ SlotFactory = Callable[[str, List[int], float, object], object]
 
 
 def _tf_slot(name, shape, initial_value, like):
-    with tf.init_scope(), tf.device(backing_variable(like).device):
+    with state_placement(like):
         return tf.Variable(tf.fill(shape, tf.constant(initial_value, tf.float32)), trainable=False, name=name)
 
 
@@ -39,7 +39,8 @@ class SparseOptimizer(tf.Module, abc.ABC):
     def __init__(self, learning_rate=0.001, name: Optional[str] = None):
         super().__init__(name=name or type(self).__name__)
         self.learning_rate = learning_rate
-        self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="iterations")
+        self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="iterations",
+                                      aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         self._slots: Dict[str, List] = {}       # checkpoint key -> the table's state
         self._slot_keys: Dict[object, str] = {}  # table variable ref -> its key in _slots
         self._slot_factory: SlotFactory = _tf_slot
@@ -68,7 +69,7 @@ class SparseOptimizer(tf.Module, abc.ABC):
         """Creates the state of each table in `var_list` (idempotent)."""
         if slot_factory is not None:
             self._slot_factory = slot_factory
-        for var in var_list:
+        for var in expand_tables(var_list):
             meta = table_meta(var)
             if meta is None:
                 raise TypeError(f"{type(self).__name__}: {var.name} is not a tf_sok table; use "
@@ -83,8 +84,9 @@ class SparseOptimizer(tf.Module, abc.ABC):
                 key, n = f"{base}_{n}", n + 1
             self._slot_keys[ref] = key
             rows, dim = backing_variable(var).shape.as_list()
+            prefix = f"{meta.name}_replica{meta.rank}" if meta.num_ranks > 1 else meta.name
             self._slots[key] = [
-                self._slot_factory(f"{meta.name}/{s.name}", [rows] if s.per_row else [rows, dim],
+                self._slot_factory(f"{prefix}/{s.name}", [rows] if s.per_row else [rows, dim],
                                    s.initial_value, var)
                 for s in self.slot_specs()]
 

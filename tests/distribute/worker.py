@@ -1,0 +1,207 @@
+"""Runs tf.distribute scenarios in a fresh process (logical devices must be set
+up before TensorFlow starts):
+
+    python -m tests.distribute.worker mirrored N OUTDIR SEED SCENARIO...
+    python -m tests.distribute.worker multiworker N OUTDIR SEED SCENARIO...  (TF_CONFIG from the driver)
+
+mirrored: one process, N logical CPU devices (N GPUs with TF_SOK_TEST_DISTRIBUTE_GPU=1).
+multiworker: this process is one of N workers with one device each.
+Writes OUTDIR/<scenario>.task<i>.npz; keys name the global replica (rank) they
+belong to. The pytest driver compares them with one device on the global batch.
+"""
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+KIND, N = sys.argv[1], int(sys.argv[2])
+GPU = os.environ.get("TF_SOK_TEST_DISTRIBUTE_GPU") == "1"
+if KIND == "mirrored":
+    if GPU:
+        DEVICES = [f"/gpu:{i}" for i in range(N)]
+    else:
+        tf.config.set_visible_devices([], "GPU")
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * N)
+        DEVICES = [f"/cpu:{i}" for i in range(N)]
+    STRATEGY = tf.distribute.MirroredStrategy(DEVICES)
+    TASK = 0
+else:
+    if not GPU:
+        tf.config.set_visible_devices([], "GPU")
+    STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
+    TASK = STRATEGY.cluster_resolver.task_id
+
+import keras  # noqa: E402
+
+import tf_sok as sok  # noqa: E402
+from tf_sok.python.comm.strategy import StrategyCommunicator  # noqa: E402
+from tests.horovod import cases, model  # noqa: E402
+
+
+def rank():
+    return sok.context().communicator.rank
+
+
+def per_rank(values, fn):
+    """{global rank: fn(local value)} for a strategy.run result."""
+    ranks = sok.context().communicator.local_ranks
+    return {r: fn(v) for r, v in zip(ranks, STRATEGY.experimental_local_results(values))}
+
+
+def lookups(seed, res):
+    """Outputs and table gradients of each replica's batch, both reductions."""
+    for reduction in ("sum", "mean"):
+        with STRATEGY.scope():
+            ctx = sok.init(sparse_grad_reduction=reduction)
+            assert isinstance(ctx.communicator, StrategyCommunicator) and ctx.num_ranks == N
+            tables = model.make_tables(seed, N)
+            assert all(isinstance(t, sok.ReplicaTable) for t in tables.values())
+
+        def run():
+            feats, upstream, _ = cases.rank_batch(seed, 0, rank())
+            with tf.GradientTape() as tape:
+                outs = model.lookup(tables, feats)
+                loss = tf.add_n([tf.reduce_sum(o * upstream[n]) for o, (n, _, _, _) in zip(outs, cases.FEATURES)])
+            grads = tape.gradient(loss, list(tables.values()))  # the tables stand for the local shards
+            dense = [tf.math.unsorted_segment_sum(g.values, g.indices, sok.table_meta(t).local_rows)
+                     for g, t in zip(grads, tables.values())]
+            return outs, dense
+
+        modes = [("function", tf.function(lambda: STRATEGY.run(run)))]
+        if KIND == "mirrored":
+            modes.append(("eager", lambda: STRATEGY.run(run)))
+        for mode, fn in modes:
+            outs, grads = fn()
+            for (name, _, _, _), o in zip(cases.FEATURES, outs):
+                for r, v in per_rank(o, lambda t: t.numpy()).items():
+                    res[f"{reduction}/{mode}/out/{name}/{r}"] = v
+            for name, g in zip(tables, grads):
+                for r, v in per_rank(g, lambda t: t.numpy()).items():
+                    res[f"{reduction}/{mode}/grad/{name}/{r}"] = v
+            for name, t in tables.items():  # shards live on their replica's device
+                for r, shard in zip(sok.context().communicator.local_ranks, t.shards):
+                    assert shard.device.endswith(sok.context().communicator.device(r).split(":")[-1]), shard.device
+
+
+def training(seed, res, optimizers=None):
+    """cases.STEPS custom-loop steps (strategy.run) of each sparse optimizer +
+    Keras SGD on a mirrored dense weight; loss averaged over the global batch."""
+    for opt_name in optimizers or cases.OPTIMIZERS:
+        cls, kwargs = cases.OPTIMIZERS[opt_name]
+        with STRATEGY.scope():
+            sok.init()
+            tables = model.make_tables(seed, N)
+            dense_w = tf.Variable(model.dense_init(seed))
+            sparse_opt = getattr(sok.optimizers, cls)(**kwargs)
+            sparse_opt.build(list(tables.values()))
+            dense_opt = keras.optimizers.SGD(0.05)
+
+        @tf.function
+        def step(s):
+            def fn():
+                feats, _, target = cases.rank_batch(seed, s + 1, rank())
+                with tf.GradientTape() as tape:
+                    err = model.predict(tables, dense_w, feats) - target
+                    loss = tf.nn.compute_average_loss(tf.square(err)[:, 0], global_batch_size=len(target) * N)
+                grads = tape.gradient(loss, list(tables.values()) + [dense_w])
+                sparse_opt.apply_gradients(zip(grads[:-1], tables.values()))
+                dense_opt.apply_gradients([(grads[-1], dense_w)])
+            STRATEGY.run(fn)
+
+        for s in range(cases.STEPS):
+            step(s)
+        for name, t in tables.items():
+            for r, shard in zip(sok.context().communicator.local_ranks, t.shards):
+                res[f"{opt_name}/{name}/{r}"] = shard.numpy()
+        res[f"{opt_name}/dense"] = dense_w.numpy()
+
+
+def training_adam(seed, res):
+    training(seed, res, ["adam"])
+
+
+def fit(seed, res):
+    """model.fit with sok layers + sok.keras.Optimizer on per-replica batches;
+    then a checkpoint restored into a fresh model under the same strategy."""
+    with STRATEGY.scope():
+        sok.init()
+        mdl = model.compile_keras_model(model.KerasModel(N))
+    batches = model.keras_batches(seed, N, cases.STEPS)
+    mdl.test_on_batch(*batches[0][0])  # builds the model and the optimizer
+    model.set_keras_weights(mdl, seed)
+
+    def dataset_fn(ctx):
+        per_pipeline = ctx.num_replicas_in_sync // ctx.num_input_pipelines
+        ds = None
+        for step in batches:  # replica r of this pipeline takes every per_pipeline-th element
+            for j in range(per_pipeline):
+                d = tf.data.Dataset.from_tensors(step[ctx.input_pipeline_id * per_pipeline + j])
+                ds = d if ds is None else ds.concatenate(d)
+        return ds
+
+    mdl.fit(STRATEGY.distribute_datasets_from_function(dataset_fn), epochs=1, verbose=0)
+    for k, v in model.keras_state(mdl).items():
+        res[f"fit/{k}"] = v
+    x_eval = model.keras_inputs(cases.rank_batch(seed, 99, 0)[0])
+    before = mdl.predict_on_batch(x_eval)
+    path = tf.train.Checkpoint(model=mdl, optimizer=mdl.optimizer).save(
+        os.path.join(OUTDIR, f"ckpt_task{TASK}", "ckpt"))
+    with STRATEGY.scope():
+        fresh = model.compile_keras_model(model.KerasModel(N))
+    fresh.test_on_batch(*batches[0][0])
+    tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).restore(path).assert_existing_objects_matched()
+    res["ckpt/before"], res["ckpt/after"] = before, fresh.predict_on_batch(x_eval)
+    for a, b in zip(mdl.optimizer.variables, fresh.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+
+
+def errors(seed, res):
+    """What each misuse raises (messages saved for the driver to check)."""
+    ids = tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        try:
+            sok.init()
+        except ValueError as e:
+            res["unsupported"] = str(e)
+    sok.init()  # no strategy: a single process
+    with STRATEGY.scope():
+        try:
+            sok.Variable(shape=[10, 4], name="early")
+        except RuntimeError as e:
+            res["init_outside"] = str(e)
+        sok.init()
+        table = sok.Variable(np.random.default_rng(seed).standard_normal((10, 4)).astype(np.float32), name="ta")
+    try:
+        sok.Variable(shape=[10, 4], name="late")
+    except RuntimeError as e:
+        res["create_outside"] = str(e)
+    try:
+        sok.lookup_sparse(table, ids)
+    except RuntimeError as e:
+        res["cross_replica"] = str(e)
+    before = [s.numpy() for s in table.shards]
+
+    def bad():
+        x = tf.ragged.constant([[1, 2], [3 if rank() == 0 else 10]], dtype=tf.int64)
+        return sok.lookup_sparse([table], [x], feature_names=["clicks"])[0]
+
+    for mode, fn in (("eager", lambda: STRATEGY.run(bad)), ("function", tf.function(lambda: STRATEGY.run(bad)))):
+        try:
+            fn()
+        except tf.errors.InvalidArgumentError as e:
+            res[f"bad_id/{mode}"] = str(e)
+    ok = STRATEGY.run(lambda: sok.lookup_sparse(table, ids, combiners="sum"))
+    res["ok"] = STRATEGY.experimental_local_results(ok)[0].numpy()
+    res["table_before"] = np.concatenate(before)
+    res["table_after"] = np.concatenate([s.numpy() for s in table.shards])
+
+
+if __name__ == "__main__":
+    OUTDIR, SEED = sys.argv[3], int(sys.argv[4])
+    for scenario in sys.argv[5:]:
+        results = {}
+        globals()[scenario](SEED, results)
+        np.savez(os.path.join(OUTDIR, f"{scenario}.task{TASK}.npz"), **{k: np.asarray(v) for k, v in results.items()})
+        print(f"{scenario}: {len(results)} results", flush=True)
