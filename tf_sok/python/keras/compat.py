@@ -1,5 +1,6 @@
-"""Keras 3 + tf.distribute with ragged or sparse inputs.
+"""Keras 3 + tf.distribute: two fixes tf_sok's models need.
 
+1. Ragged or sparse inputs under a strategy.
 Before `fit`/`evaluate` under a strategy, Keras' TensorFlow trainer builds the
 model symbolically from the first batch, which it first averages across
 replicas with `strategy.reduce("MEAN", batch)`. That fails for the ragged and
@@ -7,6 +8,12 @@ sparse id tensors embedding models take (they have no single device) and would
 average ids if it did not. For such batches tf_sok hands Keras replica 0's
 batch instead: the symbolic build only needs structure, dtypes and shapes.
 Batches without composite tensors take Keras' own path unchanged.
+
+2. model.fit under MultiWorkerMirroredStrategy (any model): Keras averages
+each step's scalar logs with `strategy.reduce("MEAN", value, axis=0)`, which
+fails on scalars ("Invalid reduction dimension 0 for input with 0 dimensions",
+tensorflow/tensorflow#72388). Scalars are averaged across replicas with
+axis=None instead; everything else takes Keras' path.
 """
 import functools
 
@@ -14,6 +21,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
 _ORIGINAL = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+_ORIGINAL_REDUCE = tf_trainer.reduce_per_replica
 
 
 def _composite(x) -> bool:
@@ -48,6 +56,25 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         self._symbolic_build(data_batch=batch)
 
 
+def _scalar(v, strategy) -> bool:
+    parts = strategy.experimental_local_results(v) if isinstance(v, tf.distribute.DistributedValues) else [v]
+    return all(isinstance(x, tf.Tensor) and x.shape.rank == 0 for x in parts)
+
+
+@functools.wraps(_ORIGINAL_REDUCE)
+def reduce_per_replica(values, strategy, reduction):
+    multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+    if not multi_worker or reduction not in ("auto", "mean"):
+        return _ORIGINAL_REDUCE(values, strategy, reduction)
+
+    def one(v):
+        if _scalar(v, strategy):
+            return strategy.reduce("MEAN", v, axis=None)
+        return _ORIGINAL_REDUCE(v, strategy, reduction)
+    return tf.nest.map_structure(one, values)
+
+
 def install() -> None:
-    """Idempotent: routes Keras' symbolic build through the function above."""
+    """Idempotent: routes Keras' symbolic build and log reduction through the functions above."""
     tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    tf_trainer.reduce_per_replica = reduce_per_replica
