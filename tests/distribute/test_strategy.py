@@ -180,3 +180,14 @@ def test_mirrored_over_two_gpus_equals_one_device(tmp_path):
     check_lookups(2, seed, res, ("eager", "function"))
     check_training(2, seed, res, "training", cases.OPTIMIZERS)
     check_fit(2, seed, res)
+
+
+def test_mirrored_example_trains_and_checkpoints(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "mirrored_dlrm.py"), "--steps", "40",
+                        "--batch-size", "1024", "--eval-rows", "8192", "--cpu-devices", "2",
+                        "--checkpoint", str(tmp_path / "ckpt")], capture_output=True, text=True,
+                       env=_env(), cwd=os.path.join(ROOT, "examples"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "2 replicas" in p.stdout, p.stdout
+    assert float(p.stdout.split("AUC ")[-1].split(";")[0]) > 0.6, p.stdout
+    assert os.path.exists(tmp_path / "ckpt_2replicas" / "checkpoint")

@@ -37,6 +37,7 @@ class Embedding(keras.layers.Layer):
     def __init__(self, vocab_size: int, dim: int, combiner: str = "mean", initializer="uniform",
                  mode: str = "distributed", name: Optional[str] = None, **kwargs):
         super().__init__(name=name, **kwargs)
+        self.supports_jit = False  # the fused ops have no XLA kernels: Keras' jit_compile="auto" must not pick XLA
         self.config = TableConfig(name=(name or "embedding").replace("/", "_"), vocab_size=vocab_size, dim=dim,
                                   combiner=combiner, initializer=initializer, mode=mode)
         self.table = _add_table(self, self.config)
@@ -71,6 +72,7 @@ class EmbeddingCollection(keras.layers.Layer):
     def __init__(self, tables: Sequence[TableConfig], feature_to_table: Mapping[str, str],
                  combiners: Optional[Mapping[str, str]] = None, **kwargs):
         super().__init__(**kwargs)
+        self.supports_jit = False  # see Embedding
         by_name: Dict[str, TableConfig] = {}
         for t in tables:
             if t.name in by_name:

@@ -1,0 +1,114 @@
+"""Throughput of a tf_sok training step under tf.distribute.MirroredStrategy at
+R = 1, 2, ... replicas (GPUs when present, else logical CPU devices), with a
+fixed per-replica batch (weak scaling), next to the same step on one device
+without a strategy; one process per R, side by side in one run.
+
+    python benchmarks/mirrored_bench.py [--replicas 1 2] [--batch 4096]
+
+The step: fused lookup of 8 features over 8 distributed tables (ids and vectors
+exchanged between replicas), backward, lazy Adam on each replica's shards, and
+a dense layer whose gradient the strategy all-reduces.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def worker(a):
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        devices = [f"/gpu:{i}" for i in range(a.worker)]
+    else:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * a.worker)
+        devices = [f"/cpu:{i}" for i in range(a.worker)]
+    import keras
+
+    import tf_sok as sok
+    from lookup_bench import make_batch, time_step
+
+    strategy = tf.distribute.MirroredStrategy(devices) if not a.plain else tf.distribute.get_strategy()
+    R = len(devices) if not a.plain else 1
+    init = keras.initializers.RandomUniform(-0.05, 0.05)
+    with strategy.scope():
+        sok.init()
+        tables = [sok.Variable(shape=[a.rows, a.dim], initializer=init, name=f"t{i}") for i in range(a.tables)]
+        dense = tf.Variable(tf.random.normal([a.tables * a.dim, 1], stddev=0.05))
+        opt = sok.optimizers.Adam(1e-3)
+        opt.build(tables)
+        dense_opt = keras.optimizers.SGD(0.01)
+    rng = np.random.default_rng(100)
+    batches = [[make_batch(rng, a.tables, a.batch, a.rows, 4, 1.1) for _ in range(R)] for _ in range(4)]
+
+    def one_replica(ids):
+        with tf.GradientTape() as tape:
+            outs = sok.lookup_sparse(tables, list(ids), combiners="mean")
+            pred = tf.concat(outs, 1) @ dense
+            loss = tf.nn.compute_average_loss(tf.square(pred[:, 0]), global_batch_size=a.batch * R)
+        grads = tape.gradient(loss, tables + [dense])
+        opt.apply_gradients(zip(grads[:-1], tables))
+        dense_opt.apply_gradients([(grads[-1], dense)])
+        return loss
+
+    steps = []
+    for per_replica in batches:
+        if a.plain:
+            steps.append(tf.function(lambda b=per_replica[0]: one_replica(b)))
+        else:
+            def run(b=per_replica):
+                rid = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
+                return one_replica(b[rid])
+            steps.append(tf.function(lambda run=run: strategy.reduce("SUM", strategy.run(run), axis=None)))
+    seconds = time_step(lambda i: steps[int(i)](), list(range(len(steps))), a.warmup, a.iters)
+    print(json.dumps({"replicas": R, "plain": a.plain, "ms": 1e3 * seconds, "batch": a.batch,
+                      "device": f"{len(gpus)} GPU(s)" if gpus else f"{os.cpu_count()} CPU cores (logical devices)"}),
+          flush=True)
+
+
+def driver(a):
+    rows = []
+    runs = [(1, True)] + [(r, False) for r in a.replicas]
+    for r, plain in runs:
+        cmd = [sys.executable, __file__, "--worker", str(r), "--batch", str(a.batch), "--rows", str(a.rows),
+               "--dim", str(a.dim), "--tables", str(a.tables), "--iters", str(a.iters)] + (["--plain"] if plain else [])
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+                   PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH")])))
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        if p.returncode != 0 or not line:
+            sys.exit(f"R={r} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+        rows.append(json.loads(line[-1]))
+    print(f"{a.tables} distributed tables x {a.rows:,} rows, dim {a.dim}, per-replica batch {a.batch}, sok Adam "
+          f"+ dense SGD; {rows[-1]['device']}")
+    print(f"{'run':>22s} {'ms/step':>9s} {'samples/s':>12s} {'vs 1 replica':>13s}")
+    base = None
+    for r in rows:
+        sps = r["replicas"] * r["batch"] / r["ms"] * 1e3
+        label = "one device, no strategy" if r["plain"] else f"Mirrored, {r['replicas']} replica(s)"
+        if not r["plain"] and base is None:
+            base = sps
+        ratio = f"{sps / base:13.2f}" if base and not r["plain"] else f"{'':>13s}"
+        print(f"{label:>22s} {r['ms']:9.2f} {sps:12,.0f} {ratio}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", type=int, default=0)
+    p.add_argument("--plain", action="store_true")
+    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args()
+    worker(args) if args.worker else driver(args)
