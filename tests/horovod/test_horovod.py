@@ -20,10 +20,18 @@ except ImportError:
     HOROVOD = False
 pytestmark = pytest.mark.skipif(not HOROVOD, reason="Horovod not installed (make test installs it)")
 
+GPUS = 0
 if os.environ.get("TF_SOK_TEST_HOROVOD_GPU") == "1":
     # the workers take the GPUs; the single-process references here run on the CPU, and must not
     # reserve GPU memory the workers' NCCL communicators need
+    GPUS = len(tf.config.list_physical_devices("GPU"))
     tf.config.set_visible_devices([], "GPU")
+
+
+def need_gpus(n):
+    """In GPU mode each rank needs its own GPU (NCCL rejects two ranks on one)."""
+    if os.environ.get("TF_SOK_TEST_HOROVOD_GPU") == "1" and n > GPUS:
+        pytest.skip(f"{n} ranks need {n} GPUs, {GPUS} visible")
 
 
 def launch(n, args, timeout=600):
@@ -55,6 +63,7 @@ def seed():
 
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_lookup_and_gradients_equal_single_process(tmp_path, seed, num_ranks):
+    need_gpus(num_ranks)
     ranks = run_workers(num_ranks, "lookups", seed, tmp_path)
     ref_out, ref_grad = model.single_process_lookup(seed, num_ranks)
     starts = np.cumsum([0] + [cases.batch_size(0, r) for r in range(num_ranks)])
