@@ -39,22 +39,35 @@ def _scale_gradient(x, factor: float):
     return f(x)
 
 
+def _permute(x, p):
+    """x[p] for a permutation p of x's rows; its gradient is the inverse
+    permutation (a gather, not a scatter-add)."""
+    @tf.custom_gradient
+    def f(v):
+        def grad(dy):
+            return tf.gather(tf.convert_to_tensor(dy), tf.math.invert_permutation(p))
+        return tf.gather(v, p), grad
+    return f(x)
+
+
 def _check(comm: Communicator, step: int, sig: int, metas, feature_table, ids, names) -> List[tf.Operation]:
     """Gathers every rank's lookup signature and its first bad id per feature,
     and fails on every rank alike (before any exchange) if they disagree or
     any id is outside its table."""
     F = len(ids)
-    local = [tf.constant(sig, tf.int64)]
-    for f in range(F):
-        rows = metas[feature_table[f]].rows
-        v = ids[f]
-        bad = tf.where((v < 0) | (v >= rows))[:, 0]
-        has_bad = tf.size(bad) > 0
-        first_bad = tf.concat([tf.gather(v, bad[:1]), tf.constant([-1], tf.int64)], 0)[0]
-        local.append(first_bad)
-        local.append(tf.cast(has_bad, tf.int64))
-    row = tf.stack(local)[None, :]
-    every = comm.allgather(row, name=f"tf_sok.check.{step}")            # [N, 1 + 2F]
+    counts = [tf.size(v) for v in ids]
+    every_id = tf.concat(list(ids) + [tf.constant([-1], tf.int64)], 0)          # -1: a sentinel for "none"
+    feature_of_id = tf.repeat(tf.range(F), counts)
+    limit = tf.gather(tf.constant([metas[feature_table[f]].rows for f in range(F)], tf.int64), feature_of_id)
+    position = tf.range(tf.size(feature_of_id))
+    bad = (every_id[:-1] < 0) | (every_id[:-1] >= limit)
+    none = tf.size(every_id) - 1
+    first_bad = tf.math.unsorted_segment_min(tf.where(bad, position, none), feature_of_id, F)
+    first_bad = tf.minimum(first_bad, none)                                       # features without ids
+    local = tf.concat([[tf.constant(sig, tf.int64)],
+                       tf.reshape(tf.stack([tf.gather(every_id, first_bad),
+                                            tf.cast(first_bad < none, tf.int64)], 1), [-1])], 0)
+    every = comm.allgather(local[None, :], name=f"tf_sok.check.{step}")            # [N, 1 + 2F]
     asserts = [tf.debugging.Assert(
         tf.reduce_all(tf.equal(every[:, 0], sig)),
         [tf.strings.format("tf_sok lookup: ranks disagree on lookup step {} (different tables, features, "
@@ -81,74 +94,67 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
     sig = signature(metas, feature_table, combiners, names)
     with tf.control_dependencies(_check(comm, step, sig, metas, feature_table, ids, names)):
         ids = [tf.identity(v) for v in ids]
+    counts = [tf.size(v) for v in ids]
 
-    # 1. owner and (table, local row) of every id, all features concatenated
-    owners, wire_keys, global_keys, counts = [], [], [], []
-    for f in range(F):
-        t, v = feature_table[f], ids[f]
-        spec = metas[t].sharding
-        if spec.kind == "distributed":
-            owner, local = v % N, v // N
-        else:
-            owner, local = tf.fill(tf.shape(v), tf.constant(spec.owner, tf.int64)), v
-        tag = tf.bitwise.left_shift(tf.constant(t, tf.int64), _TABLE_SHIFT)
-        owners.append(owner)
-        wire_keys.append(tf.bitwise.bitwise_or(tag, local))      # what the owner needs
-        global_keys.append(tf.bitwise.bitwise_or(tag, v))        # what identifies the row
-        counts.append(tf.size(v, out_type=tf.int64))
-    # each distinct row travels once per step, however often the batch repeats it
-    distinct, req_inv = tf.unique(tf.concat(global_keys, 0))
-    first = tf.math.unsorted_segment_min(tf.range(tf.size(req_inv)), req_inv, tf.size(distinct))
-    req_owner = tf.gather(tf.concat(owners, 0), first)
-    order = tf.argsort(req_owner, stable=True)                   # send buffer in rank order
-    send_keys = tf.gather(tf.gather(tf.concat(wire_keys, 0), first), order)
-    send_splits = tf.math.bincount(tf.cast(req_owner, tf.int32), minlength=N, maxlength=N)
+    # 1. the step's distinct rows (key = table << 40 | global row), their owners and local rows
+    keys = tf.concat([tf.bitwise.bitwise_or(tf.constant(feature_table[f] << _TABLE_SHIFT, tf.int64), ids[f])
+                      for f in range(F)], 0)
+    distinct, req_inv = tf.unique(keys, out_idx=tf.int64)      # each distinct row travels once per step
+    d_table = tf.bitwise.right_shift(distinct, _TABLE_SHIFT)
+    d_row = tf.bitwise.bitwise_and(distinct, _LOCAL_MASK)
+    row_wise = tf.gather(tf.constant([m.sharding.kind == "distributed" for m in metas]), d_table)
+    fixed_owner = tf.gather(tf.constant([max(m.sharding.owner, 0) for m in metas], tf.int64), d_table)
+    owner = tf.where(row_wise, d_row % N, fixed_owner)
+    local = tf.where(row_wise, d_row // N, d_row)
+    owner32 = tf.cast(owner, tf.int32)
+    # send buffer in rank order (a stable bucketing: cheaper than a sort for N buckets)
+    order = tf.concat(tf.dynamic_partition(tf.range(tf.size(owner32)), owner32, N), 0)
+    send_keys = tf.gather(tf.bitwise.bitwise_or(tf.bitwise.left_shift(d_table, _TABLE_SHIFT), local), order)
+    send_splits = tf.math.bincount(owner32, minlength=N, maxlength=N)
     recv_keys, recv_splits = comm.alltoall(send_keys, send_splits, name=f"tf_sok.keys.{step}.{sig}")
     recv_splits = tf.cast(recv_splits, tf.int32)
 
-    # 2. owners: gather each distinct requested row once, from every table at once
-    uniq, inv = tf.unique(recv_keys)
-    u_table = tf.bitwise.right_shift(uniq, _TABLE_SHIFT)
-    u_local = tf.bitwise.bitwise_and(uniq, _LOCAL_MASK)
-    sel = [tf.where(tf.equal(u_table, t))[:, 0] for t in range(T)]
-    per_table_ids = [tf.gather(u_local, s) for s in sel]
+    # 2. owners: received keys grouped by table, one fused lookup over every table's group. Duplicates
+    # (a row asked for by several ranks) are read twice; the lookup's gradient sums them per row
+    recv_table = tf.cast(tf.bitwise.right_shift(recv_keys, _TABLE_SHIFT), tf.int32)
+    by_key = tf.concat(tf.dynamic_partition(tf.range(tf.size(recv_table)), recv_table, T), 0)
+    per_table = tf.dynamic_partition(tf.bitwise.bitwise_and(recv_keys, _LOCAL_MASK), recv_table, T)
+    sorted_table = tf.gather(recv_table, by_key)
     gathered = lookup_ops.fused_lookup(
-        handles, per_table_ids,
-        [tf.range(tf.size(x, out_type=tf.int64) + 1) for x in per_table_ids],
+        handles, per_table, [tf.range(tf.size(x, out_type=tf.int64) + 1) for x in per_table],
         [tf.zeros([0], tf.float32)] * T, feature_table=list(range(T)), combiners=["sum"] * T,
         weighted=[False] * T, dims=[m.dim for m in metas], feature_names=[f"{m.name} (owner side)" for m in metas],
         table_names=[m.name for m in metas])
-    src_rank = tf.repeat(tf.range(N), recv_splits)
-    recv_table = tf.gather(u_table, inv)
+    sorted_position = tf.math.invert_permutation(by_key)       # received position -> grouped position
 
-    # 3. vectors back, one all-to-all per embedding width
-    sorted_table = tf.bitwise.right_shift(send_keys, _TABLE_SHIFT)
-    # id position -> its distinct key -> that key's place in the send buffer
-    send_position = tf.gather(tf.math.invert_permutation(order), req_inv)
-    starts = tf.cumsum(tf.stack(counts), exclusive=True)
+    # 3. vectors back in the order the keys came, one all-to-all per embedding width
     dims = sorted({m.dim for m in metas})
+    send_table = tf.bitwise.right_shift(send_keys, _TABLE_SHIFT)
+    send_position = tf.gather(tf.math.invert_permutation(order), req_inv)   # id -> place in the send buffer
     returned_by_dim, slot_by_dim = [], []
     for dim in dims:
         group = [t for t in range(T) if metas[t].dim == dim]
-        u_rows = tf.concat([gathered[t] for t in group], 0)
-        u_index = tf.concat([sel[t] for t in group], 0)
-        by_unique = tf.scatter_nd(u_index[:, None], u_rows, tf.stack([tf.size(uniq, out_type=tf.int64), dim]))
-        in_group = tf.reduce_any(tf.equal(recv_table[:, None], tf.constant(group, tf.int64)[None, :]), axis=1)
-        vectors = tf.gather(by_unique, tf.boolean_mask(inv, in_group))
+        rows = tf.concat([gathered[t] for t in group], 0)      # the group's received keys, grouped by table
+        if len(group) == T:
+            vectors, back_splits = _permute(rows, sorted_position), recv_splits
+            slot = send_position
+        else:
+            in_group = tf.reduce_any(tf.equal(sorted_table[:, None], tf.constant(group, tf.int32)[None, :]), 1)
+            row_of_sorted = tf.cumsum(tf.cast(in_group, tf.int64)) - 1
+            recv_in_group = tf.gather(in_group, sorted_position)
+            vectors = _permute(rows, tf.gather(row_of_sorted, tf.boolean_mask(sorted_position, recv_in_group)))
+            src_rank = tf.repeat(tf.range(N), recv_splits)
+            back_splits = tf.math.unsorted_segment_sum(tf.cast(recv_in_group, tf.int32), src_rank, N)
+            sent_in_group = tf.reduce_any(tf.equal(send_table[:, None], tf.constant(group, tf.int64)[None, :]), 1)
+            slot = tf.gather(tf.cumsum(tf.cast(sent_in_group, tf.int64)) - 1, send_position)
         if reduction == "mean":
             vectors = _scale_gradient(vectors, 1.0 / N)
-        back_splits = tf.math.unsorted_segment_sum(tf.cast(in_group, tf.int32), src_rank, N)
         returned, _ = comm.alltoall(vectors, back_splits, name=f"tf_sok.vectors{dim}.{step}.{sig}")
         returned_by_dim.append(returned)
-        sent_in_group = tf.reduce_any(tf.equal(sorted_table[:, None], tf.constant(group, tf.int64)[None, :]), axis=1)
-        slot_by_dim.append(tf.cumsum(tf.cast(sent_in_group, tf.int64)) - 1)  # send position -> returned row
+        slot_by_dim.append(tf.split(slot, counts, num=F))      # per feature: its ids' returned rows
 
     # 4. combine where the batch lives: one fused op pools every feature from the received vectors
-    rows_of_feature = []
-    for f in range(F):
-        g = dims.index(metas[feature_table[f]].dim)
-        pos = tf.gather(send_position, tf.range(starts[f], starts[f] + counts[f]))
-        rows_of_feature.append(tf.gather(slot_by_dim[g], pos))
+    rows_of_feature = [slot_by_dim[dims.index(metas[feature_table[f]].dim)][f] for f in range(F)]
     weighted = [w is not None for w in weights]
     return lookup_ops.fused_combine(
         returned_by_dim, rows_of_feature, splits,
