@@ -35,3 +35,29 @@ def dense_grad(g, rows):
     """IndexedSlices (or dense) -> dense NumPy [rows, dim]."""
     return tf.convert_to_tensor(g).numpy() if not isinstance(g, tf.IndexedSlices) else \
         tf.math.unsorted_segment_sum(g.values, g.indices, rows).numpy()
+
+
+def np_route(keys, num_buckets, table_owner, by_table=False):
+    """NumPy reference of TfSokRoute: distinct keys bucket by bucket (ascending
+    inside), keys per bucket, and each input key's index in the output."""
+    keys = np.asarray(keys, np.int64)
+    uniq = np.unique(keys)
+    table, row = uniq >> 40, uniq & ((1 << 40) - 1)
+    if by_table:
+        bucket, out = table, uniq
+    else:
+        owner = np.asarray(table_owner, np.int64)[table]
+        row_wise = owner < 0
+        bucket = np.where(row_wise, row % num_buckets, owner)
+        out = np.where(row_wise, (table << 40) | (row // num_buckets), uniq)
+    order = np.argsort(bucket, kind="stable")
+    place = np.empty(len(uniq), np.int64)
+    place[order] = np.arange(len(uniq))
+    return out[order], np.bincount(bucket, minlength=num_buckets), place[np.searchsorted(uniq, keys)]
+
+
+def random_route_keys(rng, n, num_tables, max_row):
+    """Keys of n ids over num_tables tables, with repeats (a Zipf-like head)."""
+    table = rng.integers(0, num_tables, n)
+    row = np.where(rng.random(n) < 0.5, rng.integers(0, 16, n), rng.integers(0, max_row, n))
+    return (table.astype(np.int64) << 40) | row.astype(np.int64)

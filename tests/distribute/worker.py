@@ -4,7 +4,8 @@ up before TensorFlow starts):
     python -m tests.distribute.worker mirrored N OUTDIR SEED SCENARIO...
     python -m tests.distribute.worker multiworker N OUTDIR SEED SCENARIO...  (TF_CONFIG from the driver)
 
-mirrored: one process, N logical CPU devices (N GPUs with TF_SOK_TEST_DISTRIBUTE_GPU=1).
+mirrored: one process, N logical CPU devices (N GPUs with TF_SOK_TEST_DISTRIBUTE_GPU=1, or N
+logical GPUs on GPU 0 where fewer are visible).
 multiworker: this process is one of N workers with one device each.
 Writes OUTDIR/<scenario>.task<i>.npz; keys name the global replica (rank) they
 belong to. The pytest driver compares them with one device on the global batch.
@@ -19,6 +20,10 @@ KIND, N = sys.argv[1], int(sys.argv[2])
 GPU = os.environ.get("TF_SOK_TEST_DISTRIBUTE_GPU") == "1"
 if KIND == "mirrored":
     if GPU:
+        gpus = tf.config.list_physical_devices("GPU")
+        if len(gpus) < N:  # one GPU: N logical GPUs on it (the exchange's GPU code paths, not its speed)
+            tf.config.set_logical_device_configuration(
+                gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=16384)] * N)
         DEVICES = [f"/gpu:{i}" for i in range(N)]
     else:
         tf.config.set_visible_devices([], "GPU")

@@ -125,3 +125,21 @@ def test_bad_ids_on_gpu_raise_clear_errors_and_leave_tables(rng):
         # the device is still healthy afterwards
         out = sok.lookup_sparse([table], [tf.ragged.constant([[3, 4]], dtype=tf.int64)], combiners="sum")[0]
     np.testing.assert_allclose(out.numpy()[0], table_np[3] + table_np[4], rtol=1e-6)
+
+
+@pytest.mark.parametrize("by_table", [False, True])
+def test_route_gpu_equals_cpu(by_table):
+    from tests.helpers import random_route_keys
+    from tf_sok.python.ops.route_ops import route
+
+    rng = np.random.default_rng(11)
+    for n in (0, 1, 7, 300_000):
+        keys = tf.constant(random_route_keys(rng, n, 6, 1 << 30))
+        kwargs = dict(num_buckets=6, table_owner=[0] * 6, by_table=True) if by_table else \
+            dict(num_buckets=3, table_owner=[-1, 2, -1, 0, -1, -1])
+        cpu = _on("CPU:0", lambda: route(keys, **kwargs))
+        gpu = _on("GPU:0", lambda: route(keys, **kwargs))
+        for c, g in zip(cpu, gpu):
+            np.testing.assert_array_equal(g.numpy(), c.numpy())
+    with tf.device("GPU:0"), pytest.raises(tf.errors.InvalidArgumentError, match="names table 9"):
+        route(tf.constant([1, 9 << 40], tf.int64), num_buckets=3, table_owner=[-1] * 6)

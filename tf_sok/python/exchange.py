@@ -18,10 +18,10 @@ from typing import List, Sequence
 import tensorflow as tf
 
 from tf_sok.python.comm import Communicator
-from tf_sok.python.ops import lookup_ops
+from tf_sok.python.ops import lookup_ops, route_ops
 from tf_sok.python.variable import TableMeta
 
-_TABLE_SHIFT = 40                       # key = table << 40 | local row
+_TABLE_SHIFT = route_ops.TABLE_SHIFT    # key = table << 40 | row
 _LOCAL_MASK = (1 << _TABLE_SHIFT) - 1
 
 
@@ -36,17 +36,6 @@ def _scale_gradient(x, factor: float):
     @tf.custom_gradient
     def f(v):
         return tf.identity(v), lambda dy: dy * factor
-    return f(x)
-
-
-def _permute(x, p):
-    """x[p] for a permutation p of x's rows; its gradient is the inverse
-    permutation (a gather, not a scatter-add)."""
-    @tf.custom_gradient
-    def f(v):
-        def grad(dy):
-            return tf.gather(tf.convert_to_tensor(dy), tf.math.invert_permutation(p))
-        return tf.gather(v, p), grad
     return f(x)
 
 
@@ -96,56 +85,42 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
         ids = [tf.identity(v) for v in ids]
     counts = [tf.size(v) for v in ids]
 
-    # 1. the step's distinct rows (key = table << 40 | global row), their owners and local rows
+    # 1. the step's distinct rows (key = table << 40 | global row), bucketed by owning rank: one op
     keys = tf.concat([tf.bitwise.bitwise_or(tf.constant(feature_table[f] << _TABLE_SHIFT, tf.int64), ids[f])
                       for f in range(F)], 0)
-    distinct, req_inv = tf.unique(keys, out_idx=tf.int64)      # each distinct row travels once per step
-    d_table = tf.bitwise.right_shift(distinct, _TABLE_SHIFT)
-    d_row = tf.bitwise.bitwise_and(distinct, _LOCAL_MASK)
-    row_wise = tf.gather(tf.constant([m.sharding.kind == "distributed" for m in metas]), d_table)
-    fixed_owner = tf.gather(tf.constant([max(m.sharding.owner, 0) for m in metas], tf.int64), d_table)
-    owner = tf.where(row_wise, d_row % N, fixed_owner)
-    local = tf.where(row_wise, d_row // N, d_row)
-    owner32 = tf.cast(owner, tf.int32)
-    # send buffer in rank order (a stable bucketing: cheaper than a sort for N buckets)
-    order = tf.concat(tf.dynamic_partition(tf.range(tf.size(owner32)), owner32, N), 0)
-    send_keys = tf.gather(tf.bitwise.bitwise_or(tf.bitwise.left_shift(d_table, _TABLE_SHIFT), local), order)
-    send_splits = tf.math.bincount(owner32, minlength=N, maxlength=N)
+    owners = [-1 if m.sharding.kind == "distributed" else m.sharding.owner for m in metas]
+    send_keys, send_splits, send_position = route_ops.route(keys, num_buckets=N, table_owner=owners)
     recv_keys, recv_splits = comm.alltoall(send_keys, send_splits, name=f"tf_sok.keys.{step}.{sig}")
     recv_splits = tf.cast(recv_splits, tf.int32)
 
-    # 2. owners: received keys grouped by table, one fused lookup over every table's group. Duplicates
-    # (a row asked for by several ranks) are read twice; the lookup's gradient sums them per row
-    recv_table = tf.cast(tf.bitwise.right_shift(recv_keys, _TABLE_SHIFT), tf.int32)
-    by_key = tf.concat(tf.dynamic_partition(tf.range(tf.size(recv_table)), recv_table, T), 0)
-    per_table = tf.dynamic_partition(tf.bitwise.bitwise_and(recv_keys, _LOCAL_MASK), recv_table, T)
-    sorted_table = tf.gather(recv_table, by_key)
+    # 2. owners: the received keys deduplicated across senders and grouped by table (one op), then
+    # one fused lookup reads each requested row once
+    uniq, table_splits, uniq_of_recv = route_ops.route(recv_keys, num_buckets=T, table_owner=[0] * T,
+                                                       by_table=True)
+    per_table = tf.split(tf.bitwise.bitwise_and(uniq, _LOCAL_MASK), table_splits, num=T)
     gathered = lookup_ops.fused_lookup(
         handles, per_table, [tf.range(tf.size(x, out_type=tf.int64) + 1) for x in per_table],
         [tf.zeros([0], tf.float32)] * T, feature_table=list(range(T)), combiners=["sum"] * T,
         weighted=[False] * T, dims=[m.dim for m in metas], feature_names=[f"{m.name} (owner side)" for m in metas],
         table_names=[m.name for m in metas])
-    sorted_position = tf.math.invert_permutation(by_key)       # received position -> grouped position
 
     # 3. vectors back in the order the keys came, one all-to-all per embedding width
     dims = sorted({m.dim for m in metas})
-    send_table = tf.bitwise.right_shift(send_keys, _TABLE_SHIFT)
-    send_position = tf.gather(tf.math.invert_permutation(order), req_inv)   # id -> place in the send buffer
     returned_by_dim, slot_by_dim = [], []
     for dim in dims:
         group = [t for t in range(T) if metas[t].dim == dim]
-        rows = tf.concat([gathered[t] for t in group], 0)      # the group's received keys, grouped by table
+        rows = tf.concat([gathered[t] for t in group], 0)      # the group's distinct keys, table by table
         if len(group) == T:
-            vectors, back_splits = _permute(rows, sorted_position), recv_splits
-            slot = send_position
+            vectors, back_splits, slot = tf.gather(rows, uniq_of_recv), recv_splits, send_position
         else:
-            in_group = tf.reduce_any(tf.equal(sorted_table[:, None], tf.constant(group, tf.int32)[None, :]), 1)
-            row_of_sorted = tf.cumsum(tf.cast(in_group, tf.int64)) - 1
-            recv_in_group = tf.gather(in_group, sorted_position)
-            vectors = _permute(rows, tf.gather(row_of_sorted, tf.boolean_mask(sorted_position, recv_in_group)))
+            member = tf.constant([t in group for t in range(T)])
+            in_group = tf.gather(member, tf.bitwise.right_shift(uniq, _TABLE_SHIFT))
+            row_of_uniq = tf.cumsum(tf.cast(in_group, tf.int64)) - 1
+            recv_in_group = tf.gather(in_group, uniq_of_recv)
+            vectors = tf.gather(rows, tf.gather(row_of_uniq, tf.boolean_mask(uniq_of_recv, recv_in_group)))
             src_rank = tf.repeat(tf.range(N), recv_splits)
             back_splits = tf.math.unsorted_segment_sum(tf.cast(recv_in_group, tf.int32), src_rank, N)
-            sent_in_group = tf.reduce_any(tf.equal(send_table[:, None], tf.constant(group, tf.int64)[None, :]), 1)
+            sent_in_group = tf.gather(member, tf.bitwise.right_shift(send_keys, _TABLE_SHIFT))
             slot = tf.gather(tf.cumsum(tf.cast(sent_in_group, tf.int64)) - 1, send_position)
         if reduction == "mean":
             vectors = _scale_gradient(vectors, 1.0 / N)
