@@ -16,12 +16,17 @@ tensorflow/tensorflow#72388). Scalars are averaged across replicas with
 axis=None instead; everything else takes Keras' path.
 """
 import functools
+import logging
 
 import tensorflow as tf
-from keras.src.backend.tensorflow import trainer as tf_trainer
 
-_ORIGINAL = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
-_ORIGINAL_REDUCE = tf_trainer.reduce_per_replica
+try:  # Keras internals: if a Keras release moves them, tf_sok runs without these fixes
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+    _ORIGINAL = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+    _ORIGINAL_REDUCE = tf_trainer.reduce_per_replica
+except (ImportError, AttributeError):  # pragma: no cover (depends on the Keras release)
+    tf_trainer = None
+    _ORIGINAL = _ORIGINAL_REDUCE = lambda *a, **k: None  # noqa: E731
 
 
 def _composite(x) -> bool:
@@ -76,5 +81,10 @@ def reduce_per_replica(values, strategy, reduction):
 
 def install() -> None:
     """Idempotent: routes Keras' symbolic build and log reduction through the functions above."""
+    if tf_trainer is None:
+        logging.getLogger("tf_sok").warning(
+            "this Keras release moved its TensorFlow trainer; tf_sok's fixes for ragged inputs and "
+            "MultiWorkerMirroredStrategy logs under tf.distribute are not applied")
+        return
     tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
     tf_trainer.reduce_per_replica = reduce_per_replica
