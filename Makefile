@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 DEPS   := $(VENV)/.deps-installed
 HVD    := $(VENV)/.horovod-installed
 
-.PHONY: all build demo demo-horovod test test-gpu bench clean
+.PHONY: all build demo demo-horovod demo-mirrored test test-gpu bench clean
 
 all: build
 
@@ -33,6 +33,10 @@ demo: build
 # The same model trained by 2 processes (tables sharded across them).
 demo-horovod: build
 	$(BIN)/horovodrun -np 2 -H localhost:2 --gloo $(BIN)/python examples/horovod_dlrm.py
+
+# The same model under tf.distribute.MirroredStrategy (all GPUs, or 2 logical CPU devices).
+demo-mirrored: build
+	$(BIN)/python examples/mirrored_dlrm.py
 
 test: build
 	$(BIN)/python -m pytest -q tests
