@@ -93,14 +93,15 @@ def lookups(seed, res):
 def training(seed, res, optimizers=None):
     """cases.STEPS custom-loop steps (strategy.run) of each sparse optimizer +
     Keras SGD on a mirrored dense weight; loss averaged over the global batch."""
-    for opt_name in optimizers or cases.OPTIMIZERS:
+    for i, opt_name in enumerate(optimizers or cases.OPTIMIZERS):
         cls, kwargs = cases.OPTIMIZERS[opt_name]
         with STRATEGY.scope():
             sok.init()
             tables = model.make_tables(seed, N)
             dense_w = tf.Variable(model.dense_init(seed))
             sparse_opt = getattr(sok.optimizers, cls)(**kwargs)
-            sparse_opt.build(list(tables.values()))
+            if i % 2 == 0:  # else the optimizer creates each shard's state on first use, in replica context
+                sparse_opt.build(list(tables.values()))
             dense_opt = keras.optimizers.SGD(0.05)
 
         @tf.function
@@ -120,6 +121,8 @@ def training(seed, res, optimizers=None):
         for name, t in tables.items():
             for r, shard in zip(sok.context().communicator.local_ranks, t.shards):
                 res[f"{opt_name}/{name}/{r}"] = shard.numpy()
+                for slot in sparse_opt.slots(shard):  # each shard's state lives next to it
+                    assert slot.device == shard.device, (slot.device, shard.device)
         res[f"{opt_name}/dense"] = dense_w.numpy()
 
 
