@@ -130,6 +130,7 @@ def check_fit(n, seed, res):
             np.testing.assert_allclose(res[f"fit:fit/{key}"], value, rtol=2e-4, atol=2e-5, err_msg=key)
     assert sum(k.startswith("table/") for k in ref) == len(cases.TABLES)
     np.testing.assert_array_equal(res["fit:ckpt/after"], res["fit:ckpt/before"])
+    np.testing.assert_array_equal(res["fit:ckpt/after_weights_h5"], res["fit:ckpt/before"])
 
 
 def test_mirrored_lookups_and_gradients_equal_one_device(mirrored):

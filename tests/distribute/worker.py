@@ -161,6 +161,13 @@ def fit(seed, res):
     fresh.test_on_batch(*batches[0][0])
     tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).restore(path).assert_existing_objects_matched()
     res["ckpt/before"], res["ckpt/after"] = before, fresh.predict_on_batch(x_eval)
+    weights = os.path.join(OUTDIR, f"task{TASK}.weights.h5")  # Keras' own format: every shard by layer
+    mdl.save_weights(weights)
+    with STRATEGY.scope():
+        other = model.compile_keras_model(model.KerasModel(N))
+    other.test_on_batch(*batches[0][0])
+    other.load_weights(weights)
+    res["ckpt/after_weights_h5"] = other.predict_on_batch(x_eval)
     for a, b in zip(mdl.optimizer.variables, fresh.optimizer.variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
 
