@@ -7,7 +7,9 @@ without a strategy; one process per R, side by side in one run.
 
 The step: fused lookup of 8 features over 8 distributed tables (ids and vectors
 exchanged between replicas), backward, lazy Adam on each replica's shards, and
-a dense layer whose gradient the strategy all-reduces.
+a dense layer whose gradient the strategy all-reduces. Also the bytes replica 0 sends per step
+by all-to-all against the all-gather alternative (counted from the step's ids, as in
+scaling_bench.py).
 """
 import argparse
 import json
@@ -68,7 +70,11 @@ def worker(a):
                 return one_replica(b[rid])
             steps.append(tf.function(lambda run=run: strategy.reduce("SUM", strategy.run(run), axis=None)))
     seconds = time_step(lambda i: steps[int(i)](), list(range(len(steps))), a.warmup, a.iters)
+    from scaling_bench import exchange_bytes
+
+    sent, gathered = exchange_bytes(batches[0][0], R, 0, a.dim, a.batch) if R > 1 else (0, 0)
     print(json.dumps({"replicas": R, "plain": a.plain, "ms": 1e3 * seconds, "batch": a.batch,
+                      "alltoall_bytes": sent, "allgather_bytes": gathered,
                       "device": f"{len(gpus)} GPU(s)" if gpus else f"{os.cpu_count()} CPU cores (logical devices)"}),
           flush=True)
 
@@ -88,7 +94,8 @@ def driver(a):
         rows.append(json.loads(line[-1]))
     print(f"{a.tables} distributed tables x {a.rows:,} rows, dim {a.dim}, per-replica batch {a.batch}, sok Adam "
           f"+ dense SGD; {rows[-1]['device']}")
-    print(f"{'run':>22s} {'ms/step':>9s} {'samples/s':>12s} {'vs 1 replica':>13s}")
+    print(f"{'run':>22s} {'ms/step':>9s} {'samples/s':>12s} {'vs 1 replica':>13s} {'all-to-all B/replica':>21s} "
+          f"{'all-gather B/replica':>21s}")
     base = None
     for r in rows:
         sps = r["replicas"] * r["batch"] / r["ms"] * 1e3
@@ -96,7 +103,8 @@ def driver(a):
         if not r["plain"] and base is None:
             base = sps
         ratio = f"{sps / base:13.2f}" if base and not r["plain"] else f"{'':>13s}"
-        print(f"{label:>22s} {r['ms']:9.2f} {sps:12,.0f} {ratio}")
+        print(f"{label:>22s} {r['ms']:9.2f} {sps:12,.0f} {ratio} {r['alltoall_bytes']:21,d} "
+              f"{r['allgather_bytes']:21,d}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,18 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def exchange_bytes(batch, n, rank, dim, batch_size):
+    """Bytes one rank sends per step for a batch of ragged ids (one per distributed table):
+    tf_sok's all-to-all (each distinct remote (table, id) once: its 8-byte key out, its vector
+    back, its gradient out in backward) and the all-gather alternative (every rank's ids to
+    every rank, pooled outputs reduce-scattered forward and all-gathered backward)."""
+    ids = np.concatenate([x.values.numpy() for x in batch])
+    remote = sum(len(np.unique(x.values.numpy()[x.values.numpy() % n != rank])) for x in batch)
+    alltoall = remote * (8 + 2 * 4 * dim)
+    allgather = (n - 1) * len(ids) * 8 + 2 * (n - 1) * batch_size * len(batch) * dim * 4
+    return alltoall, allgather
+
+
 def worker(a):
     import horovod.tensorflow as hvd
 
@@ -48,11 +60,7 @@ def worker(a):
 
     step = sok_path(tables, opt, "mean")
     seconds = time_step(step, batches, a.warmup, a.iters)
-    ids = np.concatenate([x.values.numpy() for x in batches[0]])
-    # tf_sok sends each distinct (table, id) of the step once; count those leaving the rank
-    remote = sum(len(np.unique(x.values.numpy()[x.values.numpy() % n != rank])) for x in batches[0])
-    alltoall = remote * (8 + 2 * 4 * a.dim)
-    allgather = (n - 1) * len(ids) * 8 + 2 * (n - 1) * a.batch * a.tables * a.dim * 4
+    alltoall, allgather = exchange_bytes(batches[0], n, rank, a.dim, a.batch)
     if rank == 0:
         device = f"one GPU per rank ({len(gpus)} visible)" if gpus else f"{os.cpu_count()} CPU cores shared by all ranks"
         print(json.dumps({"ranks": n, "device": device, "ms": 1e3 * seconds, "batch": a.batch,
