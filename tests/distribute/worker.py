@@ -150,6 +150,9 @@ def fit(seed, res):
         return ds
 
     mdl.fit(STRATEGY.distribute_datasets_from_function(dataset_fn), epochs=1, verbose=0)
+    for shard in sok.filter_variables(mdl.trainable_variables)[0]:  # the Keras optimizer's state too
+        for slot in mdl.optimizer.sparse.slots(shard):
+            assert slot.value.device == shard.value.device and slot.shape[0] == shard.shape[0], slot.path
     for k, v in model.keras_state(mdl).items():
         res[f"fit/{k}"] = v
     x_eval = model.keras_inputs(cases.rank_batch(seed, 99, 0)[0])
