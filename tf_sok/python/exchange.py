@@ -44,18 +44,15 @@ def _check(comm: Communicator, step: int, sig: int, metas, feature_table, ids, n
     and fails on every rank alike (before any exchange) if they disagree or
     any id is outside its table."""
     F = len(ids)
-    counts = [tf.size(v) for v in ids]
-    every_id = tf.concat(list(ids) + [tf.constant([-1], tf.int64)], 0)          # -1: a sentinel for "none"
-    feature_of_id = tf.repeat(tf.range(F), counts)
-    limit = tf.gather(tf.constant([metas[feature_table[f]].rows for f in range(F)], tf.int64), feature_of_id)
-    position = tf.range(tf.size(feature_of_id))
-    bad = (every_id[:-1] < 0) | (every_id[:-1] >= limit)
-    none = tf.size(every_id) - 1
-    first_bad = tf.math.unsorted_segment_min(tf.where(bad, position, none), feature_of_id, F)
-    first_bad = tf.minimum(first_bad, none)                                       # features without ids
-    local = tf.concat([[tf.constant(sig, tf.int64)],
-                       tf.reshape(tf.stack([tf.gather(every_id, first_bad),
-                                            tf.cast(first_bad < none, tf.int64)], 1), [-1])], 0)
+    local = [tf.constant([sig], tf.int64)]
+    for f, v in enumerate(ids):
+        rows = metas[feature_table[f]].rows
+        n = tf.size(v)
+        # bad positions score n - position (the first scores highest, no ties), good ones 0
+        score = tf.concat([tf.where((v < 0) | (v >= rows), n - tf.range(n), 0), [0]], 0)
+        first = tf.argmax(score, output_type=tf.int32)
+        local.append(tf.stack([tf.concat([v, [-1]], 0)[first], tf.cast(score[first] > 0, tf.int64)]))
+    local = tf.concat(local, 0)
     every = comm.allgather(local[None, :], name=f"tf_sok.check.{step}")            # [N, 1 + 2F]
     healthy = tf.reduce_all(tf.equal(every[:, 0], sig)) & tf.reduce_all(tf.equal(every[:, 2::2], 0))
 
