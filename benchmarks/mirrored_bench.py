@@ -14,10 +14,11 @@ scaling_bench.py).
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
+
+from scaling_bench import add_step_args, exchange_bytes, run_worker, step_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -70,8 +71,6 @@ def worker(a):
                 return one_replica(b[rid])
             steps.append(tf.function(lambda run=run: strategy.reduce("SUM", strategy.run(run), axis=None)))
     seconds = time_step(lambda i: steps[int(i)](), list(range(len(steps))), a.warmup, a.iters)
-    from scaling_bench import exchange_bytes
-
     sent, gathered = exchange_bytes(batches[0][0], R, 0, a.dim, a.batch) if R > 1 else (0, 0)
     print(json.dumps({"replicas": R, "plain": a.plain, "ms": 1e3 * seconds, "batch": a.batch,
                       "alltoall_bytes": sent, "allgather_bytes": gathered,
@@ -83,15 +82,8 @@ def driver(a):
     rows = []
     runs = [(1, True)] + [(r, False) for r in a.replicas]
     for r, plain in runs:
-        cmd = [sys.executable, __file__, "--worker", str(r), "--batch", str(a.batch), "--rows", str(a.rows),
-               "--dim", str(a.dim), "--tables", str(a.tables), "--iters", str(a.iters)] + (["--plain"] if plain else [])
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-                   PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH")])))
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-        if p.returncode != 0 or not line:
-            sys.exit(f"R={r} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-        rows.append(json.loads(line[-1]))
+        cmd = [sys.executable, __file__, "--worker", str(r), *step_args(a)] + (["--plain"] if plain else [])
+        rows.append(run_worker(cmd, f"R={r}"))
     print(f"{a.tables} distributed tables x {a.rows:,} rows, dim {a.dim}, per-replica batch {a.batch}, sok Adam "
           f"+ dense SGD; {rows[-1]['device']}")
     print(f"{'run':>22s} {'ms/step':>9s} {'samples/s':>12s} {'vs 1 replica':>13s} {'all-to-all B/replica':>21s} "
@@ -112,11 +104,6 @@ if __name__ == "__main__":
     p.add_argument("--worker", type=int, default=0)
     p.add_argument("--plain", action="store_true")
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--rows", type=int, default=100_000)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    add_step_args(p)
     args = p.parse_args()
     worker(args) if args.worker else driver(args)

@@ -67,19 +67,37 @@ def worker(a):
                           "alltoall_bytes": alltoall, "allgather_bytes": allgather}), flush=True)
 
 
+def add_step_args(p):
+    """The step's shape, shared with mirrored_bench.py."""
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+
+
+def step_args(a):
+    return ["--batch", str(a.batch), "--rows", str(a.rows), "--dim", str(a.dim), "--tables", str(a.tables),
+            "--iters", str(a.iters), "--warmup", str(a.warmup)]
+
+
+def run_worker(cmd, what):
+    """Runs one measuring process; returns the JSON line it printed last."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH")])))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    line = [ln.split("<stdout>:")[-1] for ln in p.stdout.splitlines() if ln.split("<stdout>:")[-1].startswith("{")]
+    if p.returncode != 0 or not line:
+        sys.exit(f"{what} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return json.loads(line[-1])
+
+
 def driver(a):
     rows = []
     for n in a.ranks:
-        cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable, __file__, "--worker",
-               "--batch", str(a.batch), "--rows", str(a.rows), "--dim", str(a.dim), "--tables", str(a.tables),
-               "--iters", str(a.iters)]
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-                   PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH")])))
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        line = [l for l in p.stdout.splitlines() if '"ranks"' in l]
-        if p.returncode != 0 or not line:
-            sys.exit(f"N={n} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-        rows.append(json.loads(line[-1].split("<stdout>:")[-1]))
+        launch = [sys.executable, "-m", "horovod.runner.launch", "-np", str(n), "-H", f"localhost:{n}", "--gloo"]
+        rows.append(run_worker(launch + [sys.executable, __file__, "--worker", *step_args(a)], f"N={n}"))
     print(f"{a.tables} distributed tables x {a.rows:,} rows, dim {a.dim}, per-rank batch {a.batch}, sok Adam; "
           f"{rows[-1]['device']}")
     print(f"{'ranks':>5s} {'ms/step':>9s} {'samples/s/rank':>15s} {'vs N=1':>7s} {'all-to-all B/rank':>18s} "
@@ -96,11 +114,6 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--rows", type=int, default=100_000)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    add_step_args(p)
     args = p.parse_args()
     worker(args) if args.worker else driver(args)

@@ -7,7 +7,6 @@ from typing import Optional
 import tensorflow as tf
 
 from tf_sok.python.comm import Communicator, SingleProcess
-from tf_sok.python.context_errors import REPLICA_CONTEXT_MESSAGE, replica_context_required  # noqa: F401
 
 _log = logging.getLogger("tf_sok")
 _REDUCTIONS = ("sum", "mean")

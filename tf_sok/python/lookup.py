@@ -7,6 +7,7 @@ from tensorflow.python.eager import tape as tape_lib
 from tf_sok.python import context as context_lib
 from tf_sok.python import exchange
 from tf_sok.python.config import check_combiner
+from tf_sok.python.context_errors import REPLICA_CONTEXT_MESSAGE, replica_context_required
 from tf_sok.python.ops import lookup_ops
 from tf_sok.python.variable import backing_variable, table_meta
 
@@ -131,8 +132,8 @@ def _outside_replicas(params_list, ids_list, names, as_list):
     while Keras traces a model for its output shapes, the result has the right
     shapes and raises the same error if it is ever run."""
     if tf.executing_eagerly():
-        context_lib.replica_context_required()
-    failing = tf.debugging.Assert(tf.constant(False), [context_lib.REPLICA_CONTEXT_MESSAGE], name="replica_context")
+        replica_context_required()
+    failing = tf.debugging.Assert(tf.constant(False), [REPLICA_CONTEXT_MESSAGE], name="replica_context")
     outs = []
     with tf.control_dependencies([failing]):
         for f, (p, x) in enumerate(zip(params_list, ids_list)):

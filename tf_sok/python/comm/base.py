@@ -6,6 +6,11 @@ from typing import List
 import tensorflow as tf
 
 
+def check_reduction(op: str) -> None:
+    if op not in ("sum", "mean"):
+        raise ValueError(f"unknown reduction {op!r}: use 'sum' or 'mean'")
+
+
 class Communicator(abc.ABC):
     """Collectives used by the lookup and the optimizers.
 

@@ -1,7 +1,7 @@
 """Communication through Horovod's TensorFlow collectives (Gloo, MPI or NCCL)."""
 import tensorflow as tf
 
-from tf_sok.python.comm.base import Communicator
+from tf_sok.python.comm.base import Communicator, check_reduction
 
 
 class HorovodCommunicator(Communicator):
@@ -33,8 +33,7 @@ class HorovodCommunicator(Communicator):
         return self._hvd.allgather(tensor, name=name, ignore_name_scope=True)
 
     def allreduce(self, tensors, op="mean", name=None):
-        if op not in ("sum", "mean"):
-            raise ValueError(f"unknown reduction {op!r}: use 'sum' or 'mean'")
+        check_reduction(op)
         tensors = list(tensors)
         if not tensors:
             return []

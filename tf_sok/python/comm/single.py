@@ -1,7 +1,7 @@
 """One process: every table is local and every collective is an identity."""
 import tensorflow as tf
 
-from tf_sok.python.comm.base import Communicator
+from tf_sok.python.comm.base import Communicator, check_reduction
 
 
 class SingleProcess(Communicator):
@@ -22,8 +22,7 @@ class SingleProcess(Communicator):
         return tensor
 
     def allreduce(self, tensors, op="mean", name=None):
-        if op not in ("sum", "mean"):
-            raise ValueError(f"unknown reduction {op!r}: use 'sum' or 'mean'")
+        check_reduction(op)
         return list(tensors)
 
     def broadcast(self, tensor, root=0, name=None):

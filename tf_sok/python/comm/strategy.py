@@ -26,7 +26,7 @@ from tensorflow.python.distribute import values as distribute_values
 from tensorflow.python.ops import collective_ops
 from tensorflow.python.ops import resource_variable_ops
 
-from tf_sok.python.comm.base import Communicator
+from tf_sok.python.comm.base import Communicator, check_reduction
 from tf_sok.python.context_errors import replica_context_required
 
 _MIRRORED, _MULTI_WORKER = "MirroredStrategy", "MultiWorkerMirroredStrategy"
@@ -120,8 +120,7 @@ class StrategyCommunicator(Communicator):
         return _replica_context(self.strategy).all_gather(tensor, axis=0)
 
     def allreduce(self, tensors, op="mean", name=None):
-        if op not in ("sum", "mean"):
-            raise ValueError(f"unknown reduction {op!r}: use 'sum' or 'mean'")
+        check_reduction(op)
         tensors = list(tensors)
         if not tensors:
             return []
