@@ -6,7 +6,7 @@ import tensorflow as tf
 
 import tf_sok as sok
 from tests.helpers import dense_grad, random_ragged, to_ragged
-from tests.python.optimizers.test_optimizers import CASES
+from tests.python.optimizers.test_optimizers import CASES, multi_table_steps, run_multi_table
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
                                                    reason="no GPU visible to TensorFlow")]
@@ -125,6 +125,81 @@ def test_bad_ids_on_gpu_raise_clear_errors_and_leave_tables(rng):
         # the device is still healthy afterwards
         out = sok.lookup_sparse([table], [tf.ragged.constant([[3, 4]], dtype=tf.int64)], combiners="sum")[0]
     np.testing.assert_allclose(out.numpy()[0], table_np[3] + table_np[4], rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["adam", "ftrl", "momentum", "rmsprop_centered_momentum"])
+@pytest.mark.parametrize("id_dtype", [tf.int32, tf.int64])
+def test_one_update_of_many_tables_gpu_equals_cpu(rng, case, id_dtype):
+    cls, hp, _ = CASES[case]
+    specs = [(5000, 16), (70, 7), (100_000, 128), (3, 4)]
+    tables_np = [rng.standard_normal(s).astype(np.float32) for s in specs]
+    steps = multi_table_steps(rng, specs, steps=3, n=(2000, 20_000))
+    cw, cs = run_multi_table("/CPU:0", cls, hp, tables_np, steps, id_dtype)
+    gw, gs = run_multi_table("/GPU:0", cls, hp, tables_np, steps, id_dtype)
+    for t in range(len(specs)):
+        np.testing.assert_allclose(gw[t], cw[t], rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(gw[t][-1], tables_np[t][-1])
+        for a, b in zip(gs[t], cs[t]):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _train_steps(device, tables_np, ragged, upstream, steps=3):
+    """tf.function steps: fused lookup over all tables, gradient, Adam (unique path)."""
+    with tf.device(device):
+        tables = [sok.Variable(t, name=f"t{i}") for i, t in enumerate(tables_np)]
+        opt = sok.optimizers.Adam(0.05)
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                outs = sok.lookup_sparse(tables, ragged, combiners="sqrtn")
+                loss = sum(tf.reduce_sum(o * u) for o, u in zip(outs, upstream))
+            opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
+
+        for _ in range(steps):
+            step()
+        return [t.numpy() for t in tables], [[s.numpy() for s in opt.slots(t)] for t in tables]
+
+
+def test_training_step_over_more_tables_than_one_launch_gpu_equals_cpu(rng):
+    """37 tables of mixed widths: more than one group of 32 in the gradient's
+    sort and the update's launch; lookup gradients take the unique path."""
+    tables_np, ragged, upstream = [], [], []
+    for t in range(37):
+        rows, dim = int(rng.integers(2, 3000)), int(rng.choice([4, 7, 16, 64]))
+        tables_np.append(rng.standard_normal((rows, dim)).astype(np.float32))
+        lens, ids = random_ragged(rng, 512, rows, 4, np.int64, zipf=1.1)
+        ragged.append(to_ragged(lens, ids))
+        upstream.append(rng.standard_normal((512, dim)).astype(np.float32))
+    cw, cs = _train_steps("/CPU:0", tables_np, ragged, upstream)
+    gw, gs = _train_steps("/GPU:0", tables_np, ragged, upstream)
+    for t in range(len(tables_np)):
+        np.testing.assert_allclose(gw[t], cw[t], rtol=1e-4, atol=1e-4)
+        for a, b in zip(gs[t], cs[t]):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_index_of_any_table_on_gpu_changes_no_table(rng):
+    from tf_sok.python.ops import optimizer_ops
+
+    a_np, b_np = rng.standard_normal((10, 4)).astype(np.float32), rng.standard_normal((6, 8)).astype(np.float32)
+    with tf.device("/GPU:0"):
+        a, b = sok.Variable(a_np, name="users"), sok.Variable(b_np, name="items")
+        opt = sok.optimizers.Adam(0.1)
+        good = tf.IndexedSlices(tf.ones([2, 4]), tf.constant([1, 3], tf.int64), [10, 4])
+        bad = tf.IndexedSlices(tf.ones([3, 8]), tf.constant([0, 5, 6], tf.int64), [6, 8])
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"table 'items': row index 6 \(at position 2\)"):
+            opt.apply_gradients([(good, a), (bad, b)])
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"table 'items': indices_unique was set"):
+            optimizer_ops.sparse_apply([a.handle, b.handle], [], [], 0.1,
+                                       [tf.constant([1, 2], tf.int64), tf.constant([0, 3, 3], tf.int64)],
+                                       [tf.ones([2, 4]), tf.ones([3, 8])], algorithm="sgd",
+                                       table_names=["users", "items"], indices_unique=True)
+    np.testing.assert_array_equal(a.numpy(), a_np)
+    np.testing.assert_array_equal(b.numpy(), b_np)
+    for v in (a, b):
+        for slot in opt.slots(v):
+            assert not slot.numpy().any()
 
 
 @pytest.mark.parametrize("by_table", [False, True])

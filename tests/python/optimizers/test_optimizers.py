@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sok as sok
+from tests.helpers import to_ragged
 from tests.python.optimizers.reference import NumpyOptimizer
 
 CASES = {
@@ -143,3 +144,126 @@ def test_tables_with_the_same_name_keep_separate_state(rng):
         np.testing.assert_allclose(opt.slots(v)[0].numpy()[0], [1.1, 1.1], rtol=1e-6)
         np.testing.assert_allclose(v.numpy()[0], init[0] - 0.1 / np.sqrt(1.1 + 1e-7), rtol=1e-5)
     assert opt.slots(a)[0] is not opt.slots(b)[0]
+
+
+def multi_table_steps(rng, specs, steps=3, n=(20, 60)):
+    """Random row-sparse gradients for several tables: per step, per table
+    (indices with duplicates, values); the last table gets two entries per step."""
+    out = []
+    for _ in range(steps):
+        step = []
+        for t, (rows, dim) in enumerate(specs):
+            parts = 2 if t == len(specs) - 1 else 1
+            for _ in range(parts):
+                k = int(rng.integers(*n))
+                idx = rng.integers(0, rows - 1, k)  # the last row is never touched
+                idx[:2] = idx[0]
+                step.append((t, idx, rng.standard_normal((k, dim)).astype(np.float32)))
+        out.append(step)
+    return out
+
+
+def run_multi_table(device, cls, hp, tables_np, steps, id_dtype=tf.int64):
+    """Applies every step's gradients of all tables in one apply_gradients call."""
+    with tf.device(device):
+        tables = [sok.Variable(t, name=f"table{i}") for i, t in enumerate(tables_np)]
+        opt = cls(learning_rate=0.05, **hp)
+        for step in steps:
+            opt.apply_gradients([
+                (tf.IndexedSlices(tf.constant(g), tf.constant(idx, id_dtype), list(tables_np[t].shape)), tables[t])
+                for t, idx, g in step])
+        return [v.numpy() for v in tables], [[s.numpy() for s in opt.slots(v)] for v in tables]
+
+
+@pytest.mark.parametrize("case", ["adam", "ftrl", "rmsprop_centered_momentum", "sgd"])
+def test_one_update_of_many_tables_matches_numpy_per_table(rng, case):
+    """All tables (different rows and dims; one named twice) go through ONE op."""
+    cls, hp, _ = CASES[case]
+    specs = [(50, 4), (9, 16), (200, 3)]
+    tables_np = [rng.standard_normal(s).astype(np.float32) for s in specs]
+    steps = multi_table_steps(rng, specs)
+    got, _ = run_multi_table("/CPU:0", cls, hp, tables_np, steps)
+    for t, table in enumerate(tables_np):
+        ref = NumpyOptimizer(_np_name(case), table, 0.05, **hp)
+        for step in steps:
+            parts = [(idx, g) for tt, idx, g in step if tt == t]
+            ref.apply(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+        np.testing.assert_allclose(got[t], ref.w, rtol=2e-4, atol=2e-5)
+        np.testing.assert_array_equal(got[t][-1], table[-1])
+
+
+def test_bad_index_in_one_table_changes_no_table(rng):
+    a_np, b_np = rng.standard_normal((10, 4)).astype(np.float32), rng.standard_normal((6, 2)).astype(np.float32)
+    a, b = sok.Variable(a_np, name="users"), sok.Variable(b_np, name="items")
+    opt = sok.optimizers.Adam(0.1)
+    good = tf.IndexedSlices(tf.ones([2, 4]), tf.constant([1, 3], tf.int64), [10, 4])
+    bad = tf.IndexedSlices(tf.ones([3, 2]), tf.constant([0, 5, 6], tf.int64), [6, 2])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"adam update of table 'items': row index 6 \(at position 2\) is outside \[0, 6\)"):
+        opt.apply_gradients([(good, a), (bad, b)])
+    np.testing.assert_array_equal(a.numpy(), a_np)
+    np.testing.assert_array_equal(b.numpy(), b_np)
+    for v in (a, b):
+        for slot in opt.slots(v):
+            assert not slot.numpy().any()
+
+
+def test_unique_indices_promise_is_checked(rng):
+    from tf_sok.python.ops import optimizer_ops
+
+    table = rng.standard_normal((8, 3)).astype(np.float32)
+    var = sok.Variable(table, name="t")
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"sgd update of table 't': indices_unique was set but row index 2 \(at position 2\)"):
+        optimizer_ops.sparse_apply([var.handle], [], [], 0.1, [tf.constant([1, 4, 2], tf.int64)],
+                                   [tf.ones([3, 3])], algorithm="sgd", table_names=["t"], indices_unique=True)
+    np.testing.assert_array_equal(var.numpy(), table)
+
+
+def test_lookup_gradients_take_the_unique_path_and_match_tensorflow(rng):
+    """Inside tf.function the update knows the lookup gradient's indices are
+    unique (no grouping); the result equals TensorFlow's lookup + the NumPy
+    optimizer, and eager (grouping) gives the same."""
+    specs = [(300, 8), (40, 4)]
+    tables_np = [rng.standard_normal(s).astype(np.float32) for s in specs]
+    feats = []
+    for rows, dim in specs:
+        lens = rng.integers(1, 6, 64)  # no empty rows: TF's lookup drops trailing ones
+        ids = np.minimum(rng.zipf(1.3, int(lens.sum())) - 1, rows - 1)
+        feats.append((to_ragged(lens, ids), rng.standard_normal((64, dim)).astype(np.float32)))
+    hp = {"beta_1": 0.9, "beta_2": 0.99, "epsilon": 1e-7}
+
+    def train(compiled):
+        tables = [sok.Variable(t, name=f"t{i}") for i, t in enumerate(tables_np)]
+        opt = sok.optimizers.Adam(0.05, **hp)
+
+        def step():
+            with tf.GradientTape() as tape:
+                outs = sok.lookup_sparse(tables, [f for f, _ in feats], combiners=["mean", "sum"])
+                loss = sum(tf.reduce_sum(o * u) for o, (_, u) in zip(outs, feats))
+            opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
+
+        fn = tf.function(step) if compiled else step
+        for _ in range(3):
+            fn()
+        if compiled:
+            graph = fn.get_concrete_function().graph
+            applies = [op for op in graph.get_operations() if op.type == "TfSokSparseApply"]
+            assert len(applies) == 1 and applies[0].get_attr("indices_unique")
+        return [t.numpy() for t in tables]
+
+    refs = []
+    for (rt, up), table in zip(feats, tables_np):
+        ref, var = NumpyOptimizer("adam", table, 0.05, **hp), tf.Variable(table)
+        for _ in range(3):
+            with tf.GradientTape() as tape:
+                comb = "mean" if not refs else "sum"
+                out = tf.nn.embedding_lookup_sparse(var, rt.to_sparse(), None, combiner=comb)
+                loss = tf.reduce_sum(out * up)
+            g = tape.gradient(loss, var)
+            ref.apply(g.indices.numpy(), g.values.numpy())
+            var.assign(ref.w.astype(np.float32))
+        refs.append(ref.w)
+    for compiled in (True, False):
+        for got, want in zip(train(compiled), refs):
+            np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)

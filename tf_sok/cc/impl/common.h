@@ -47,11 +47,16 @@ enum class ErrorKind : int32_t {
   kBadSplits = 2,        // value = the offending split, item = its index
   kOutOfMemory = 3,
   kCudaError = 4,        // value = cudaError_t
+  kNotAscending = 5,     // indices promised strictly ascending are not; value = the index
 };
+
+// Keys that name a row of one of several tables: (table << kTableShift) | row.
+constexpr int kTableShift = 40;
+constexpr long long kRowMask = (1LL << kTableShift) - 1;
 
 struct Error {
   ErrorKind kind = ErrorKind::kOk;
-  int32_t group = -1;    // feature index (lookup) or -1
+  int32_t group = -1;    // feature (lookup) or table (optimizer) index, or -1
   int64_t item = -1;
   int64_t value = 0;
   bool ok() const { return kind == ErrorKind::kOk; }

@@ -114,6 +114,24 @@ inline Error GroupByKey(const GpuDevice& d, const long long* keys, int n, int ke
   return c == cudaSuccess ? Error() : CudaFailure(c);
 }
 
+// Bits needed to hold values in [0, max_value] (at least 1): the radix sort's key width.
+inline int BitsFor(long long max_value) {
+  int bits = 1;
+  while (bits < 63 && (max_value >> bits) != 0) ++bits;
+  return bits;
+}
+
+// Index of the segment holding item r, given starts[0..n] ascending (starts[n] = total).
+template <typename T>
+__device__ __forceinline__ int SegmentOf(const T* starts, int n, long long r) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (starts[mid] <= r) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 // Threads per row: a power of two covering dim/vec, at most a warp.
 inline int GroupWidth(int max_dim, int vec) {
   int need = (max_dim + vec - 1) / vec, g = 1;

@@ -50,25 +50,22 @@ struct TableGradInput {
 };
 
 // Phase 1 (Prepare) expands the output gradients to ids and groups equal ids,
-// for every table, and returns each table's unique count; the caller
+// for every table at once, and returns each table's unique count; the caller
 // allocates [unique] indices and [unique, dim] values per table and calls
-// Finish. Indices come out strictly ascending (unique and sorted) on every
-// device. Plans hold scratch valid until the kernel returns.
-template <typename Id>
+// Finish once for all tables. Indices come out strictly ascending (unique and
+// sorted) on every device. The plan holds scratch valid until the kernel
+// returns. An id outside [0, 2^kTableShift) fails Prepare (kIdOutOfRange,
+// group = feature, item = position, value = id).
 struct GradPlan {
-  int64_t total_ids = 0;
-  int64_t num_unique = 0;
-  int32_t dim = 0;
-  void* coef = nullptr;       // [total_ids] weight x combiner scale per id
-  void* grad_rows = nullptr;  // [total_ids] output-gradient row per id
-  std::shared_ptr<void> state;  // device-specific grouping of ids
+  std::vector<int64_t> num_unique;  // per table
+  std::shared_ptr<void> state;      // the device's grouping, alive until Finish
 };
 
 template <typename Device, typename Id>
 struct LookupGrad {
-  Error Prepare(const Device& d, const std::vector<TableGradInput<Id>>& tables,
-                std::vector<GradPlan<Id>>* plans);
-  void Finish(const Device& d, const GradPlan<Id>& plan, int64_t* indices, float* values);
+  Error Prepare(const Device& d, const std::vector<TableGradInput<Id>>& tables, GradPlan* plan);
+  void Finish(const Device& d, const GradPlan& plan, const std::vector<int64_t*>& indices,
+              const std::vector<float*>& values);
 };
 
 // Combiner denominator for a row: 1, sum(w) or sqrt(sum(w^2)); 0 means the row

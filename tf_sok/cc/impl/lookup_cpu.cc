@@ -1,5 +1,6 @@
 // CPU functors for the fused lookup and its gradient.
 #include <algorithm>
+#include <memory>
 #include <mutex>
 
 #include "tf_sok/cc/impl/cpu_dedup.h"
@@ -132,12 +133,35 @@ struct FusedLookup<CpuDevice, Id> {
   }
 };
 
+// One table's expanded gradient: per id its coefficient and output-gradient
+// row, and the ids grouped.
+struct TableGradPlan {
+  int32_t dim = 0;
+  const float* coef = nullptr;
+  const float* const* rows = nullptr;
+  std::shared_ptr<Groups> groups;
+};
+
 template <typename Id>
 struct LookupGrad<CpuDevice, Id> {
-  Error Prepare(const CpuDevice& d, const std::vector<TableGradInput<Id>>& tables,
-                std::vector<GradPlan<Id>>* plans) {
+  Error Prepare(const CpuDevice& d, const std::vector<TableGradInput<Id>>& tables, GradPlan* plan) {
     const int64_t T = static_cast<int64_t>(tables.size());
-    plans->assign(T, GradPlan<Id>());
+    for (const auto& t : tables) {
+      for (const auto& ft : t.features) {
+        for (int64_t i = 0; i < ft.num_ids; ++i) {
+          const int64_t id = static_cast<int64_t>(ft.ids[i]);
+          if (id < 0 || id > kRowMask) {
+            Error e;
+            e.kind = ErrorKind::kIdOutOfRange;
+            e.item = i, e.value = id;
+            return e;
+          }
+        }
+      }
+    }
+    auto state = std::make_shared<std::vector<TableGradPlan>>(T);
+    plan->num_unique.assign(T, 0);
+    plan->state = state;
     int busy = 0;
     for (const auto& t : tables) busy += t.features.empty() ? 0 : 1;
     // Several tables: one table per thread. One table: threads share its features.
@@ -150,11 +174,10 @@ struct LookupGrad<CpuDevice, Id> {
     std::vector<Error> errors(T);
     auto plan_table = [&](int64_t t) {
       const auto& in = tables[t];
-      GradPlan<Id>& plan = (*plans)[t];
+      TableGradPlan& tp = (*state)[t];
       int64_t total = 0;
       for (const auto& ft : in.features) total += ft.num_ids;
-      plan.dim = in.dim;
-      plan.total_ids = total;
+      tp.dim = in.dim;
       if (total == 0) return;
       auto* coef = static_cast<float*>(d.scratch->Allocate(sizeof(float) * total));
       auto* rows = static_cast<const float**>(d.scratch->Allocate(sizeof(float*) * total));
@@ -171,12 +194,11 @@ struct LookupGrad<CpuDevice, Id> {
         });
         base += ft.num_ids;
       }
-      auto groups = std::make_shared<Groups>();
-      GroupByKey(total, [keys](int64_t p) { return keys[p]; }, groups.get());
-      plan.num_unique = groups->size();
-      plan.coef = coef;
-      plan.grad_rows = rows;
-      plan.state = groups;
+      tp.groups = std::make_shared<Groups>();
+      GroupByKey(total, [keys](int64_t p) { return keys[p]; }, tp.groups.get());
+      plan->num_unique[t] = tp.groups->size();
+      tp.coef = coef;
+      tp.rows = rows;
     };
     if (per_table) {
       d.parallel_for(T, 1 << 20, [&](int64_t t0, int64_t t1) {
@@ -190,24 +212,30 @@ struct LookupGrad<CpuDevice, Id> {
     return Error();
   }
 
-  void Finish(const CpuDevice& d, const GradPlan<Id>& plan, int64_t* indices, float* values) {
-    const Groups* g = static_cast<const Groups*>(plan.state.get());
-    const auto* coef = static_cast<const float*>(plan.coef);
-    const auto* rows = static_cast<const float* const*>(plan.grad_rows);
-    const int dim = plan.dim;
-    d.parallel_for(g->size(), 4 * dim, [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end; ++u) {
-        indices[u] = g->keys[u];
-        float* __restrict out = values + u * dim;
-        std::fill(out, out + dim, 0.0f);
-        for (int64_t k = g->offsets[u]; k < g->offsets[u + 1]; ++k) {
-          const int64_t p = g->order[k];
-          const float c = coef[p];
-          const float* __restrict src = rows[p];
-          for (int j = 0; j < dim; ++j) out[j] += c * src[j];
+  void Finish(const CpuDevice& d, const GradPlan& plan, const std::vector<int64_t*>& indices,
+              const std::vector<float*>& values) {
+    const auto& state = *static_cast<const std::vector<TableGradPlan>*>(plan.state.get());
+    for (size_t t = 0; t < state.size(); ++t) {
+      const TableGradPlan& tp = state[t];
+      if (!tp.groups || tp.groups->size() == 0) continue;
+      const Groups* g = tp.groups.get();
+      const int dim = tp.dim;
+      int64_t* idx = indices[t];
+      float* vals = values[t];
+      d.parallel_for(g->size(), 4 * dim, [&](int64_t begin, int64_t end) {
+        for (int64_t u = begin; u < end; ++u) {
+          idx[u] = g->keys[u];
+          float* __restrict out = vals + u * dim;
+          std::fill(out, out + dim, 0.0f);
+          for (int64_t k = g->offsets[u]; k < g->offsets[u + 1]; ++k) {
+            const int64_t p = g->order[k];
+            const float c = tp.coef[p];
+            const float* __restrict src = tp.rows[p];
+            for (int j = 0; j < dim; ++j) out[j] += c * src[j];
+          }
         }
-      }
-    });
+      });
+    }
   }
 };
 

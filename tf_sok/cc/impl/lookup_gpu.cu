@@ -29,6 +29,7 @@ struct Batch {
   int dim[kChunk];
   int combiner[kChunk];
   int feature_index[kChunk];        // index in the op's feature list (for errors)
+  int key_table[kChunk];            // backward: the feature's table within its group
 };
 
 template <int VEC>
@@ -121,10 +122,11 @@ __global__ void ForwardKernel(const Batch<Id> b, int group, DeviceError* err) {
   }
 }
 
-// Backward, per id: its key, the output-gradient row it reads, its coefficient.
+// Backward, per id: its key (table << kTableShift) | id, the output-gradient
+// row it reads, its coefficient.
 template <typename Id>
 __global__ void ExpandKernel(const Batch<Id> b, long long* keys, float* coef,
-                             const float** grad_rows) {
+                             const float** grad_rows, DeviceError* err) {
   const long long r = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= b.row_start[b.num_features]) return;
   const int f = FindFeature(b, r);
@@ -139,13 +141,44 @@ __global__ void ExpandKernel(const Batch<Id> b, long long* keys, float* coef,
   }
   const float scale = CombinerScale(static_cast<Combiner>(b.combiner[f]), wsum, wsq);
   const float* grow = b.rows_out[f] + row * b.dim[f];
+  const long long table = static_cast<long long>(b.key_table[f]) << kTableShift;
   for (long long i = s; i < e; ++i) {
     const long long p = b.id_base[f] + i;
-    keys[p] = static_cast<long long>(b.ids[f][i]);
+    const long long id = static_cast<long long>(b.ids[f][i]);
+    if (id < 0 || id > kRowMask) Raise(err, ErrorKind::kIdOutOfRange, -1, i, id);
+    keys[p] = table | (id & kRowMask);
     coef[p] = (weights ? weights[i] : 1.0f) * scale;
     grad_rows[p] = grow;
   }
 }
+
+// Where each table's distinct keys start among a group's sorted distinct keys:
+// starts[t] = first k with unique_keys[k] >= t << kTableShift; starts[T] = count.
+__global__ void TableStartsKernel(Groups g, int num_tables, int* starts) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t > num_tables) return;
+  const int n = *g.num_unique;
+  if (t == num_tables) {
+    starts[t] = n;
+    return;
+  }
+  const long long want = static_cast<long long>(t) << kTableShift;
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (g.unique_keys[mid] < want) lo = mid + 1; else hi = mid;
+  }
+  starts[t] = lo;
+}
+
+// A group's tables' outputs: distinct key k of table t goes to row
+// k - starts[t] of indices[t] / values[t].
+struct GradOutputs {
+  int num_tables;
+  long long* indices[kChunk];
+  float* values[kChunk];
+  int dim[kChunk];
+};
 
 // Sums each id group's scaled output-gradient rows. Work is cut into chunks
 // of kSegChunk sorted positions (hot ids make very long groups): a group that
@@ -155,8 +188,8 @@ constexpr int kSegChunk = 32;
 
 template <int VEC>
 __global__ void SegmentSumKernel(Groups g, int total, const float* coef,
-                                 const float* const* grad_rows, int dim, int group,
-                                 long long* indices, float* values) {
+                                 const float* const* grad_rows, const GradOutputs o,
+                                 const int* starts, int group) {
   using V = Vec<VEC>;
   const long long chunk = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
   const int lane = threadIdx.x % group;
@@ -164,30 +197,45 @@ __global__ void SegmentSumKernel(Groups g, int total, const float* coef,
   if (start >= total) return;
   const int stop = static_cast<int>(start + kSegChunk < total ? start + kSegChunk : total);
   // the group holding position `start`: the last u with offsets[u] <= start
-  int lo = 0, hi = *g.num_unique - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (g.offsets[mid] <= start) lo = mid; else hi = mid - 1;
-  }
-  for (int j0 = lane * VEC; j0 < dim; j0 += group * VEC) {
-    int u = lo;
-    for (int k = static_cast<int>(start); k < stop; ++u) {
-      const int seg_begin = g.offsets[u], seg_end = g.offsets[u + 1];
-      const int end = seg_end < stop ? seg_end : stop;
+  int u = SegmentOf(g.offsets, *g.num_unique, start);
+  for (int k = static_cast<int>(start); k < stop; ++u) {
+    const int seg_begin = g.offsets[u], seg_end = g.offsets[u + 1];
+    const int end = seg_end < stop ? seg_end : stop;
+    const long long key = g.unique_keys[u];
+    const int t = static_cast<int>(key >> kTableShift);
+    const int dim = o.dim[t];
+    const long long local = u - starts[t];
+    float* out = o.values[t] + local * dim;
+    const bool whole = seg_begin >= start && seg_end <= stop;
+    for (int j0 = lane * VEC; j0 < dim; j0 += group * VEC) {
       typename V::T acc = V::Zero();
-      for (; k < end; ++k) {
-        const int p = g.order[k];
+      for (int q = k; q < end; ++q) {
+        const int p = g.order[q];
         V::Fma(acc, coef[p], V::Load(grad_rows[p] + j0));
       }
-      float* out = values + static_cast<long long>(u) * dim + j0;
-      if (seg_begin >= start && seg_end <= stop) {
-        V::Store(out, acc);
+      if (whole) {
+        V::Store(out + j0, acc);
       } else {
-        V::AtomicAdd(out, acc);
+        V::AtomicAdd(out + j0, acc);
       }
-      if (j0 == lane * VEC && lane == 0 && seg_begin >= start) indices[u] = g.unique_keys[u];
     }
+    if (lane == 0 && seg_begin >= start) o.indices[t][local] = key & kRowMask;
+    k = end;
   }
+}
+
+// Zeroes the rows of distinct keys whose positions span several chunks of
+// SegmentSumKernel (it adds into them atomically).
+__global__ void ZeroSplitRowsKernel(Groups g, const GradOutputs o, const int* starts, int group) {
+  const long long u = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
+  const int lane = threadIdx.x % group;
+  if (u >= *g.num_unique) return;
+  const int seg_begin = g.offsets[u], seg_end = g.offsets[u + 1];
+  if (seg_begin / kSegChunk == (seg_end - 1) / kSegChunk) return;  // inside one chunk
+  const long long key = g.unique_keys[u];
+  const int t = static_cast<int>(key >> kTableShift);
+  float* out = o.values[t] + (u - starts[t]) * o.dim[t];
+  for (int j = lane; j < o.dim[t]; j += group) out[j] = 0.0f;
 }
 
 template <typename Id>
@@ -254,89 +302,148 @@ struct FusedLookup<GpuDevice, Id> {
   }
 };
 
+// The grouping of one group of up to kChunk tables (all of a step's ids of
+// those tables sorted together).
+struct GradGroup {
+  int first_table = 0, num_tables = 0;
+  long long total = 0;
+  float* coef = nullptr;
+  const float** grad_rows = nullptr;
+  gpu::Groups groups;
+  int* starts = nullptr;  // device [num_tables + 1]
+};
+
+struct GradState {
+  std::vector<GradGroup> groups;
+  std::vector<int> dims;
+};
+
 template <typename Id>
 struct LookupGrad<GpuDevice, Id> {
-  Error Prepare(const GpuDevice& d, const std::vector<TableGradInput<Id>>& tables,
-                std::vector<GradPlan<Id>>* plans) {
+  // Every group's expand + sort is queued first; the tables' unique counts and
+  // the error flag then come back together, so the stream is waited on once.
+  Error Prepare(const GpuDevice& d, const std::vector<TableGradInput<Id>>& tables, GradPlan* plan) {
     using namespace gpu;
-    const size_t T = tables.size();
-    plans->assign(T, GradPlan<Id>());
-    // Every table's sort and dedup is queued first; their unique counts then come
-    // back in ONE device-to-host copy, so the stream is waited on once per op.
-    int* counts = Alloc<int>(d, T);
-    if (!counts) return OutOfMemory();
-    cudaMemsetAsync(counts, 0, sizeof(int) * T, StreamOf(d));
-    for (size_t t = 0; t < T; ++t) {
-      Error e = PrepareTable(d, tables[t], &(*plans)[t], counts + t);
+    const int T = static_cast<int>(tables.size());
+    auto state = std::make_shared<GradState>();
+    plan->num_unique.assign(T, 0);
+    plan->state = state;
+    DeviceError* err = NewError(d);
+    int* starts = Alloc<int>(d, T + (T + kChunk - 1) / kChunk);
+    if (!err || !starts) return OutOfMemory();
+    cudaMemsetAsync(starts, 0, sizeof(int) * (T + (T + kChunk - 1) / kChunk), StreamOf(d));
+    for (int first = 0, slot = 0; first < T; first += kChunk) {
+      GradGroup gg;
+      gg.first_table = first;
+      gg.num_tables = std::min(kChunk, T - first);
+      gg.starts = starts + slot;
+      slot += gg.num_tables + 1;
+      Error e = PrepareGroup(d, tables, &gg, err);
       if (!e.ok()) return e;
+      state->groups.push_back(gg);
     }
-    std::vector<int> host(T, 0);
-    cudaMemcpyAsync(host.data(), counts, sizeof(int) * T, cudaMemcpyDeviceToHost, StreamOf(d));
+    for (const auto& t : tables) state->dims.push_back(t.dim);
+    const int n = T + static_cast<int>(state->groups.size());
+    std::vector<int> host(n, 0);
+    DeviceError host_err{};
+    cudaMemcpyAsync(host.data(), starts, sizeof(int) * n, cudaMemcpyDeviceToHost, StreamOf(d));
+    cudaMemcpyAsync(&host_err, err, sizeof(host_err), cudaMemcpyDeviceToHost, StreamOf(d));
     cudaError_t c = cudaStreamSynchronize(StreamOf(d));
     if (c != cudaSuccess) return CudaFailure(c);
-    for (size_t t = 0; t < T; ++t) (*plans)[t].num_unique = host[t];
+    if (host_err.kind != 0) {
+      Error e;
+      e.kind = static_cast<ErrorKind>(host_err.kind);
+      e.group = host_err.group, e.item = host_err.item, e.value = host_err.value;
+      return e;
+    }
+    int slot = 0;
+    for (const auto& gg : state->groups) {
+      for (int t = 0; t < gg.num_tables; ++t)
+        plan->num_unique[gg.first_table + t] = host[slot + t + 1] - host[slot + t];
+      slot += gg.num_tables + 1;
+    }
     return Error();
   }
 
-  // Queues one table's expand + group-by-id; its unique count lands in *count (device).
-  Error PrepareTable(const GpuDevice& d, const TableGradInput<Id>& in, GradPlan<Id>* plan, int* count) {
+  // Queues one group's expand, sort and per-table starts.
+  Error PrepareGroup(const GpuDevice& d, const std::vector<TableGradInput<Id>>& tables,
+                     GradGroup* gg, gpu::DeviceError* err) {
     using namespace gpu;
-    const auto& features = in.features;
-    const int dim = in.dim;
-    long long total = 0;
-    for (const auto& ft : features) total += ft.num_ids;
-    plan->dim = dim;
-    plan->total_ids = total;
-    plan->num_unique = 0;
-    if (total == 0) return Error();
-    auto* keys = Alloc<long long>(d, total);
-    auto* coef = Alloc<float>(d, total);
-    auto* grad_rows = Alloc<const float*>(d, total);
-    if (!keys || !coef || !grad_rows) return OutOfMemory();
+    std::vector<FeatureView<Id>> features;
+    std::vector<const float*> out_grads;
+    std::vector<int> key_table, dims;
+    for (int t = 0; t < gg->num_tables; ++t) {
+      const auto& in = tables[gg->first_table + t];
+      for (size_t f = 0; f < in.features.size(); ++f) {
+        features.push_back(in.features[f]);
+        out_grads.push_back(in.out_grads[f]);
+        key_table.push_back(t);
+        dims.push_back(in.dim);
+        gg->total += in.features[f].num_ids;
+      }
+    }
+    if (gg->total == 0) return Error();
+    auto* keys = Alloc<long long>(d, gg->total);
+    gg->coef = Alloc<float>(d, gg->total);
+    gg->grad_rows = Alloc<const float*>(d, gg->total);
+    if (!keys || !gg->coef || !gg->grad_rows) return OutOfMemory();
     long long base = 0;
     for (size_t first = 0; first < features.size(); first += kChunk) {
       const size_t count = std::min<size_t>(kChunk, features.size() - first);
       Batch<Id> b = MakeBatch(features, first, count);
       for (size_t k = 0; k < count; ++k) {
-        b.rows_out[k] = const_cast<float*>(in.out_grads[first + k]);
-        b.dim[k] = dim;
+        b.rows_out[k] = const_cast<float*>(out_grads[first + k]);
+        b.dim[k] = dims[first + k];
+        b.key_table[k] = key_table[first + k];
         b.id_base[k] = base;
         base += features[first + k].num_ids;
       }
       const long long rows = b.row_start[count];
       if (rows > 0) {
         ExpandKernel<Id><<<(rows + kThreads - 1) / kThreads, kThreads, 0, StreamOf(d)>>>(
-            b, keys, coef, grad_rows);
+            b, keys, gg->coef, gg->grad_rows, err);
       }
     }
-    auto g = std::make_shared<Groups>();
-    Error e = GroupByKey(d, keys, static_cast<int>(total), 64, g.get());
+    const int bits = kTableShift + (gg->num_tables > 1 ? BitsFor(gg->num_tables - 1) : 0);
+    Error e = GroupByKey(d, keys, static_cast<int>(gg->total), bits, &gg->groups);
     if (!e.ok()) return e;
-    cudaMemcpyAsync(count, g->num_unique, sizeof(int), cudaMemcpyDeviceToDevice, StreamOf(d));
-    plan->coef = coef;
-    plan->grad_rows = grad_rows;
-    plan->state = g;
+    TableStartsKernel<<<1, kChunk + 1, 0, StreamOf(d)>>>(gg->groups, gg->num_tables, gg->starts);
     return Error();
   }
 
-  void Finish(const GpuDevice& d, const GradPlan<Id>& plan, int64_t* indices, float* values) {
+  void Finish(const GpuDevice& d, const GradPlan& plan, const std::vector<int64_t*>& indices,
+              const std::vector<float*>& values) {
     using namespace gpu;
-    const Groups& g = *static_cast<const Groups*>(plan.state.get());
-    const bool vec4 = plan.dim % 4 == 0;
-    const int group = GroupWidth(plan.dim, vec4 ? 4 : 1);
-    const int total = static_cast<int>(plan.total_ids);
-    const long long chunks = (total + kSegChunk - 1) / kSegChunk;
-    const long long blocks = (chunks * group + kThreads - 1) / kThreads;
-    auto* idx = reinterpret_cast<long long*>(indices);
-    const auto* coef = static_cast<const float*>(plan.coef);
-    const auto* rows = static_cast<const float* const*>(plan.grad_rows);
-    cudaMemsetAsync(values, 0, sizeof(float) * plan.num_unique * plan.dim, StreamOf(d));
-    if (vec4) {
-      SegmentSumKernel<4><<<blocks, kThreads, 0, StreamOf(d)>>>(g, total, coef, rows, plan.dim, group,
-                                                              idx, values);
-    } else {
-      SegmentSumKernel<1><<<blocks, kThreads, 0, StreamOf(d)>>>(g, total, coef, rows, plan.dim, group,
-                                                              idx, values);
+    const auto& state = *static_cast<const GradState*>(plan.state.get());
+    for (const auto& gg : state.groups) {
+      if (gg.total == 0) continue;
+      GradOutputs o{};
+      o.num_tables = gg.num_tables;
+      int max_dim = 1;
+      bool vec4 = true;
+      for (int t = 0; t < gg.num_tables; ++t) {
+        const int dim = state.dims[gg.first_table + t];
+        o.indices[t] = reinterpret_cast<long long*>(indices[gg.first_table + t]);
+        o.values[t] = values[gg.first_table + t];
+        o.dim[t] = dim;
+        max_dim = std::max(max_dim, dim);
+        vec4 = vec4 && dim % 4 == 0;
+      }
+      const int total = static_cast<int>(gg.total);
+      const int zgroup = GroupWidth(max_dim, 1);
+      ZeroSplitRowsKernel<<<(total * static_cast<long long>(zgroup) + kThreads - 1) / kThreads,
+                            kThreads, 0, StreamOf(d)>>>(gg.groups, o, gg.starts, zgroup);
+      const int group = GroupWidth(max_dim, vec4 ? 4 : 1);
+      const long long chunks = (total + kSegChunk - 1) / kSegChunk;
+      const long long blocks = (chunks * group + kThreads - 1) / kThreads;
+      const auto* rows = static_cast<const float* const*>(gg.grad_rows);
+      if (vec4) {
+        SegmentSumKernel<4><<<blocks, kThreads, 0, StreamOf(d)>>>(gg.groups, total, gg.coef, rows, o,
+                                                                gg.starts, group);
+      } else {
+        SegmentSumKernel<1><<<blocks, kThreads, 0, StreamOf(d)>>>(gg.groups, total, gg.coef, rows, o,
+                                                                gg.starts, group);
+      }
     }
   }
 };

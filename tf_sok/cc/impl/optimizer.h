@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 #include "tf_sok/cc/impl/common.h"
 
@@ -137,12 +138,27 @@ struct SparseUpdate {
   int32_t dim;
 };
 
-// Applies the summed gradient rows to var and slots. grads is [n, dim] with
-// indices[n]; an index outside [0, rows) fails the whole call before any write.
+// One table's part of a fused update: its storage and its gradient rows
+// (grads is [n, dim], row i for row indices[i]).
+template <typename Id>
+struct TableUpdate {
+  SparseUpdate u;
+  const Id* indices;
+  const float* grads;
+  int64_t n;
+};
+
+// Applies every table's row-sparse gradient in one call; rows repeated within a
+// table are summed first. Every index of every table is checked before anything
+// is written: one outside [0, rows) fails the call with kIdOutOfRange (group =
+// table, item = position, value = index) and leaves all tables and state as
+// they were. indices_unique: the caller promises each table's indices strictly
+// ascending (as the lookup gradient emits them), so no grouping is needed; a
+// broken promise fails the call the same way with kNotAscending.
 template <typename Device, typename Id>
-struct SparseApply {
-  Error operator()(const Device& d, const Hyper& h, const SparseUpdate& u,
-                   const Id* indices, const float* grads, int64_t n);
+struct FusedSparseApply {
+  Error operator()(const Device& d, const Hyper& h, const std::vector<TableUpdate<Id>>& tables,
+                   bool indices_unique);
 };
 
 // Copies bytes within device memory (used for copy-on-write of shared buffers).

@@ -1,5 +1,5 @@
-// CPU functor for the sparse optimizers: group duplicate indices, check the
-// range of every index, then update each unique row once (in parallel).
+// CPU functor for the sparse optimizers: check every table's indices, then per
+// table group duplicate indices and update each unique row once (in parallel).
 #include <cstring>
 #include <vector>
 
@@ -50,35 +50,54 @@ void ApplyRows(const CpuDevice& d, const Hyper& h, const SparseUpdate& u, const 
   });
 }
 
+// Checks one table's indices; the first bad one becomes the error.
+template <typename Id>
+Error CheckIndices(const TableUpdate<Id>& t, int32_t table, bool ascending) {
+  Error e;
+  for (int64_t i = 0; i < t.n; ++i) {
+    const int64_t r = static_cast<int64_t>(t.indices[i]);
+    if (r < 0 || r >= t.u.rows) {
+      e.kind = ErrorKind::kIdOutOfRange;
+    } else if (ascending && i > 0 && r <= static_cast<int64_t>(t.indices[i - 1])) {
+      e.kind = ErrorKind::kNotAscending;
+    } else {
+      continue;
+    }
+    e.group = table, e.item = i, e.value = r;
+    return e;
+  }
+  return e;
+}
+
 }  // namespace
 
 template <typename Id>
-struct SparseApply<CpuDevice, Id> {
-  Error operator()(const CpuDevice& d, const Hyper& h, const SparseUpdate& u,
-                   const Id* indices, const float* grads, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t r = static_cast<int64_t>(indices[i]);
-      if (r < 0 || r >= u.rows) {
-        Error e;
-        e.kind = ErrorKind::kIdOutOfRange;
-        e.item = i, e.value = r;
-        return e;
+struct FusedSparseApply<CpuDevice, Id> {
+  Error operator()(const CpuDevice& d, const Hyper& h, const std::vector<TableUpdate<Id>>& tables,
+                   bool indices_unique) {
+    for (size_t t = 0; t < tables.size(); ++t) {
+      Error e = CheckIndices(tables[t], static_cast<int32_t>(t), indices_unique);
+      if (!e.ok()) return e;
+    }
+    for (const auto& t : tables) {
+      if (t.n == 0) continue;
+      const SparseUpdate& u = t.u;
+      const size_t table_bytes = sizeof(float) * static_cast<size_t>(u.rows) * u.dim;
+      AdviseHugePages(u.var, table_bytes);
+      for (int s = 0; s < NumDenseSlots(h); ++s) AdviseHugePages(u.slots[s], table_bytes);
+      Groups g;
+      const Id* indices = t.indices;
+      auto key_at = [indices](int64_t i) { return static_cast<int64_t>(indices[i]); };
+      if (indices_unique || StrictlyAscending(t.n, key_at)) {
+        IdentityGroups(t.n, key_at, &g);  // already unique (e.g. from the lookup gradient)
+      } else {
+        GroupByKey(t.n, key_at, &g);
       }
+      DispatchAlgorithm(h.algorithm, [&](auto algo) {
+        ApplyRows<decltype(algo)::value>(d, h, u, g, t.grads);
+        return 0;
+      });
     }
-    const size_t table_bytes = sizeof(float) * static_cast<size_t>(u.rows) * u.dim;
-    AdviseHugePages(u.var, table_bytes);
-    for (int s = 0; s < NumDenseSlots(h); ++s) AdviseHugePages(u.slots[s], table_bytes);
-    Groups g;
-    auto key_at = [indices](int64_t i) { return static_cast<int64_t>(indices[i]); };
-    if (StrictlyAscending(n, key_at)) {
-      IdentityGroups(n, key_at, &g);  // already unique (e.g. from the lookup gradient)
-    } else {
-      GroupByKey(n, key_at, &g);
-    }
-    DispatchAlgorithm(h.algorithm, [&](auto algo) {
-      ApplyRows<decltype(algo)::value>(d, h, u, g, grads);
-      return 0;
-    });
     return Error();
   }
 };
@@ -88,8 +107,8 @@ void DeviceCopy<CpuDevice>(const CpuDevice&, void* dst, const void* src, size_t 
   std::memcpy(dst, src, bytes);
 }
 
-template struct SparseApply<CpuDevice, int32_t>;
-template struct SparseApply<CpuDevice, int64_t>;
+template struct FusedSparseApply<CpuDevice, int32_t>;
+template struct FusedSparseApply<CpuDevice, int64_t>;
 
 }  // namespace impl
 }  // namespace tf_sok

@@ -15,9 +15,6 @@
 namespace tf_sok {
 namespace impl {
 
-constexpr int kTableShift = 40;
-constexpr long long kRowMask = (1LL << kTableShift) - 1;
-
 struct RouteSpec {
   int num_buckets = 1;
   // false: bucket = owning rank of the row (table_owner[table] < 0: row-wise,

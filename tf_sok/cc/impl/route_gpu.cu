@@ -17,12 +17,6 @@ constexpr int kThreads = 256;
 
 inline int Blocks(long long n) { return static_cast<int>((n + kThreads - 1) / kThreads); }
 
-inline int BitsFor(long long max_value) {
-  int bits = 1;
-  while (bits < 63 && (max_value >> bits) != 0) ++bits;
-  return bits;
-}
-
 struct State {
   gpu::Groups groups;
 };
@@ -79,7 +73,7 @@ Error Route<GpuDevice>::Prepare(const GpuDevice& d, const int64_t* keys, int64_t
   const auto* k = reinterpret_cast<const long long*>(keys);
   CheckKeys<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(k, static_cast<int>(n), spec.num_tables, err);
   auto state = std::make_shared<State>();
-  Error e = gpu::GroupByKey(d, k, static_cast<int>(n), kTableShift + BitsFor(spec.num_tables),
+  Error e = gpu::GroupByKey(d, k, static_cast<int>(n), kTableShift + gpu::BitsFor(spec.num_tables),
                             &state->groups);
   if (!e.ok()) return e;
   int num_unique = 0;
@@ -116,7 +110,7 @@ Error Route<GpuDevice>::Finish(const GpuDevice& d, const RoutePlan& plan, const 
   BucketKernel<<<Blocks(U), kThreads, 0, s>>>(g.unique_keys, U, owner, B, spec.by_table, bucket, iota, out,
                                               splits);
   size_t bytes = 0;
-  const int bits = BitsFor(B);
+  const int bits = gpu::BitsFor(B);
   cub::DeviceRadixSort::SortPairs(nullptr, bytes, bucket, sorted_bucket, iota, by_bucket, U, 0, bits, s);
   void* temp = d.scratch->Allocate(bytes);
   if (!temp) return gpu::OutOfMemory();

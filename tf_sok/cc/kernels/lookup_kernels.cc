@@ -206,21 +206,28 @@ class FusedLookupGradOp : public tf::OpKernel {
       tables[t].out_grads.push_back(g.flat<float>().data());
     }
     impl::LookupGrad<Device, Id> grad;
-    std::vector<impl::GradPlan<Id>> plans;
-    impl::Error e = grad.Prepare(d, tables, &plans);
+    impl::GradPlan plan;
+    impl::Error e = grad.Prepare(d, tables, &plan);
+    if (e.kind == impl::ErrorKind::kIdOutOfRange) {
+      ctx->SetStatus(absl::InvalidArgumentError(absl::StrCat(
+          "tf_sok lookup gradient: id ", e.value, " is outside [0, 2^", impl::kTableShift, ")")));
+      return;
+    }
     OP_REQUIRES(ctx, e.ok(), absl::InternalError(absl::StrCat(
                                  "tf_sok lookup gradient failed (kind ", static_cast<int>(e.kind),
                                  ", value ", e.value, ")")));
+    std::vector<int64_t*> indices(T, nullptr);
+    std::vector<float*> values(T, nullptr);
     for (int t = 0; t < T; ++t) {
-      tf::Tensor* indices = nullptr;
-      tf::Tensor* values = nullptr;
-      const int64_t u = plans[t].num_unique;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(t, tf::TensorShape({u}), &indices));
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(T + t, tf::TensorShape({u, attrs_.dims[t]}), &values));
-      if (u > 0) {
-        grad.Finish(d, plans[t], indices->flat<int64_t>().data(), values->flat<float>().data());
-      }
+      tf::Tensor* idx = nullptr;
+      tf::Tensor* val = nullptr;
+      const int64_t u = plan.num_unique[t];
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(t, tf::TensorShape({u}), &idx));
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(T + t, tf::TensorShape({u, attrs_.dims[t]}), &val));
+      indices[t] = idx->flat<int64_t>().data();
+      values[t] = val->flat<float>().data();
     }
+    grad.Finish(d, plan, indices, values);
   }
 
  private:

@@ -1,5 +1,6 @@
-// Kernel of TfSokSparseApply: lock the variable and its slots, check shapes,
-// make the buffers exclusive (copy-on-write), run the impl functor.
+// Kernel of TfSokSparseApply: lock every table and its slots, check shapes,
+// make the buffers exclusive (copy-on-write), run the impl functor once for all tables.
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -37,12 +38,13 @@ template <typename Device, typename Id>
 class SparseApplyOp : public tf::OpKernel {
  public:
   explicit SparseApplyOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
-    std::string algorithm;
-    OP_REQUIRES_OK(c, c->GetAttr("algorithm", &algorithm));
-    OP_REQUIRES_OK(c, c->GetAttr("num_slots", &num_slots_));
-    OP_REQUIRES_OK(c, c->GetAttr("num_steps", &num_steps_));
-    OP_REQUIRES_OK(c, c->GetAttr("table_name", &table_));
-    h_.algorithm = ParseAlgorithm(algorithm);
+    OP_REQUIRES_OK(c, c->GetAttr("algorithm", &algorithm_));
+    OP_REQUIRES_OK(c, c->GetAttr("num_tables", &num_tables_));
+    OP_REQUIRES_OK(c, c->GetAttr("num_slot_vars", &num_slot_vars_));
+    OP_REQUIRES_OK(c, c->GetAttr("num_step_vars", &num_step_vars_));
+    OP_REQUIRES_OK(c, c->GetAttr("indices_unique", &indices_unique_));
+    OP_REQUIRES_OK(c, c->GetAttr("table_names", &tables_));
+    h_.algorithm = ParseAlgorithm(algorithm_);
     OP_REQUIRES_OK(c, c->GetAttr("beta1", &h_.beta1));
     OP_REQUIRES_OK(c, c->GetAttr("beta2", &h_.beta2));
     OP_REQUIRES_OK(c, c->GetAttr("epsilon", &h_.epsilon));
@@ -55,80 +57,106 @@ class SparseApplyOp : public tf::OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("l2_shrinkage", &h_.l2_shrinkage));
     OP_REQUIRES_OK(c, c->GetAttr("lr_power", &h_.lr_power));
     OP_REQUIRES_OK(c, c->GetAttr("beta", &h_.beta));
-    if (table_.empty()) table_ = "<unnamed>";
-    what_ = absl::StrCat("tf_sok ", algorithm, " update of table '", table_, "'");
-    OP_REQUIRES(c, num_slots_ == impl::NumDenseSlots(h_) &&
-                       num_steps_ == (impl::HasStepSlot(h_) ? 1 : 0),
+    tables_.resize(num_tables_);
+    for (int t = 0; t < num_tables_; ++t)
+      if (tables_[t].empty()) tables_[t] = absl::StrCat("#", t);
+    slots_ = impl::NumDenseSlots(h_);
+    steps_ = impl::HasStepSlot(h_) ? 1 : 0;
+    OP_REQUIRES(c, num_slot_vars_ == num_tables_ * slots_ && num_step_vars_ == num_tables_ * steps_,
                 absl::InvalidArgumentError(absl::StrCat(
-                    what_, ": expects ", impl::NumDenseSlots(h_), " slot(s) and ",
-                    impl::HasStepSlot(h_) ? 1 : 0, " step counter(s); got ", num_slots_,
-                    " and ", num_steps_)));
+                    "tf_sok ", algorithm_, " update: expects ", slots_, " slot(s) and ", steps_,
+                    " step counter(s) per table for ", num_tables_, " table(s); got ",
+                    num_slot_vars_, " and ", num_step_vars_)));
   }
 
   void Compute(tf::OpKernelContext* ctx) override {
-    const int lr_input = 1 + num_slots_ + num_steps_;
+    const int T = num_tables_;
+    const int lr_input = T + num_slot_vars_ + num_step_vars_;
     const tf::Tensor& lr = ctx->input(lr_input);
-    const tf::Tensor& indices = ctx->input(lr_input + 1);
-    const tf::Tensor& grads = ctx->input(lr_input + 2);
     OP_REQUIRES(ctx, tf::TensorShapeUtils::IsScalar(lr.shape()),
-                absl::InvalidArgumentError(what_ + ": learning_rate must be a scalar"));
-
+                absl::InvalidArgumentError(absl::StrCat("tf_sok ", algorithm_,
+                                                        " update: learning_rate must be a scalar")));
+    // Inputs 0..T-1 are the tables, then table-major slots, then step counters.
     std::vector<tf::core::RefCountPtr<tf::Var>> vars(lr_input);
     std::vector<tf::Var*> raw;
     for (int i = 0; i < lr_input; ++i) {
-      const bool is_step = i > num_slots_;
+      const bool is_step = i >= T + num_slot_vars_;
+      const int t = i < T ? i : is_step ? (i - T - num_slot_vars_) : (i - T) / std::max(slots_, 1);
       OP_REQUIRES_OK(ctx, GetVar(ctx, i, is_step ? 1 : 2,
-                                 i == 0 ? what_ + ": the table" : what_ + ": a slot", &vars[i]));
+                                 What(t) + (i < T ? ": the table" : ": a slot"), &vars[i]));
       raw.push_back(vars[i].get());
     }
     ExclusiveLocks locks(raw);
-    const tf::Tensor& var = *vars[0]->tensor();
-    const int64_t rows = var.dim_size(0), dim = var.dim_size(1);
-    for (int i = 1; i < lr_input; ++i) {
-      const tf::Tensor& s = *vars[i]->tensor();
-      const bool is_step = i > num_slots_;
-      OP_REQUIRES(ctx, s.dim_size(0) == rows && (is_step || s.dim_size(1) == dim),
+    std::vector<impl::TableUpdate<Id>> updates(T);
+    for (int t = 0; t < T; ++t) {
+      const tf::Tensor& var = *vars[t]->tensor();
+      const int64_t rows = var.dim_size(0), dim = var.dim_size(1);
+      std::vector<int> mine;
+      for (int s = 0; s < slots_; ++s) mine.push_back(T + t * slots_ + s);
+      for (int s = 0; s < steps_; ++s) mine.push_back(T + num_slot_vars_ + t * steps_ + s);
+      for (int i : mine) {
+        const tf::Tensor& st = *vars[i]->tensor();
+        const bool is_step = i >= T + num_slot_vars_;
+        OP_REQUIRES(ctx, st.dim_size(0) == rows && (is_step || st.dim_size(1) == dim),
+                    absl::InvalidArgumentError(absl::StrCat(
+                        What(t), ": a slot has shape ", st.shape().DebugString(),
+                        " but the table has ", var.shape().DebugString())));
+      }
+      const tf::Tensor& indices = ctx->input(lr_input + 1 + t);
+      const tf::Tensor& grads = ctx->input(lr_input + 1 + T + t);
+      OP_REQUIRES(ctx, indices.dims() == 1 && grads.dims() == 2 &&
+                           grads.dim_size(0) == indices.dim_size(0) && grads.dim_size(1) == dim,
                   absl::InvalidArgumentError(absl::StrCat(
-                      what_, ": slot ", i, " has shape ", s.shape().DebugString(),
-                      " but the table has ", var.shape().DebugString())));
+                      What(t), ": gradient values ", grads.shape().DebugString(),
+                      " do not match indices ", indices.shape().DebugString(), " and dim ", dim)));
+      updates[t].u.rows = rows;
+      updates[t].u.dim = static_cast<int32_t>(dim);
+      updates[t].indices = indices.flat<Id>().data();
+      updates[t].grads = grads.flat<float>().data();
+      updates[t].n = indices.dim_size(0);
     }
-    OP_REQUIRES(ctx, indices.dims() == 1 && grads.dims() == 2 &&
-                         grads.dim_size(0) == indices.dim_size(0) && grads.dim_size(1) == dim,
-                absl::InvalidArgumentError(absl::StrCat(
-                    what_, ": gradient values ", grads.shape().DebugString(),
-                    " do not match indices ", indices.shape().DebugString(), " and dim ", dim)));
-    const int64_t n = indices.dim_size(0);
-    if (n == 0) return;
 
     TensorScratch scratch(ctx);
     const Device d = MakeDevice<Device>(ctx, &scratch);
     for (auto* v : raw) OP_REQUIRES_OK(ctx, MakeExclusive(ctx, d, v));
-
+    for (int t = 0; t < T; ++t) {
+      impl::SparseUpdate& u = updates[t].u;
+      u.var = vars[t]->tensor()->flat<float>().data();
+      for (int s = 0; s < 3; ++s)
+        u.slots[s] = s < slots_ ? vars[T + t * slots_ + s]->tensor()->flat<float>().data() : nullptr;
+      u.step = steps_ ? vars[T + num_slot_vars_ + t]->tensor()->flat<float>().data() : nullptr;
+    }
     impl::Hyper h = h_;
     h.lr = lr.scalar<float>()();
-    impl::SparseUpdate u;
-    u.var = vars[0]->tensor()->flat<float>().data();
-    for (int s = 0; s < 3; ++s)
-      u.slots[s] = s < num_slots_ ? vars[1 + s]->tensor()->flat<float>().data() : nullptr;
-    u.step = num_steps_ ? vars[1 + num_slots_]->tensor()->flat<float>().data() : nullptr;
-    u.rows = rows;
-    u.dim = static_cast<int32_t>(dim);
-    impl::Error e = impl::SparseApply<Device, Id>()(d, h, u, indices.flat<Id>().data(),
-                                                    grads.flat<float>().data(), n);
-    OP_REQUIRES(ctx, e.ok(),
-                e.kind == impl::ErrorKind::kIdOutOfRange
-                    ? absl::InvalidArgumentError(absl::StrCat(
-                          what_, ": row index ", e.value, " (at position ", e.item,
-                          ") is outside [0, ", rows, "); nothing was updated"))
-                    : absl::InternalError(absl::StrCat(what_, ": failed (kind ",
-                                                       static_cast<int>(e.kind), ", value ",
-                                                       e.value, ")")));
+    impl::Error e = impl::FusedSparseApply<Device, Id>()(d, h, updates, indices_unique_);
+    if (e.ok()) return;
+    const std::string what = e.group >= 0 && e.group < T ? What(e.group) : What(-1);
+    if (e.kind == impl::ErrorKind::kIdOutOfRange) {
+      ctx->SetStatus(absl::InvalidArgumentError(absl::StrCat(
+          what, ": row index ", e.value, " (at position ", e.item, ") is outside [0, ",
+          updates[e.group].u.rows, "); nothing was updated")));
+    } else if (e.kind == impl::ErrorKind::kNotAscending) {
+      ctx->SetStatus(absl::InvalidArgumentError(absl::StrCat(
+          what, ": indices_unique was set but row index ", e.value, " (at position ", e.item,
+          ") does not exceed the one before it; nothing was updated")));
+    } else {
+      ctx->SetStatus(absl::InternalError(absl::StrCat(what, ": failed (kind ",
+                                                      static_cast<int>(e.kind), ", value ",
+                                                      e.value, ")")));
+    }
   }
 
  private:
+  std::string What(int t) const {
+    return t < 0 ? absl::StrCat("tf_sok ", algorithm_, " update")
+                 : absl::StrCat("tf_sok ", algorithm_, " update of table '", tables_[t], "'");
+  }
+
   impl::Hyper h_;
-  int num_slots_ = 0, num_steps_ = 0;
-  std::string table_, what_;
+  std::string algorithm_;
+  int num_tables_ = 0, num_slot_vars_ = 0, num_step_vars_ = 0, slots_ = 0, steps_ = 0;
+  bool indices_unique_ = false;
+  std::vector<std::string> tables_;
 };
 
 #define TF_SOK_REGISTER_APPLY(DEV, DEVICE, ID)                                           \

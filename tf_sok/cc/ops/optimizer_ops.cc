@@ -5,16 +5,18 @@
 namespace tf_sok {
 
 REGISTER_OP("TfSokSparseApply")
-    .Input("var: resource")
-    .Input("slots: num_slots * resource")
-    .Input("steps: num_steps * resource")
+    .Input("vars: num_tables * resource")
+    .Input("slots: num_slot_vars * resource")
+    .Input("steps: num_step_vars * resource")
     .Input("learning_rate: float")
-    .Input("indices: Tid")
-    .Input("grads: float")
-    .Attr("num_slots: int >= 0")
-    .Attr("num_steps: int >= 0")
+    .Input("indices: num_tables * Tid")
+    .Input("grads: num_tables * float")
+    .Attr("num_tables: int >= 1")
+    .Attr("num_slot_vars: int >= 0")
+    .Attr("num_step_vars: int >= 0")
     .Attr("Tid: {int32, int64}")
     .Attr("algorithm: {'sgd', 'momentum', 'adagrad', 'adam', 'ftrl', 'rmsprop'}")
+    .Attr("indices_unique: bool = false")
     .Attr("beta1: float = 0.9")
     .Attr("beta2: float = 0.999")
     .Attr("epsilon: float = 1e-7")
@@ -27,20 +29,30 @@ REGISTER_OP("TfSokSparseApply")
     .Attr("l2_shrinkage: float = 0.0")
     .Attr("lr_power: float = -0.5")
     .Attr("beta: float = 0.0")
-    .Attr("table_name: string = ''")
+    .Attr("table_names: list(string) = []")
     .SetIsStateful()
     .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
       ::tensorflow::shape_inference::ShapeHandle unused;
+      int num_tables;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &num_tables));
       const int n = c->num_inputs();
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(n - 3), 0, &unused));  // learning_rate
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(n - 2), 1, &unused));  // indices
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(n - 1), 2, &unused));  // grads
+      const int lr = n - 2 * num_tables - 1;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(lr), 0, &unused));
+      for (int t = 0; t < num_tables; ++t) {
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(lr + 1 + t), 1, &unused));               // indices
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(lr + 1 + num_tables + t), 2, &unused));  // grads
+      }
       return absl::OkStatus();
     })
     .Doc(R"doc(
-Applies a row-sparse gradient to `var` and its per-row optimizer state in
-place. Duplicate indices are summed first; rows not named stay unchanged.
-An index outside [0, rows) fails before anything is written.
+Applies one row-sparse gradient per table to the tables and their per-row
+optimizer state in place, all tables in one call. Slots are table-major
+(num_slot_vars = num_tables x slots per table; steps likewise). Duplicate
+indices of a table are summed first; rows not named stay unchanged. An index
+outside [0, rows) of any table fails the call before anything is written.
+indices_unique: every table's indices are strictly ascending (as the lookup
+gradient emits them), so no grouping is done; if they are not, the call fails
+before anything is written.
 )doc");
 
 }  // namespace tf_sok

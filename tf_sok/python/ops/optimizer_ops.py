@@ -1,4 +1,4 @@
-"""Wrapper of the sparse optimizer apply op."""
+"""Wrapper of the fused sparse optimizer apply op."""
 from typing import Sequence
 
 import tensorflow as tf
@@ -6,10 +6,17 @@ import tensorflow as tf
 from tf_sok.python.ops.loader import ops
 
 
-def sparse_apply(var_handle, slot_handles: Sequence, step_handles: Sequence, learning_rate, indices,
-                 grads, *, algorithm: str, table_name: str, **hyper):
-    """Applies `grads` (rows `indices`) to the table and its slots in place."""
+def sparse_apply(var_handles: Sequence, slot_handles: Sequence, step_handles: Sequence, learning_rate,
+                 indices: Sequence, grads: Sequence, *, algorithm: str, table_names: Sequence[str],
+                 indices_unique: bool = False, **hyper):
+    """Applies `grads[t]` (rows `indices[t]`) to table t and its state, all tables in one op.
+
+    `slot_handles` / `step_handles` are table-major (every slot of table 0, then of table 1, ...).
+    `indices_unique` promises each table's indices strictly ascending (the op checks it).
+    """
+    id_dtype = tf.int64 if any(i.dtype == tf.int64 for i in indices) else tf.int32
     return ops().tf_sok_sparse_apply(
-        var=var_handle, slots=list(slot_handles), steps=list(step_handles),
-        learning_rate=tf.cast(learning_rate, tf.float32), indices=indices, grads=grads,
-        algorithm=algorithm, table_name=table_name, **hyper)
+        vars=list(var_handles), slots=list(slot_handles), steps=list(step_handles),
+        learning_rate=tf.cast(learning_rate, tf.float32), indices=[tf.cast(i, id_dtype) for i in indices],
+        grads=list(grads), algorithm=algorithm, indices_unique=indices_unique,
+        table_names=list(table_names), **hyper)

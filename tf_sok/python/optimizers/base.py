@@ -25,12 +25,23 @@ def _tf_slot(name, shape, initial_value, like):
         return tf.Variable(tf.fill(shape, tf.constant(initial_value, tf.float32)), trainable=False, name=name)
 
 
+def _from_lookup_gradient(indices) -> bool:
+    """True when `indices` are exactly a lookup gradient's output (unique and
+    ascending by construction). Only a graph knows where a tensor came from;
+    eagerly the op sorts, which is always correct."""
+    try:
+        op = indices.op
+    except AttributeError:
+        return False
+    return op.type == "TfSokFusedLookupGrad"
+
+
 class SparseOptimizer(tf.Module, abc.ABC):
     """Base of the tf_sok optimizers.
 
     Subclasses declare their slots and the op's hyper-parameters; this class
-    creates the state per table, sums gradients of repeated rows and runs one
-    in-place update op per table. Rows absent from a batch, and their state,
+    creates the state per table, sums gradients of repeated rows and updates
+    all tables in place with one op. Rows absent from a batch, and their state,
     never change.
     """
 
@@ -105,18 +116,28 @@ class SparseOptimizer(tf.Module, abc.ABC):
         self.build([v for _, v in pairs])
         lr = self.current_learning_rate()
         specs = self.slot_specs()
-        dense_slots = [s for s in specs if not s.per_row]
+        # One entry per table: a table named twice gets its gradients concatenated.
+        merged: Dict[object, list] = {}
         for g, var in pairs:
             if isinstance(g, tf.IndexedSlices):
                 indices, values = g.indices, g.values
             else:  # a dense gradient names every row
                 values = tf.convert_to_tensor(g)
                 indices = tf.range(tf.shape(values, out_type=tf.int64)[0])
-            slots = self.slots(var)
-            dense = [s.handle for s, spec in zip(slots, specs) if not spec.per_row]
-            steps = [s.handle for s, spec in zip(slots, specs) if spec.per_row]
-            assert len(dense) == len(dense_slots)
+            merged.setdefault(backing_variable(var).ref(), [var, [], []])
+            merged[backing_variable(var).ref()][1].append(indices)
+            merged[backing_variable(var).ref()][2].append(tf.cast(values, tf.float32))
+        if merged:
+            tables, all_indices, all_values, dense, steps = [], [], [], [], []
+            for var, idx, vals in merged.values():
+                tables.append(var)
+                all_indices.append(idx[0] if len(idx) == 1 else tf.concat([tf.cast(i, tf.int64) for i in idx], 0))
+                all_values.append(vals[0] if len(vals) == 1 else tf.concat(vals, 0))
+                slots = self.slots(var)
+                dense += [s.handle for s, spec in zip(slots, specs) if not spec.per_row]
+                steps += [s.handle for s, spec in zip(slots, specs) if spec.per_row]
             optimizer_ops.sparse_apply(
-                backing_variable(var).handle, dense, steps, lr, indices, tf.cast(values, tf.float32),
-                algorithm=self.algorithm, table_name=table_meta(var).name, **self.hyper())
+                [backing_variable(v).handle for v in tables], dense, steps, lr, all_indices, all_values,
+                algorithm=self.algorithm, table_names=[table_meta(v).name for v in tables],
+                indices_unique=all(_from_lookup_gradient(i) for i in all_indices), **self.hyper())
         self.iterations.assign_add(1)
