@@ -2,6 +2,7 @@
 time per op type, from TensorFlow's profiler trace.
 
     python benchmarks/profile_step.py --path sok|tf [--device GPU:0] [--batch 65536]
+    python benchmarks/profile_step.py --dlrm 1 --device GPU:0 --optimizer adam   (gpu_bench's (b) step)
 """
 import argparse
 import collections
@@ -14,6 +15,8 @@ import keras
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 import tf_sok as sok
+from gpu_bench import make_step
+from gpu_common import CARDINALITIES, fixed_hot_batch
 from lookup_bench import make_batch, sok_path, tf_path
 
 
@@ -40,14 +43,29 @@ def main():
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--optimizer", default="sgd")
+    p.add_argument("--dlrm", type=int, metavar="IDS_PER_FEATURE",
+                   help="profile gpu_bench.py's DLRM-like step (26 Criteo tables, dim 128) instead")
     a = p.parse_args()
     sok.init()
     rng = np.random.default_rng(0)
-    batches = [make_batch(rng, 8, a.batch, a.rows, 4, 1.1) for _ in range(4)]
     init = keras.initializers.RandomUniform(-0.05, 0.05)
     kopt = keras.optimizers.SGD(0.01) if a.optimizer == "sgd" else keras.optimizers.Adam(1e-3)
+    if a.dlrm:
+        batches = [[tf.RaggedTensor.from_row_splits(*map(tf.constant, fixed_hot_batch(rng, r, a.batch, a.dlrm,
+                                                                                       "zipf:1.05")))
+                    for r in CARDINALITIES]] * 4
+    else:
+        batches = [make_batch(rng, 8, a.batch, a.rows, 4, 1.1) for _ in range(4)]
     with tf.device(a.device):
-        if a.path == "sok":
+        if a.dlrm:
+            if a.path == "sok":
+                tables = [sok.Variable(shape=[r, 128], initializer=init, name=f"c{i}")
+                          for i, r in enumerate(CARDINALITIES)]
+                kopt = sok.OptimizerWrapper(kopt)
+            else:
+                tables = [tf.Variable(init((r, 128))) for r in CARDINALITIES]
+            step = make_step(tables, list(range(26)), kopt, a.path)
+        elif a.path == "sok":
             tables = [sok.Variable(shape=[a.rows, 32], initializer=init, name=f"t{i}") for i in range(8)]
             step = sok_path(tables, sok.OptimizerWrapper(kopt), "mean")
         else:
