@@ -3,7 +3,7 @@ R = 1, 2, ... replicas (GPUs when present, else logical CPU devices), with a
 fixed per-replica batch (weak scaling), next to the same step on one device
 without a strategy; one process per R, side by side in one run.
 
-    python benchmarks/mirrored_bench.py [--replicas 1 2] [--batch 4096]
+    python benchmarks/mirrored_bench.py [--replicas 1 2] [--batch 4096] [--profile 30]
 
 The step: fused lookup of 8 features over 8 distributed tables (ids and vectors
 exchanged between replicas), backward, lazy Adam on each replica's shards, and
@@ -72,7 +72,11 @@ def worker(a):
             steps.append(tf.function(lambda run=run: strategy.reduce("SUM", strategy.run(run), axis=None)))
     seconds = time_step(lambda i: steps[int(i)](), list(range(len(steps))), a.warmup, a.iters)
     sent, gathered = exchange_bytes(batches[0][0], R, 0, a.dim, a.batch) if R > 1 else (0, 0)
-    print(json.dumps({"replicas": R, "plain": a.plain, "ms": 1e3 * seconds, "batch": a.batch,
+    prof = []
+    if a.profile:
+        from profile_step import profile
+        prof = profile(lambda i: float(steps[i % len(steps)]()), top=a.profile)
+    print(json.dumps({"profile": prof, "replicas": R, "plain": a.plain, "ms": 1e3 * seconds, "batch": a.batch,
                       "alltoall_bytes": sent, "allgather_bytes": gathered,
                       "device": f"{len(gpus)} GPU(s)" if gpus else f"{os.cpu_count()} CPU cores (logical devices)"}),
           flush=True)
@@ -82,7 +86,8 @@ def driver(a):
     rows = []
     runs = [(1, True)] + [(r, False) for r in a.replicas]
     for r, plain in runs:
-        cmd = [sys.executable, __file__, "--worker", str(r), *step_args(a)] + (["--plain"] if plain else [])
+        cmd = [sys.executable, __file__, "--worker", str(r), *step_args(a), "--profile", str(a.profile)] + \
+            (["--plain"] if plain else [])
         rows.append(run_worker(cmd, f"R={r}"))
     print(f"{a.tables} distributed tables x {a.rows:,} rows, dim {a.dim}, per-replica batch {a.batch}, sok Adam "
           f"+ dense SGD; {rows[-1]['device']}")
@@ -97,6 +102,10 @@ def driver(a):
         ratio = f"{sps / base:13.2f}" if base and not r["plain"] else f"{'':>13s}"
         print(f"{label:>22s} {r['ms']:9.2f} {sps:12,.0f} {ratio} {r['alltoall_bytes']:21,d} "
               f"{r['allgather_bytes']:21,d}")
+    for r in rows:
+        if r["profile"]:
+            label = "one device, no strategy" if r["plain"] else f"Mirrored, {r['replicas']} replica(s)"
+            print(f"\nprofile, {label} (TensorFlow profiler, per step):\n" + "\n".join(r["profile"]))
 
 
 if __name__ == "__main__":
@@ -104,6 +113,8 @@ if __name__ == "__main__":
     p.add_argument("--worker", type=int, default=0)
     p.add_argument("--plain", action="store_true")
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--profile", type=int, default=0, metavar="TOP",
+                   help="also profile 10 steps of each run and print its TOP ops and kernels")
     add_step_args(p)
     args = p.parse_args()
     worker(args) if args.worker else driver(args)

@@ -21,6 +21,7 @@ from lookup_bench import make_batch, sok_path, tf_path
 
 
 def summarize(logdir, steps, top=25):
+    """Prints (and returns) the top op / kernel times per step from a profiler trace."""
     f = sorted(glob.glob(logdir + "/**/*.xplane.pb", recursive=True))[-1]
     xs = xplane_pb2.XSpace()
     with open(f, "rb") as fh:
@@ -32,8 +33,19 @@ def summarize(logdir, steps, top=25):
             for ev in line.events:
                 name = md[ev.metadata_id].name.split(":")[-1][:60]
                 agg[(plane.name[:18], line.name[:18], name)] += ev.duration_ps / 1e9 / steps
-    for (p, l, n), v in agg.most_common(top):
-        print(f"{v:9.3f} ms/step  {p:18s} {l:18s} {n}")
+    lines = [f"{v:9.3f} ms/step  {p:18s} {l:18s} {n}" for (p, l, n), v in agg.most_common(top)]
+    print("\n".join(lines))
+    return lines
+
+
+def profile(run, steps=10, top=25):
+    """Profiles `steps` calls of run(i) and returns summarize's lines."""
+    logdir = tempfile.mkdtemp()
+    tf.profiler.experimental.start(logdir)
+    for i in range(steps):
+        run(i)
+    tf.profiler.experimental.stop()
+    return summarize(logdir, steps, top)
 
 
 def main():
@@ -73,12 +85,7 @@ def main():
             step = tf_path(tables, kopt, "mean")
         for i in range(5):
             float(step(batches[i % 4]))
-        logdir = tempfile.mkdtemp()
-        tf.profiler.experimental.start(logdir)
-        for i in range(10):
-            float(step(batches[i % 4]))
-        tf.profiler.experimental.stop()
-    summarize(logdir, 10)
+        profile(lambda i: float(step(batches[i % 4])))
 
 
 if __name__ == "__main__":
