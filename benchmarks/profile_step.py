@@ -21,7 +21,8 @@ from lookup_bench import make_batch, sok_path, tf_path
 
 
 def summarize(logdir, steps, top=25):
-    """Prints (and returns) the top op / kernel times per step from a profiler trace."""
+    """Prints (and returns) the top op / kernel times per step from a profiler trace (the
+    executor's threads summed together)."""
     f = sorted(glob.glob(logdir + "/**/*.xplane.pb", recursive=True))[-1]
     xs = xplane_pb2.XSpace()
     with open(f, "rb") as fh:
@@ -32,7 +33,8 @@ def summarize(logdir, steps, top=25):
         for line in plane.lines:
             for ev in line.events:
                 name = md[ev.metadata_id].name.split(":")[-1][:60]
-                agg[(plane.name[:18], line.name[:18], name)] += ev.duration_ps / 1e9 / steps
+                thread = line.name.split("/")[0] if line.name.startswith("tf_") else line.name
+                agg[(plane.name[:18], thread[:18], name)] += ev.duration_ps / 1e9 / steps
     lines = [f"{v:9.3f} ms/step  {p:18s} {l:18s} {n}" for (p, l, n), v in agg.most_common(top)]
     print("\n".join(lines))
     return lines

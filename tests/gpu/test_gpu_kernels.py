@@ -216,5 +216,12 @@ def test_route_gpu_equals_cpu(by_table):
         gpu = _on("GPU:0", lambda: route(keys, **kwargs))
         for c, g in zip(cpu, gpu):
             np.testing.assert_array_equal(g.numpy(), c.numpy())
+    # more tables than the kernel takes as a parameter: the owners go through device memory
+    owners = [int(o) for o in rng.integers(-1, 3, 600)]
+    keys = tf.constant(random_route_keys(rng, 50_000, 600, 1 << 20))
+    cpu = _on("CPU:0", lambda: route(keys, num_buckets=3, table_owner=owners))
+    gpu = _on("GPU:0", lambda: route(keys, num_buckets=3, table_owner=owners))
+    for c, g in zip(cpu, gpu):
+        np.testing.assert_array_equal(g.numpy(), c.numpy())
     with tf.device("GPU:0"), pytest.raises(tf.errors.InvalidArgumentError, match="names table 9"):
         route(tf.constant([1, 9 << 40], tf.int64), num_buckets=3, table_owner=[-1] * 6)

@@ -57,7 +57,7 @@ def test_exchange_path_matches_numpy_outputs_and_gradients():
         np.testing.assert_allclose(dense_grad(g, shapes[t][0]), want_grad[t], rtol=1e-4, atol=1e-5)
 
 
-def test_check_names_the_first_bad_id_of_each_feature_and_passes_good_ids():
+def test_check_names_the_first_bad_id_and_passes_good_ids():
     sok.init()
     tables = [sok.Variable(np.zeros((10, 4), np.float32), name="ta")]
     good = [tf.constant([1, 9, 0], tf.int64), tf.constant([], tf.int64)]

@@ -39,40 +39,49 @@ def _scale_gradient(x, factor: float):
     return f(x)
 
 
-def _check(comm: Communicator, step: int, sig: int, metas, feature_table, ids, names) -> List[tf.Tensor]:
-    """Gathers every rank's lookup signature and its first bad id per feature,
-    and fails on every rank alike (before any exchange) if they disagree or
-    any id is outside its table."""
-    F = len(ids)
-    local = [tf.constant([sig], tf.int64)]
-    for f, v in enumerate(ids):
-        rows = metas[feature_table[f]].rows
-        n = tf.size(v)
-        # bad positions score n - position (the first scores highest, no ties), good ones 0
-        score = tf.concat([tf.where((v < 0) | (v >= rows), n - tf.range(n), 0), [0]], 0)
-        first = tf.argmax(score, output_type=tf.int32)
-        local.append(tf.stack([tf.concat([v, [-1]], 0)[first], tf.cast(score[first] > 0, tf.int64)]))
-    local = tf.concat(local, 0)
-    every = comm.allgather(local[None, :], name=f"tf_sok.check.{step}")            # [N, 1 + 2F]
-    healthy = tf.reduce_all(tf.equal(every[:, 0], sig)) & tf.reduce_all(tf.equal(every[:, 2::2], 0))
+def _flatten(ids):
+    """Every feature's ids as one vector, and the feature of each position."""
+    counts = tf.stack([tf.size(v, out_type=tf.int64) for v in ids])
+    return tf.concat(ids, 0), tf.repeat(tf.range(len(ids), dtype=tf.int64), counts)
+
+
+def _check(comm: Communicator, step: int, sig: int, metas, feature_table, ids, names,
+           flat_ids=None) -> List[tf.Tensor]:
+    """Gathers every rank's lookup signature and its first bad id, and fails on
+    every rank alike (before any exchange) if they disagree or any id is outside
+    its table. A fixed number of ops whatever the number of features: the ids
+    are checked as one concatenated vector against per-position row counts."""
+    flat, feature_of = flat_ids if flat_ids is not None else _flatten(ids)
+    n = tf.size(flat, out_type=tf.int64)
+    rows = tf.gather(tf.constant([metas[t].rows for t in feature_table], tf.int64), feature_of)
+    # bad positions score n - position (the first scores highest, no ties), good ones 0
+    score = tf.concat([tf.where((flat < 0) | (flat >= rows), n - tf.range(n), 0), [0]], 0)
+    first = tf.argmax(score, output_type=tf.int64)
+    found = score[first] > 0
+    local = tf.stack([tf.constant(sig, tf.int64), tf.cast(found, tf.int64),
+                      tf.concat([feature_of, [-1]], 0)[first], tf.concat([flat, [-1]], 0)[first]])
+    every = comm.allgather(local[None, :], name=f"tf_sok.check.{step}")            # [N, 4]
+    healthy = tf.reduce_all(tf.equal(every[:, 0], sig)) & tf.reduce_all(tf.equal(every[:, 1], 0))
 
     def explain():  # runs only when something is wrong: the messages cost host work
-        asserts = [tf.debugging.Assert(
+        same = tf.debugging.Assert(
             tf.reduce_all(tf.equal(every[:, 0], sig)),
             [tf.strings.format("tf_sok lookup: ranks disagree on lookup step {} (different tables, features, "
                                "combiners or order); signatures per rank: {}", (step, every[:, 0]))],
-            name="same_lookup_on_all_ranks")]
-        for f in range(F):
-            flags = every[:, 2 + 2 * f]
-            first = tf.argmax(flags)
-            meta = metas[feature_table[f]]
-            asserts.append(tf.debugging.Assert(
-                tf.equal(tf.reduce_max(flags), 0),
-                [tf.strings.format(f"tf_sok lookup: feature '{names[f]}' has id {{}} on rank {{}}, outside table "
-                                   f"'{meta.name}' of {meta.rows} rows; ids must be in [0, {meta.rows})",
-                                   (every[first, 1 + 2 * f], first))],
-                name="ids_in_range"))
-        with tf.control_dependencies(asserts):
+            name="same_lookup_on_all_ranks")
+        rank = tf.argmax(every[:, 1])                                  # the first rank with a bad id
+        f = every[rank, 2]
+        feature_name = tf.gather(tf.constant(list(names)), f)
+        table_name = tf.gather(tf.constant([metas[t].name for t in feature_table]), f)
+        table_rows = tf.gather(tf.constant([metas[t].rows for t in feature_table], tf.int64), f)
+        in_range = tf.debugging.Assert(
+            tf.equal(tf.reduce_max(every[:, 1]), 0),
+            [tf.strings.join(["tf_sok lookup: feature '", feature_name, "' has id ",
+                              tf.strings.as_string(every[rank, 3]), " on rank ", tf.strings.as_string(rank),
+                              ", outside table '", table_name, "' of ", tf.strings.as_string(table_rows),
+                              " rows; ids must be in [0, ", tf.strings.as_string(table_rows), ")"])],
+            name="ids_in_range")
+        with tf.control_dependencies([same, in_range]):
             return tf.constant(False)
 
     return [tf.cond(healthy, lambda: tf.constant(True), explain)]
@@ -84,17 +93,19 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
     """The multi-rank lookup_sparse; see the module docstring."""
     N, F, T = comm.size, len(ids), len(metas)
     sig = signature(metas, feature_table, combiners, names)
-    with tf.control_dependencies(_check(comm, step, sig, metas, feature_table, ids, names)):
-        ids = [tf.identity(v) for v in ids]
+    flat, feature_of = _flatten(ids)
+    with tf.control_dependencies(_check(comm, step, sig, metas, feature_table, ids, names, (flat, feature_of))):
+        flat = tf.identity(flat)
     counts = [tf.size(v) for v in ids]
 
     # 1. the step's distinct rows (key = table << 40 | global row), bucketed by owning rank: one op
-    keys = tf.concat([tf.bitwise.bitwise_or(tf.constant(feature_table[f] << _TABLE_SHIFT, tf.int64), ids[f])
-                      for f in range(F)], 0)
+    table_bits = tf.constant([t << _TABLE_SHIFT for t in feature_table], tf.int64)
+    keys = tf.bitwise.bitwise_or(tf.gather(table_bits, feature_of), flat)
     owners = [-1 if m.sharding.kind == "distributed" else m.sharding.owner for m in metas]
     send_keys, send_splits, send_position = route_ops.route(keys, num_buckets=N, table_owner=owners)
     recv_keys, recv_splits = comm.alltoall(send_keys, send_splits, name=f"tf_sok.keys.{step}.{sig}")
-    recv_splits = tf.cast(recv_splits, tf.int32)
+    with tf.device("/cpu:0"):  # split sizes stay in host memory
+        recv_splits = tf.cast(recv_splits, tf.int32)
 
     # 2. owners: the received keys deduplicated across senders and grouped by table (one op), then
     # one fused lookup reads each requested row once

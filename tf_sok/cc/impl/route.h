@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "tf_sok/cc/impl/common.h"
 
@@ -44,13 +45,14 @@ TF_SOK_HD void BucketOf(long long key, int num_buckets, bool by_table, int owner
 struct RoutePlan {
   int64_t n = 0;
   int64_t num_unique = 0;
+  std::vector<int32_t> splits;  // keys per bucket, where Prepare already knows them (GPU)
   std::shared_ptr<void> state;  // the device's grouping, alive until Finish
 };
 
 // Prepare groups the keys (and checks each names one of num_tables tables:
 // kIdOutOfRange with item = position, value = key); then the caller allocates
 // the outputs and Finish fills them: unique_keys [num_unique], splits
-// [num_buckets] (keys per bucket), position [n].
+// [num_buckets] (keys per bucket; host memory on every device), position [n].
 template <typename Device>
 struct Route {
   Error Prepare(const Device& d, const int64_t* keys, int64_t n, const RouteSpec& spec, RoutePlan* plan);

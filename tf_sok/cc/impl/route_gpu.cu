@@ -1,6 +1,7 @@
 // Route on the GPU: cub radix sort + run-length grouping (gpu_util.cuh), one
-// host wait for the distinct count, then a stable radix sort of the distinct
-// keys by bucket. Same function as route_cpu.cc.
+// host wait for the distinct count and the keys per bucket (the splits output
+// lives in host memory), then a stable radix sort of the distinct keys by
+// bucket. Same function as route_cpu.cc.
 #include <vector>
 
 #include "tf_sok/cc/impl/gpu_util.cuh"
@@ -17,9 +18,6 @@ constexpr int kThreads = 256;
 
 inline int Blocks(long long n) { return static_cast<int>((n + kThreads - 1) / kThreads); }
 
-struct State {
-  gpu::Groups groups;
-};
 
 __global__ void CheckKeys(const long long* keys, int n, int num_tables, DeviceError* err) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -27,15 +25,41 @@ __global__ void CheckKeys(const long long* keys, int n, int num_tables, DeviceEr
     gpu::Raise(err, ErrorKind::kIdOutOfRange, -1, i, keys[i]);
 }
 
-__global__ void BucketKernel(const long long* unique_keys, int U, const int* owner, int B, bool by_table,
-                             int* bucket, int* iota, long long* out, int* counts) {
+// The owners of up to kParamTables tables travel as a kernel parameter (no
+// host-to-device copy, so no wait); more tables use a device array.
+constexpr int kParamTables = 512;
+struct Owners {
+  const int* device;  // nullptr: use inline
+  int inline_owner[kParamTables];
+  __device__ int operator[](long long t) const { return device ? device[t] : inline_owner[t]; }
+};
+
+struct State {
+  gpu::Groups groups;
+  Owners owner;
+};
+
+// Keys per bucket, counted before the op's one host wait so the splits come
+// back with the distinct count.
+__global__ void CountKernel(const long long* unique_keys, const int* num_unique, const Owners owner, int B,
+                            bool by_table, int* counts) {
+  const int u = blockIdx.x * blockDim.x + threadIdx.x;
+  if (u >= *num_unique) return;
+  const long long key = unique_keys[u];
+  int bucket;
+  long long unused;
+  BucketOf(key, B, by_table, by_table ? 0 : owner[key >> kTableShift], &bucket, &unused);
+  atomicAdd(&counts[bucket], 1);
+}
+
+__global__ void BucketKernel(const long long* unique_keys, int U, const Owners owner, int B, bool by_table,
+                             int* bucket, int* iota, long long* out) {
   const int u = blockIdx.x * blockDim.x + threadIdx.x;
   if (u >= U) return;
   const long long key = unique_keys[u];
   const int o = by_table ? 0 : owner[key >> kTableShift];
   BucketOf(key, B, by_table, o, &bucket[u], &out[u]);
   iota[u] = u;
-  atomicAdd(&counts[bucket[u]], 1);
 }
 
 __global__ void PlaceKernel(const int* by_bucket, const long long* out, int U, long long* unique_out,
@@ -67,17 +91,34 @@ Error Route<GpuDevice>::Prepare(const GpuDevice& d, const int64_t* keys, int64_t
                                 RoutePlan* plan) {
   plan->n = n;
   plan->num_unique = 0;
+  plan->splits.assign(spec.num_buckets, 0);
   if (n == 0) return Error();
+  cudaStream_t s = StreamOf(d);
   auto* err = gpu::NewError(d);
-  if (!err) return gpu::OutOfMemory();
-  const auto* k = reinterpret_cast<const long long*>(keys);
-  CheckKeys<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(k, static_cast<int>(n), spec.num_tables, err);
+  auto* counts = gpu::Alloc<int>(d, spec.num_buckets);
+  if (!err || !counts) return gpu::OutOfMemory();
   auto state = std::make_shared<State>();
+  if (!spec.by_table && spec.num_tables <= kParamTables) {
+    for (int t = 0; t < spec.num_tables; ++t) state->owner.inline_owner[t] = spec.table_owner[t];
+  } else if (!spec.by_table) {
+    auto* dev = gpu::Alloc<int>(d, spec.num_tables);
+    if (!dev) return gpu::OutOfMemory();
+    std::vector<int> host(spec.table_owner, spec.table_owner + spec.num_tables);
+    cudaMemcpyAsync(dev, host.data(), sizeof(int) * host.size(), cudaMemcpyHostToDevice, s);
+    cudaStreamSynchronize(s);  // `host` is pageable and dies here
+    state->owner.device = dev;
+  }
+  const auto* k = reinterpret_cast<const long long*>(keys);
+  CheckKeys<<<Blocks(n), kThreads, 0, s>>>(k, static_cast<int>(n), spec.num_tables, err);
   Error e = gpu::GroupByKey(d, k, static_cast<int>(n), kTableShift + gpu::BitsFor(spec.num_tables),
                             &state->groups);
   if (!e.ok()) return e;
+  cudaMemsetAsync(counts, 0, sizeof(int) * spec.num_buckets, s);
+  CountKernel<<<Blocks(n), kThreads, 0, s>>>(state->groups.unique_keys, state->groups.num_unique, state->owner,
+                                             spec.num_buckets, spec.by_table, counts);
   int num_unique = 0;
-  cudaMemcpyAsync(&num_unique, state->groups.num_unique, sizeof(int), cudaMemcpyDeviceToHost, StreamOf(d));
+  cudaMemcpyAsync(&num_unique, state->groups.num_unique, sizeof(int), cudaMemcpyDeviceToHost, s);
+  cudaMemcpyAsync(plan->splits.data(), counts, sizeof(int) * spec.num_buckets, cudaMemcpyDeviceToHost, s);
   e = gpu::Collect(d, err);  // waits for the stream: the one host wait of the op
   if (!e.ok()) return e;
   plan->num_unique = num_unique;
@@ -90,25 +131,19 @@ Error Route<GpuDevice>::Finish(const GpuDevice& d, const RoutePlan& plan, const 
                                int64_t* unique_keys, int32_t* splits, int64_t* position) {
   cudaStream_t s = StreamOf(d);
   const int B = spec.num_buckets;
-  cudaMemsetAsync(splits, 0, sizeof(int32_t) * B, s);
+  for (int b = 0; b < B; ++b) splits[b] = plan.splits[b];  // host memory, counted in Prepare
   const int U = static_cast<int>(plan.num_unique);
   if (U == 0) return Error();
-  const gpu::Groups& g = static_cast<const State*>(plan.state.get())->groups;
-  auto* owner = gpu::Alloc<int>(d, spec.num_tables);
+  const State& st = *static_cast<const State*>(plan.state.get());
+  const gpu::Groups& g = st.groups;
   auto* bucket = gpu::Alloc<int>(d, U);
   auto* sorted_bucket = gpu::Alloc<int>(d, U);
   auto* iota = gpu::Alloc<int>(d, U);
   auto* by_bucket = gpu::Alloc<int>(d, U);
   auto* out = gpu::Alloc<long long>(d, U);
   auto* place = gpu::Alloc<int>(d, U);
-  if (!owner || !bucket || !sorted_bucket || !iota || !by_bucket || !out || !place) return gpu::OutOfMemory();
-  if (!spec.by_table) {
-    std::vector<int> host(spec.table_owner, spec.table_owner + spec.num_tables);
-    cudaMemcpyAsync(owner, host.data(), sizeof(int) * host.size(), cudaMemcpyHostToDevice, s);
-    cudaStreamSynchronize(s);  // `host` is pageable and dies here
-  }
-  BucketKernel<<<Blocks(U), kThreads, 0, s>>>(g.unique_keys, U, owner, B, spec.by_table, bucket, iota, out,
-                                              splits);
+  if (!bucket || !sorted_bucket || !iota || !by_bucket || !out || !place) return gpu::OutOfMemory();
+  BucketKernel<<<Blocks(U), kThreads, 0, s>>>(g.unique_keys, U, st.owner, B, spec.by_table, bucket, iota, out);
   size_t bytes = 0;
   const int bits = gpu::BitsFor(B);
   cub::DeviceRadixSort::SortPairs(nullptr, bytes, bucket, sorted_bucket, iota, by_bucket, U, 0, bits, s);

@@ -77,7 +77,8 @@ class RouteOp : public tf::OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("TfSokRoute").Device(tf::DEVICE_CPU), RouteOp<impl::CpuDevice>);
 #if TF_SOK_WITH_CUDA
-REGISTER_KERNEL_BUILDER(Name("TfSokRoute").Device(tf::DEVICE_GPU), RouteOp<impl::GpuDevice>);
+REGISTER_KERNEL_BUILDER(Name("TfSokRoute").Device(tf::DEVICE_GPU).HostMemory("bucket_splits"),
+                        RouteOp<impl::GpuDevice>);
 #endif
 
 }  // namespace

@@ -30,7 +30,8 @@ unique_keys: the distinct keys, bucket after bucket, ascending inside a bucket.
   row-wise, rank row % num_buckets, and the key's row becomes row / num_buckets;
   table_owner[table] = k: rank k, row unchanged). by_table=true: bucket = table,
   key unchanged.
-bucket_splits: how many distinct keys each bucket got.
+bucket_splits: how many distinct keys each bucket got; in host memory on every
+  device, so the all-to-all that follows reads its sizes without a device round trip.
 position: for every input key, the index of its key in unique_keys.
 )doc");
 

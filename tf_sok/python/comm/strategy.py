@@ -134,7 +134,8 @@ class StrategyCommunicator(Communicator):
         return every[root]
 
     def alltoall(self, tensor, splits, name=None):
-        splits = tf.cast(splits, tf.int64)
+        with tf.device("/cpu:0"):  # split sizes stay in host memory: no device round trip to read them
+            splits = tf.cast(splits, tf.int64)
         move = self._merge_exchange if self.kind == _MIRRORED else self._collective_exchange
 
         @tf.custom_gradient
@@ -160,6 +161,7 @@ class StrategyCommunicator(Communicator):
             for d in range(n):
                 with tf.device(devices[d]):
                     ys.append(tf.concat([parts[s][d] for s in range(n)], 0))
+                with tf.device("/cpu:0"):
                     rs.append(tf.stack([ss[s][d] for s in range(n)]))
             return distribute_values.PerReplica(tuple(ys)), distribute_values.PerReplica(tuple(rs))
 
