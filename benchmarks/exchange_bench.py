@@ -15,6 +15,7 @@ import tensorflow as tf
 import keras
 
 import tf_sok as sok
+from bench_args import add_shape_args
 from lookup_bench import make_batch, time_step
 from tf_sok.python import exchange
 from tf_sok.python.comm import SingleProcess
@@ -32,11 +33,7 @@ def exchanged(tables, ids):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=100_000)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--iters", type=int, default=30)
+    add_shape_args(p, iters=30)
     p.add_argument("--device", default="CPU:0")
     a = p.parse_args(argv)
     sok.init()
@@ -67,8 +64,8 @@ def main(argv=None):
 
         print(f"{a.tables} tables x {a.rows:,} rows, dim {a.dim}, batch {a.batch}, Zipf ids, on {a.device}")
         for what, make in (("forward", forward), ("step", step)):
-            t_fused = time_step(make(fused), batches, 3, a.iters)
-            t_exch = time_step(make(exchanged), batches, 3, a.iters)
+            t_fused = time_step(make(fused), batches, a.warmup, a.iters)
+            t_exch = time_step(make(exchanged), batches, a.warmup, a.iters)
             print(f"{what:>8s}: fused {1e3 * t_fused:7.2f} ms   exchange path, 1 rank {1e3 * t_exch:7.2f} ms   "
                   f"routing overhead {1e3 * (t_exch - t_fused):7.2f} ms ({t_exch / t_fused:.2f}x)")
 

@@ -16,6 +16,7 @@ import tensorflow as tf
 import keras
 
 import tf_sok as sok
+from bench_args import add_shape_args
 
 
 def make_batch(rng, n_feat, batch, rows, max_hot, alpha, spread_over=None):
@@ -68,16 +69,11 @@ def sok_path(tables, opt, combiner):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=100_000)
+    add_shape_args(p, iters=30, warmup=5)
     p.add_argument("--large-rows", type=int, default=10_000_000)
-    p.add_argument("--dim", type=int, default=32)
     p.add_argument("--max-hot", type=int, default=4)
     p.add_argument("--alpha", type=float, default=1.1)
     p.add_argument("--combiner", default="mean")
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", default="CPU:0")
     a = p.parse_args(argv)
     sok.init()

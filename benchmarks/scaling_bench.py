@@ -21,6 +21,8 @@ import sys
 
 import numpy as np
 
+from bench_args import add_shape_args
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -69,12 +71,7 @@ def worker(a):
 
 def add_step_args(p):
     """The step's shape, shared with mirrored_bench.py."""
-    p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--rows", type=int, default=100_000)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    add_shape_args(p)
 
 
 def step_args(a):

@@ -124,9 +124,9 @@ class SparseOptimizer(tf.Module, abc.ABC):
             else:  # a dense gradient names every row
                 values = tf.convert_to_tensor(g)
                 indices = tf.range(tf.shape(values, out_type=tf.int64)[0])
-            merged.setdefault(backing_variable(var).ref(), [var, [], []])
-            merged[backing_variable(var).ref()][1].append(indices)
-            merged[backing_variable(var).ref()][2].append(tf.cast(values, tf.float32))
+            entry = merged.setdefault(backing_variable(var).ref(), [var, [], []])
+            entry[1].append(indices)
+            entry[2].append(tf.cast(values, tf.float32))
         if merged:
             tables, all_indices, all_values, dense, steps = [], [], [], [], []
             for var, idx, vals in merged.values():
