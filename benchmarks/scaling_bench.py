@@ -1,8 +1,12 @@
-"""Per-rank throughput of a tf_sok training step at N = 1 and N = 2 ranks
-(horovodrun, Gloo), and the bytes each rank exchanges per step by all-to-all
-against the all-gather alternative, measured side by side in one run.
+"""Throughput of a tf_sok training step at N = 1, 2, ... ranks (horovodrun, Gloo
+controller; on GPUs one per rank), and the bytes each rank exchanges per step by
+all-to-all against the all-gather alternative, measured side by side in one run.
 
-    python benchmarks/scaling_bench.py [--ranks 1 2] [--batch 4096]
+    python benchmarks/scaling_bench.py [--ranks 1 2] [--batch 4096] [--exchange nccl framework]
+
+"vs N=1" is the job's samples/s (all ranks) over the one-rank job's: N for
+perfect weak scaling. With --exchange nccl framework the lookup's data moves by
+tf_sok's NCCL ops, then by Horovod's collectives (before/after in one run).
 
 The step: fused lookup of 8 features over 8 distributed tables, backward, lazy
 Adam on the shards. The per-rank batch is fixed, so ideal scaling keeps
@@ -52,7 +56,7 @@ def worker(a):
     import tf_sok as sok
     from lookup_bench import make_batch, sok_path, time_step
 
-    ctx = sok.init(sparse_grad_reduction="mean")
+    ctx = sok.init(sparse_grad_reduction="mean", exchange=a.exchange[0])
     n, rank = ctx.num_ranks, ctx.rank
     rng = np.random.default_rng(100 + rank)
     batches = [make_batch(rng, a.tables, a.batch, a.rows, 4, 1.1) for _ in range(4)]
@@ -66,6 +70,7 @@ def worker(a):
     if rank == 0:
         device = f"one GPU per rank ({len(gpus)} visible)" if gpus else f"{os.cpu_count()} CPU cores shared by all ranks"
         print(json.dumps({"ranks": n, "device": device, "ms": 1e3 * seconds, "batch": a.batch,
+                          "communicator": type(ctx.communicator).__name__,
                           "alltoall_bytes": alltoall, "allgather_bytes": allgather}), flush=True)
 
 
@@ -92,25 +97,31 @@ def run_worker(cmd, what):
 
 def driver(a):
     rows = []
-    for n in a.ranks:
-        launch = [sys.executable, "-m", "horovod.runner.launch", "-np", str(n), "-H", f"localhost:{n}", "--gloo"]
-        rows.append(run_worker(launch + [sys.executable, __file__, "--worker", *step_args(a)], f"N={n}"))
+    for exchange in a.exchange:
+        for n in a.ranks:
+            launch = [sys.executable, "-m", "horovod.runner.launch", "-np", str(n), "-H", f"localhost:{n}", "--gloo"]
+            rows.append(run_worker(launch + [sys.executable, __file__, "--worker", "--exchange", exchange,
+                                             *step_args(a)], f"N={n} exchange={exchange}"))
+            rows[-1]["exchange"] = exchange
     print(f"{a.tables} distributed tables x {a.rows:,} rows, dim {a.dim}, per-rank batch {a.batch}, sok Adam; "
           f"{rows[-1]['device']}")
-    print(f"{'ranks':>5s} {'ms/step':>9s} {'samples/s/rank':>15s} {'vs N=1':>7s} {'all-to-all B/rank':>18s} "
-          f"{'all-gather B/rank':>18s} {'ratio':>6s}")
-    base = rows[0]["batch"] / rows[0]["ms"]
+    print(f"{'exchange':>9s} {'ranks':>5s} {'communicator':>20s} {'ms/step':>9s} {'samples/s':>12s} "
+          f"{'vs N=1':>7s} {'all-to-all B/rank':>18s} {'all-gather B/rank':>18s} {'ratio':>6s}")
     for r in rows:
-        sps = r["batch"] / r["ms"] * 1e3
+        one = next(x for x in rows if x["ranks"] == a.ranks[0] and x["exchange"] == r["exchange"])
+        sps = r["ranks"] * r["batch"] / r["ms"] * 1e3          # the job's samples/s, all ranks together
+        base = one["ranks"] * one["batch"] / one["ms"] * 1e3
         ratio = r["allgather_bytes"] / r["alltoall_bytes"] if r["alltoall_bytes"] else float("nan")
-        print(f"{r['ranks']:5d} {r['ms']:9.2f} {sps:15,.0f} {sps / base / 1e3:7.2f} {r['alltoall_bytes']:18,d} "
-              f"{r['allgather_bytes']:18,d} {ratio:6.2f}")
+        print(f"{r['exchange']:>9s} {r['ranks']:5d} {r['communicator']:>20s} {r['ms']:9.2f} {sps:12,.0f} "
+              f"{sps / base:7.2f} {r['alltoall_bytes']:18,d} {r['allgather_bytes']:18,d} {ratio:6.2f}")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--exchange", nargs="+", default=["auto"], choices=["auto", "nccl", "framework"],
+                   help="how the lookup's data travels (sok.init(exchange=...)); several: each measured in turn")
     add_step_args(p)
     args = p.parse_args()
     worker(args) if args.worker else driver(args)

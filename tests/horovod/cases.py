@@ -76,3 +76,16 @@ OPTIMIZERS = {  # name: (sok class name, kwargs)
     "rmsprop": ("RMSprop", {"learning_rate": 0.01}),
 }
 STEPS = 3
+
+
+def alltoall_case(seed, num_ranks):
+    """Uneven all-to-all sizes (zeros included): sizes[s, d] rows go from rank s to
+    rank d; per rank its float rows [n, 3], int64 keys [n] and the upstream
+    gradient of what it receives."""
+    rng = np.random.default_rng([seed, 99])
+    sizes = rng.integers(0, 5, (num_ranks, num_ranks)).astype(np.int32)
+    sizes[rng.integers(num_ranks), :] = 0            # one rank sends nothing
+    xs = [rng.standard_normal((sizes[r].sum(), 3)).astype(np.float32) for r in range(num_ranks)]
+    keys = [rng.integers(-2**62, 2**62, sizes[r].sum()) for r in range(num_ranks)]
+    upstream = [rng.standard_normal((sizes[:, r].sum(), 3)).astype(np.float32) for r in range(num_ranks)]
+    return sizes, xs, keys, upstream

@@ -34,11 +34,17 @@ def need_gpus(n):
         pytest.skip(f"{n} ranks need {n} GPUs, {GPUS} visible")
 
 
-def launch(n, args, timeout=600):
+# How the lookup's data travels: on GPUs both tf_sok's NCCL ops and Horovod's own collectives; on
+# the CPU Horovod's (NCCL moves GPU memory only).
+EXCHANGES = {"nccl": "NcclCommunicator", "framework": "HorovodCommunicator"} if GPUS else \
+    {"auto": "HorovodCommunicator"}
+
+
+def launch(n, args, timeout=600, exchange="auto"):
     """horovodrun -np n over Gloo (as `python -m horovod.runner.launch`, same interpreter). Ranks use the CPU unless TF_SOK_TEST_HOROVOD_GPU=1, where
     each rank takes GPU local_rank (the two-GPU machine)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-               TF_CPP_MIN_LOG_LEVEL="2")
+               TF_CPP_MIN_LOG_LEVEL="2", TF_SOK_EXCHANGE=exchange)
     if os.environ.get("TF_SOK_TEST_HOROVOD_GPU") != "1":
         env["CUDA_VISIBLE_DEVICES"] = ""
     else:
@@ -48,10 +54,14 @@ def launch(n, args, timeout=600):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def run_workers(n, scenario, seed, tmp_path):
-    p = launch(n, ["-m", "tests.horovod.worker", scenario, str(seed), str(tmp_path)])
+def run_workers(n, scenario, seed, tmp_path, exchange="auto"):
+    p = launch(n, ["-m", "tests.horovod.worker", scenario, str(seed), str(tmp_path)], exchange=exchange)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    return [dict(np.load(tmp_path / f"{scenario}.rank{r}.npz")) for r in range(n)]
+    ranks = [dict(np.load(tmp_path / f"{scenario}.rank{r}.npz")) for r in range(n)]
+    for res in ranks:
+        if "communicator" in res:
+            assert str(res["communicator"]) == EXCHANGES[exchange], (exchange, str(res["communicator"]))
+    return ranks
 
 
 @pytest.fixture
@@ -66,10 +76,11 @@ def seed():
 RANKS = [int(n) for n in os.environ.get("TF_SOK_TEST_HOROVOD_RANKS", "2,3,4").split(",")]
 
 
+@pytest.mark.parametrize("exchange", list(EXCHANGES))
 @pytest.mark.parametrize("num_ranks", RANKS)
-def test_lookup_and_gradients_equal_single_process(tmp_path, seed, num_ranks):
+def test_lookup_and_gradients_equal_single_process(tmp_path, seed, num_ranks, exchange):
     need_gpus(num_ranks)
-    ranks = run_workers(num_ranks, "lookups", seed, tmp_path)
+    ranks = run_workers(num_ranks, "lookups", seed, tmp_path, exchange)
     ref_out, ref_grad = model.single_process_lookup(seed, num_ranks)
     starts = np.cumsum([0] + [cases.batch_size(0, r) for r in range(num_ranks)])
     for r, res in enumerate(ranks):
@@ -85,14 +96,15 @@ def test_lookup_and_gradients_equal_single_process(tmp_path, seed, num_ranks):
                                                atol=1e-5, err_msg=f"rank {r} {reduction} {mode} {table}")
 
 
+@pytest.mark.parametrize("exchange", list(EXCHANGES))
 @pytest.mark.parametrize("n", RANKS[:1] + RANKS[-1:] if len(RANKS) > 1 else RANKS)
-def test_training_with_every_optimizer_equals_single_process(tmp_path, seed, n):
+def test_training_with_every_optimizer_equals_single_process(tmp_path, seed, n, exchange):
     """"mean": per-rank mean losses train like one process on the global
     batch. "sum": the owners sum every rank's contributions, i.e. one process
     with the loss summed over ranks (N x the global mean). Dense weights are
     averaged by Horovod either way."""
     need_gpus(n)
-    ranks = run_workers(n, "training", seed, tmp_path)
+    ranks = run_workers(n, "training", seed, tmp_path, exchange)
     for reduction, scale in (("mean", 1.0), ("sum", float(n))):
         for opt_name in cases.OPTIMIZERS:
             ref_tables, ref_dense = model.single_process_training(seed, n, opt_name, scale)
@@ -105,6 +117,30 @@ def test_training_with_every_optimizer_equals_single_process(tmp_path, seed, n):
             for r in range(1, n):
                 np.testing.assert_array_equal(ranks[0][f"{reduction}/{opt_name}/dense"],
                                               ranks[r][f"{reduction}/{opt_name}/dense"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_ranks", RANKS)
+def test_nccl_alltoall_allgather_and_gradient_match_numpy(tmp_path, seed, num_ranks):
+    """tf_sok's NCCL collectives (GPU ranks only) against the same exchange done in NumPy."""
+    if not GPUS:
+        pytest.skip("NCCL collectives need a GPU per rank (TF_SOK_TEST_HOROVOD_GPU=1 on a GPU machine)")
+    need_gpus(num_ranks)
+    ranks = run_workers(num_ranks, "collectives", seed, tmp_path, "nccl")
+    sizes, xs, keys, upstream = cases.alltoall_case(seed, num_ranks)
+    starts = np.concatenate([np.zeros((num_ranks, 1), np.int64), np.cumsum(sizes, 1)], 1)   # row offsets per sender
+    for d, res in enumerate(ranks):
+        want_y = np.concatenate([xs[s][starts[s, d]:starts[s, d + 1]] for s in range(num_ranks)])
+        want_keys = np.concatenate([keys[s][starts[s, d]:starts[s, d + 1]] for s in range(num_ranks)])
+        # rank d's gradient: for the rows it sent rank p, what p's upstream holds at their place
+        recv_starts = [np.concatenate([[0], np.cumsum(sizes[:, p])]) for p in range(num_ranks)]
+        want_grad = np.concatenate([upstream[p][recv_starts[p][d]:recv_starts[p][d + 1]] for p in range(num_ranks)])
+        for mode in ("eager", "function"):
+            np.testing.assert_array_equal(res[f"{mode}/y"], want_y)
+            np.testing.assert_array_equal(res[f"{mode}/recv"], sizes[:, d])
+            np.testing.assert_array_equal(res[f"{mode}/keys"], want_keys)
+            np.testing.assert_array_equal(res[f"{mode}/every"], [[r, 7 * r - 3] for r in range(num_ranks)])
+            np.testing.assert_array_equal(res[f"{mode}/grad"], want_grad.reshape(-1, 3))
 
 
 def test_bad_configurations_raise_on_every_rank(tmp_path, seed):

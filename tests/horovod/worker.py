@@ -25,7 +25,8 @@ def lookups(seed, out):
     res = {}
     for reduction in ("sum", "mean"):
         ctx = sok.init(sparse_grad_reduction=reduction)  # finds the initialised Horovod by itself
-        assert type(ctx.communicator).__name__ == "HorovodCommunicator" and ctx.num_ranks == N
+        assert ctx.num_ranks == N
+        res["communicator"] = type(ctx.communicator).__name__   # TF_SOK_EXCHANGE picks it
         tables = model.make_tables(seed, N)
         feats, upstream, _ = cases.rank_batch(seed, 0, r)
 
@@ -52,7 +53,7 @@ def training(seed, out):
     N, r = hvd.size(), hvd.rank()
     res = {}
     for reduction in ("mean", "sum"):
-        sok.init(sparse_grad_reduction=reduction)
+        res["communicator"] = type(sok.init(sparse_grad_reduction=reduction).communicator).__name__
         for opt_name, (cls, kwargs) in cases.OPTIMIZERS.items():
             tables = model.make_tables(seed, N)
             dense_w = tf.Variable(model.dense_init(seed))
@@ -75,6 +76,31 @@ def training(seed, out):
             for name, t in tables.items():
                 res[f"{reduction}/{opt_name}/{name}"] = t.numpy()
             res[f"{reduction}/{opt_name}/dense"] = dense_w.numpy()
+    np.savez(out, **res)
+
+
+def collectives(seed, out):
+    """The NCCL all-to-all (sizes exchanged or given), its gradient and the
+    all-gather, eagerly and in a tf.function where the two all-to-alls do not
+    depend on each other (the communicator must order them alike on every rank)."""
+    N, r = hvd.size(), hvd.rank()
+    comm = sok.init(exchange="nccl").communicator
+    sizes, xs, keys, upstream = cases.alltoall_case(seed, N)
+    res = {"communicator": type(comm).__name__}
+
+    def run(x, k, w):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y, recv = comm.alltoall(x, tf.constant(sizes[r]))
+            k2, _ = comm.alltoall(k, tf.constant(sizes[r]), recv_splits=tf.constant(sizes[:, r]))
+            loss = tf.reduce_sum(y * w)
+        every = comm.allgather(tf.constant([[r, 7 * r - 3]], tf.int64))
+        return y, recv, k2, every, tape.gradient(loss, x)
+
+    for mode, fn in (("eager", run), ("function", tf.function(run))):
+        for name, v in zip(("y", "recv", "keys", "every", "grad"), fn(tf.constant(xs[r]), tf.constant(keys[r]),
+                                                                     tf.constant(upstream[r]))):
+            res[f"{mode}/{name}"] = v.numpy()
     np.savez(out, **res)
 
 

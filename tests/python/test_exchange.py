@@ -70,3 +70,13 @@ def test_check_names_the_first_bad_id_and_passes_good_ids():
     negative = [tf.constant([-3, 12], tf.int64)]
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"feature .{1,2}a.{1,2} has id -3 on rank 0"):
         tf.function(lambda: exchange._check(SingleProcess(), 0, 7, _metas(tables), [0], negative, ["a"]))()
+
+
+def test_exchange_option_is_checked_and_nccl_needs_a_gpu():
+    with pytest.raises(ValueError, match=r"exchange must be one of \('auto', 'nccl', 'framework'\), got 'mpi'"):
+        sok.init(exchange="mpi")
+    assert isinstance(sok.init(exchange="auto").communicator, SingleProcess)   # one process: nothing to exchange
+    if tf.config.list_logical_devices("GPU"):
+        pytest.skip("a GPU is visible: tests/gpu/test_nccl.py covers exchange='nccl'")
+    with pytest.raises(RuntimeError, match=r"exchange='nccl' (needs a GPU per rank|.*built without CUDA)"):
+        sok.init(exchange="nccl")

@@ -1,6 +1,7 @@
 """The one explicit tf_sok context: which communicator and gradient reduction."""
 import dataclasses
 import logging
+import os
 import sys
 from typing import Optional
 
@@ -10,6 +11,7 @@ from tf_sok.python.comm import Communicator, SingleProcess
 
 _log = logging.getLogger("tf_sok")
 _REDUCTIONS = ("sum", "mean")
+_EXCHANGES = ("auto", "nccl", "framework")
 
 
 @dataclasses.dataclass
@@ -64,7 +66,25 @@ def _detect_communicator() -> Communicator:
     return SingleProcess()
 
 
-def init(communicator: Optional[Communicator] = None, *, sparse_grad_reduction: str = "sum") -> Context:
+def _with_exchange(comm: Communicator, exchange: str) -> Communicator:
+    """`comm`, or an NcclCommunicator over it when the lookup's data should move by NCCL."""
+    from tf_sok.python.comm.horovod import HorovodCommunicator
+    from tf_sok.python.comm.nccl import NcclCommunicator
+    from tf_sok.python.ops import collective_ops
+
+    if exchange == "framework" or isinstance(comm, NcclCommunicator):
+        return comm
+    if exchange == "nccl":
+        return NcclCommunicator(comm)
+    # auto: NCCL where it applies (Horovod ranks with a GPU each), the communicator's own collectives elsewhere
+    if (isinstance(comm, HorovodCommunicator) and comm.size > 1 and tf.config.list_logical_devices("GPU")
+            and collective_ops.available()):
+        return NcclCommunicator(comm)
+    return comm
+
+
+def init(communicator: Optional[Communicator] = None, *, sparse_grad_reduction: str = "sum",
+         exchange: Optional[str] = None) -> Context:
     """Initialises tf_sok; call once before creating variables.
 
     Args:
@@ -75,6 +95,12 @@ def init(communicator: Optional[Communicator] = None, *, sparse_grad_reduction: 
       sparse_grad_reduction: "sum" (every rank's contributions to a row are
         summed at its owner, as SOK/HugeCTR) or "mean" (averaged across ranks,
         like Horovod's dense gradients). Equal in a single process.
+      exchange: how the lookup's ids and vectors travel between ranks:
+        "nccl" (tf_sok's own NCCL ops on the GPU stream; Horovod ranks with a
+        GPU each), "framework" (the communicator's collectives: Horovod's ops,
+        tf.distribute's copies and collectives) or "auto" (default; "nccl"
+        where it applies). The TF_SOK_EXCHANGE environment variable sets the
+        default.
 
     Example:
         >>> import tf_sok as sok
@@ -84,7 +110,10 @@ def init(communicator: Optional[Communicator] = None, *, sparse_grad_reduction: 
     global _context
     if sparse_grad_reduction not in _REDUCTIONS:
         raise ValueError(f"sparse_grad_reduction must be one of {_REDUCTIONS}, got {sparse_grad_reduction!r}")
-    _context = Context(communicator or _detect_communicator(), sparse_grad_reduction)
+    exchange = exchange or os.environ.get("TF_SOK_EXCHANGE") or "auto"
+    if exchange not in _EXCHANGES:
+        raise ValueError(f"exchange must be one of {_EXCHANGES}, got {exchange!r}")
+    _context = Context(_with_exchange(communicator or _detect_communicator(), exchange), sparse_grad_reduction)
     _log.info("tf_sok initialised: ranks %s of %d here (%s), sparse gradient reduction %s",
               _context.communicator.local_ranks if _context.communicator.per_replica_tables else [_context.rank],
               _context.num_ranks, type(_context.communicator).__name__, sparse_grad_reduction)

@@ -129,6 +129,7 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
         rows = tf.concat([gathered[t] for t in group], 0)      # the group's distinct keys, table by table
         if len(group) == T:
             vectors, back_splits, slot = tf.gather(rows, uniq_of_recv), recv_splits, send_position
+            coming = send_splits      # each owner returns one vector per key this rank sent it
         else:
             member = tf.constant([t in group for t in range(T)])
             in_group = tf.gather(member, tf.bitwise.right_shift(uniq, _TABLE_SHIFT))
@@ -139,9 +140,13 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
             back_splits = tf.math.unsorted_segment_sum(tf.cast(recv_in_group, tf.int32), src_rank, N)
             sent_in_group = tf.gather(member, tf.bitwise.right_shift(send_keys, _TABLE_SHIFT))
             slot = tf.gather(tf.cumsum(tf.cast(sent_in_group, tf.int64)) - 1, send_position)
+            owner_of_sent = tf.searchsorted(tf.cumsum(send_splits), tf.range(tf.size(send_keys, out_type=tf.int32)),
+                                            side="right")
+            coming = tf.math.unsorted_segment_sum(tf.cast(sent_in_group, tf.int32), owner_of_sent, N)
         if reduction == "mean":
             vectors = _scale_gradient(vectors, 1.0 / N)
-        returned, _ = comm.alltoall(vectors, back_splits, name=f"tf_sok.vectors{dim}.{step}.{sig}")
+        returned, _ = comm.alltoall(vectors, back_splits, name=f"tf_sok.vectors{dim}.{step}.{sig}",
+                                    recv_splits=coming)
         returned_by_dim.append(returned)
         slot_by_dim.append(tf.split(slot, counts, num=F))      # per feature: its ids' returned rows
 

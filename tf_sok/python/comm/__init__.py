@@ -2,7 +2,7 @@
 from tf_sok.python.comm.base import Communicator
 from tf_sok.python.comm.single import SingleProcess
 
-__all__ = ["Communicator", "SingleProcess", "HorovodCommunicator", "StrategyCommunicator"]
+__all__ = ["Communicator", "SingleProcess", "HorovodCommunicator", "StrategyCommunicator", "NcclCommunicator"]
 
 
 def __getattr__(name):
@@ -14,4 +14,8 @@ def __getattr__(name):
         from tf_sok.python.comm.strategy import StrategyCommunicator
 
         return StrategyCommunicator
+    if name == "NcclCommunicator":
+        from tf_sok.python.comm.nccl import NcclCommunicator
+
+        return NcclCommunicator
     raise AttributeError(name)

@@ -16,7 +16,8 @@ class Communicator(abc.ABC):
 
     Implementations: `SingleProcess` (one rank; collectives are identities),
     `HorovodCommunicator` (one rank per process) and `StrategyCommunicator`
-    (one rank per tf.distribute replica; a process may host several).
+    (one rank per tf.distribute replica; a process may host several);
+    `NcclCommunicator` wraps a Horovod one and moves the lookup's data by NCCL.
     """
 
     @property
@@ -28,9 +29,11 @@ class Communicator(abc.ABC):
     def size(self) -> int: ...
 
     @abc.abstractmethod
-    def alltoall(self, tensor: tf.Tensor, splits: tf.Tensor, name: str = None) -> tuple:
+    def alltoall(self, tensor: tf.Tensor, splits: tf.Tensor, name: str = None, recv_splits: tf.Tensor = None) -> tuple:
         """Sends the next `splits[i]` rows of `tensor` to rank i (in rank order);
-        returns (received rows in rank order, received_splits). Differentiable."""
+        returns (received rows in rank order, received_splits). Differentiable.
+        `recv_splits`, when the caller knows what each rank sends here, lets a
+        backend skip exchanging the sizes (and the wait to read them)."""
 
     @abc.abstractmethod
     def allgather(self, tensor: tf.Tensor, name: str = None) -> tf.Tensor:

@@ -26,7 +26,7 @@ class HorovodCommunicator(Communicator):
     def size(self) -> int:
         return self._hvd.size()
 
-    def alltoall(self, tensor, splits, name=None):
+    def alltoall(self, tensor, splits, name=None, recv_splits=None):
         return self._hvd.alltoall(tensor, splits=tf.cast(splits, tf.int32), name=name, ignore_name_scope=True)
 
     def allgather(self, tensor, name=None):

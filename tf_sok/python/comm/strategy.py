@@ -133,7 +133,7 @@ class StrategyCommunicator(Communicator):
         every = _replica_context(self.strategy).all_gather(tensor[None], axis=0)
         return every[root]
 
-    def alltoall(self, tensor, splits, name=None):
+    def alltoall(self, tensor, splits, name=None, recv_splits=None):
         with tf.device("/cpu:0"):  # split sizes stay in host memory: no device round trip to read them
             splits = tf.cast(splits, tf.int64)
         move = self._merge_exchange if self.kind == _MIRRORED else self._collective_exchange

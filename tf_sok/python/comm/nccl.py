@@ -1,0 +1,128 @@
+"""The lookup's all-to-all and all-gather by NCCL, driven from tf_sok's own ops
+on TensorFlow's GPU stream; everything else from the communicator it wraps.
+
+Under Horovod each collective otherwise passes through Horovod's background
+thread and its negotiation cycle (about 1-2 ms per op whatever its size); here
+an exchange is a kernel launch on the stream that already holds the data. The
+wrapped communicator still names the ranks, sends the NCCL id from rank 0 to
+the others, and all-reduces the dense gradients.
+
+NCCL needs every rank to issue the same collectives in the same order. Inside a
+graph TensorFlow may run independent ops in any order, so each collective this
+communicator adds to a graph takes a control dependency on the previous one
+(program order: forward in the order the lookups were called, backward in the
+order the gradient tape visits them, identical on every rank). Eagerly, ops
+run in program order anyway.
+"""
+import itertools
+import logging
+from typing import Dict, Tuple
+
+import tensorflow as tf
+
+from tf_sok.python.comm.base import Communicator
+from tf_sok.python.ops import collective_ops
+
+_log = logging.getLogger("tf_sok")
+_keys = itertools.count(1)
+_joined: Dict[Tuple, int] = {}   # (bootstrap type, rank, size) -> communicator key: one NCCL communicator each
+
+
+class NcclCommunicator(Communicator):
+    """One GPU per rank; `bootstrap` is a multi-process communicator (Horovod).
+
+    Example (under horovodrun, each rank pinned to GPU local_rank):
+        >>> sok.init(exchange="nccl").communicator
+        NcclCommunicator(rank 0 of 2 on /GPU:0, NCCL 2.28.9, bootstrap HorovodCommunicator)
+    """
+
+    def __init__(self, bootstrap: Communicator, device: str = "/GPU:0"):
+        if bootstrap.per_replica_tables:
+            raise ValueError("exchange='nccl' needs one rank per process (Horovod); under tf.distribute use "
+                             "exchange='framework'")
+        if not collective_ops.available():
+            raise RuntimeError("exchange='nccl': the tf_sok op library was built without CUDA (no nvcc at build "
+                               "time); rebuild with CUDA or use exchange='framework'")
+        if not tf.config.list_logical_devices("GPU"):
+            raise RuntimeError("exchange='nccl' needs a GPU per rank, and this process sees none; "
+                               "use exchange='framework'")
+        self._boot = bootstrap
+        self._device = device
+        joined = (type(bootstrap).__name__, bootstrap.rank, bootstrap.size)
+        if joined in _joined:
+            self._key, self.version = _joined[joined]
+            return
+        with tf.init_scope():
+            if bootstrap.rank == 0:
+                uid = tf.cast(collective_ops.unique_id(), tf.int32)
+            else:
+                uid = tf.zeros([128], tf.int32)
+            uid = bootstrap.broadcast(uid, 0, name="tf_sok.nccl_id")
+            key = next(_keys)
+            with tf.device(device):
+                version = collective_ops.init(uid, key=key, rank=bootstrap.rank, size=bootstrap.size)
+        self._key, self.version = key, version.numpy().decode()
+        _joined[joined] = (self._key, self.version)
+        _log.info("tf_sok NCCL exchange: rank %d of %d on %s, NCCL %s", self.rank, self.size, device, self.version)
+
+    def __repr__(self):
+        return (f"NcclCommunicator(rank {self.rank} of {self.size} on {self._device}, NCCL {self.version}, "
+                f"bootstrap {type(self._boot).__name__})")
+
+    @property
+    def bootstrap(self) -> Communicator:
+        return self._boot
+
+    @property
+    def rank(self) -> int:
+        return self._boot.rank
+
+    @property
+    def size(self) -> int:
+        return self._boot.size
+
+    def _ordered(self, make):
+        """make()'s op, after the previous collective of this graph (see the module docstring)."""
+        if tf.executing_eagerly():
+            return make()
+        graph = tf.compat.v1.get_default_graph()
+        attr = f"_tf_sok_nccl_last_{self._key}"
+        last = getattr(graph, attr, None)
+        with tf.control_dependencies([last] if last is not None else []):
+            out = make()
+        setattr(graph, attr, out.op)
+        return out
+
+    def _move(self, x, send, recv):
+        """Differentiable all-to-all with both sides' sizes known (the gradient is the reverse move)."""
+        def forward(v):
+            return self._ordered(lambda: collective_ops.alltoall(v, send, recv, key=self._key))
+        if not x.dtype.is_floating:
+            return forward(x)
+
+        @tf.custom_gradient
+        def move(v):
+            def grad(dy):
+                return self._move(tf.convert_to_tensor(dy), recv, send)
+            return forward(v), grad
+        return move(x)
+
+    def alltoall(self, tensor, splits, name=None, recv_splits=None):
+        with tf.device("/cpu:0"):  # split sizes stay in host memory
+            send = tf.cast(splits, tf.int32)
+            recv = None if recv_splits is None else tf.cast(recv_splits, tf.int32)
+        with tf.device(self._device):
+            if recv is None:
+                recv = self._ordered(lambda: collective_ops.exchange_splits(send, key=self._key))
+            return self._move(tf.convert_to_tensor(tensor), send, recv), recv
+
+    def allgather(self, tensor, name=None):
+        tensor = tf.convert_to_tensor(tensor)
+        with tf.device(self._device):
+            return self._ordered(lambda: collective_ops.allgather(tensor, key=self._key))
+
+    def allreduce(self, tensors, op="mean", name=None):
+        return self._boot.allreduce(tensors, op, name=name)
+
+    def broadcast(self, tensor, root=0, name=None):
+        return self._boot.broadcast(tensor, root, name=name)

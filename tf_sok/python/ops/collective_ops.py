@@ -1,0 +1,45 @@
+"""Python wrappers of the NCCL collective ops (GPU tensors; CUDA builds only).
+
+Gradients are not registered here: `tf_sok.python.comm.nccl.NcclCommunicator`
+attaches them, because it also orders every collective of a graph.
+"""
+import tensorflow as tf
+
+from tf_sok.python.ops.loader import build_info, ops
+
+
+def available() -> bool:
+    """True when the op library was built with the CUDA (and so the NCCL) kernels."""
+    return build_info()["cuda"]
+
+
+def unique_id() -> tf.Tensor:
+    """128 bytes naming a new communicator (made on one rank, sent to the others)."""
+    with tf.device("/cpu:0"):
+        return ops().tf_sok_nccl_unique_id()
+
+
+def init(uid: tf.Tensor, *, key: int, rank: int, size: int) -> tf.Tensor:
+    """Joins communicator `key` on the current GPU; returns NCCL's version string."""
+    return ops().tf_sok_nccl_init(id=tf.cast(uid, tf.uint8), key=key, rank=rank, size=size)
+
+
+def exchange_splits(send_splits: tf.Tensor, *, key: int) -> tf.Tensor:
+    """What every rank sends this one, from what this one sends each (int32, host memory)."""
+    return ops().tf_sok_nccl_exchange_splits(send_splits=tf.cast(send_splits, tf.int32), key=key)
+
+
+def alltoall(x: tf.Tensor, send_splits: tf.Tensor, recv_splits: tf.Tensor, *, key: int) -> tf.Tensor:
+    """Rows send_splits[p] of x to rank p; recv_splits[p] rows from rank p, in rank order."""
+    return ops().tf_sok_nccl_all_to_all(input=x, send_splits=tf.cast(send_splits, tf.int32),
+                                        recv_splits=tf.cast(recv_splits, tf.int32), key=key)
+
+
+def allgather(x: tf.Tensor, *, key: int) -> tf.Tensor:
+    """Every rank's x (the same shape everywhere), concatenated in rank order."""
+    return ops().tf_sok_nccl_all_gather(input=x, key=key)
+
+
+for _op in ("TfSokNcclUniqueId", "TfSokNcclInit", "TfSokNcclExchangeSplits", "TfSokNcclAllToAll",
+            "TfSokNcclAllGather"):
+    tf.no_gradient(_op)
