@@ -67,10 +67,20 @@ def worker(a):
     step = sok_path(tables, opt, "mean")
     seconds = time_step(step, batches, a.warmup, a.iters)
     alltoall, allgather = exchange_bytes(batches[0], n, rank, a.dim, a.batch)
+    prof = []
+    if a.profile:  # every rank runs the steps; rank 0 profiles its own
+        def run(i):
+            return float(step(batches[i % len(batches)]))
+        if rank == 0:
+            from profile_step import profile
+            prof = profile(run, top=a.profile)
+        else:
+            for i in range(10):
+                run(i)
     if rank == 0:
         device = f"one GPU per rank ({len(gpus)} visible)" if gpus else f"{os.cpu_count()} CPU cores shared by all ranks"
         print(json.dumps({"ranks": n, "device": device, "ms": 1e3 * seconds, "batch": a.batch,
-                          "communicator": type(ctx.communicator).__name__,
+                          "communicator": type(ctx.communicator).__name__, "profile": prof,
                           "alltoall_bytes": alltoall, "allgather_bytes": allgather}), flush=True)
 
 
@@ -101,7 +111,7 @@ def driver(a):
         for n in a.ranks:
             launch = [sys.executable, "-m", "horovod.runner.launch", "-np", str(n), "-H", f"localhost:{n}", "--gloo"]
             rows.append(run_worker(launch + [sys.executable, __file__, "--worker", "--exchange", exchange,
-                                             *step_args(a)], f"N={n} exchange={exchange}"))
+                                             "--profile", str(a.profile), *step_args(a)], f"N={n} exchange={exchange}"))
             rows[-1]["exchange"] = exchange
     print(f"{a.tables} distributed tables x {a.rows:,} rows, dim {a.dim}, per-rank batch {a.batch}, sok Adam; "
           f"{rows[-1]['device']}")
@@ -114,6 +124,10 @@ def driver(a):
         ratio = r["allgather_bytes"] / r["alltoall_bytes"] if r["alltoall_bytes"] else float("nan")
         print(f"{r['exchange']:>9s} {r['ranks']:5d} {r['communicator']:>20s} {r['ms']:9.2f} {sps:12,.0f} "
               f"{sps / base:7.2f} {r['alltoall_bytes']:18,d} {r['allgather_bytes']:18,d} {ratio:6.2f}")
+    for r in rows:
+        if r["profile"]:
+            print(f"\nprofile of rank 0, exchange {r['exchange']}, N={r['ranks']} (TensorFlow profiler, per step):\n"
+                  + "\n".join(r["profile"]))
 
 
 if __name__ == "__main__":
@@ -123,5 +137,7 @@ if __name__ == "__main__":
     p.add_argument("--exchange", nargs="+", default=["auto"], choices=["auto", "nccl", "framework"],
                    help="how the lookup's data travels (sok.init(exchange=...)); several: each measured in turn")
     add_step_args(p)
+    p.add_argument("--profile", type=int, default=0, metavar="TOP",
+                   help="also profile 10 steps on rank 0 of each run and print its TOP ops and kernels")
     args = p.parse_args()
     worker(args) if args.worker else driver(args)

@@ -16,6 +16,7 @@ run in program order anyway.
 """
 import itertools
 import logging
+import os
 from typing import Dict, Tuple
 
 import tensorflow as tf
@@ -52,7 +53,14 @@ class NcclCommunicator(Communicator):
         if joined in _joined:
             self._key, self.version = _joined[joined]
             return
+        # NCCL sets up connections lazily at their first use, allocating memory and synchronising the GPU;
+        # done while another communicator's kernel (Horovod's all-reduce, or ours) waits on the peer GPU, that
+        # can hang both. So: every connection at creation (NCCL >= 2.22 reads this when its first
+        # communicator is made), and the framework's own GPU communicator made now, with nothing in flight.
+        os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
         with tf.init_scope():
+            with tf.device(device):
+                bootstrap.allreduce([tf.zeros([8])], "sum", name="tf_sok.nccl_warmup")[0].numpy()
             if bootstrap.rank == 0:
                 uid = tf.cast(collective_ops.unique_id(), tf.int32)
             else:

@@ -30,6 +30,7 @@ def build_info() -> dict:
         >>> build_info()["tensorflow"]
         '2.21.0'
     """
+    _module()  # TensorFlow loads the library first: a plain dlopen would register its ops unseen by the wrappers
     so = ctypes.CDLL(library_path())
     so.TfSokBuiltTfVersion.restype = ctypes.c_char_p
     so.TfSokBuiltCudaArchs.restype = ctypes.c_char_p
@@ -40,13 +41,19 @@ def build_info() -> dict:
 
 
 @functools.lru_cache(maxsize=None)
+def _module():
+    path = library_path()
+    try:
+        return tf.load_op_library(path)
+    except Exception as e:  # undefined symbols: built for another TensorFlow
+        raise OpLibraryError(f"could not load {path} under TensorFlow {tf.__version__} ({e}); {_REBUILD}") from e
+
+
+@functools.lru_cache(maxsize=None)
 def ops():
     """The loaded op module (generated wrappers such as `tf_sok_fused_lookup`)."""
     path = library_path()
-    try:
-        module = tf.load_op_library(path)
-    except Exception as e:  # undefined symbols: built for another TensorFlow
-        raise OpLibraryError(f"could not load {path} under TensorFlow {tf.__version__} ({e}); {_REBUILD}") from e
+    module = _module()
     built = build_info()["tensorflow"]
     if built != tf.__version__:
         raise OpLibraryError(f"{path} was built for TensorFlow {built} but TensorFlow {tf.__version__} "
