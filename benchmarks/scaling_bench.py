@@ -80,7 +80,8 @@ def worker(a):
     if rank == 0:
         device = f"one GPU per rank ({len(gpus)} visible)" if gpus else f"{os.cpu_count()} CPU cores shared by all ranks"
         print(json.dumps({"ranks": n, "device": device, "ms": 1e3 * seconds, "batch": a.batch,
-                          "communicator": type(ctx.communicator).__name__, "profile": prof,
+                          "communicator": type(ctx.communicator).__name__,
+                          "profile": prof,
                           "alltoall_bytes": alltoall, "allgather_bytes": allgather}), flush=True)
 
 

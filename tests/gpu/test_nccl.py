@@ -52,7 +52,8 @@ def test_bad_sizes_raise_clear_errors(comm):
             collective_ops.alltoall(x, [4], [-1], key=comm._key)
         with pytest.raises(tf.errors.InvalidArgumentError, match=r"send_splits must have one entry per rank \(1\)"):
             collective_ops.alltoall(x, [2, 2], [4], key=comm._key)
-        with pytest.raises(tf.errors.InvalidArgumentError, match=r"rank 0 sends itself 2 rows \(send_splits\) but expects 3"):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=r"rank 0 sends itself 2 rows \(send_splits\) but expects 3"):
             collective_ops.alltoall(x[:2], [2], [3], key=comm._key)
         with pytest.raises(tf.errors.FailedPreconditionError, match=r"communicator 987654 does not exist"):
             collective_ops.alltoall(x, [4], [4], key=987654)
