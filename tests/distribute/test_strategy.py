@@ -153,6 +153,7 @@ def test_mirrored_misuse_raises_clear_errors(tmp_path):
     assert "supports tf.distribute.MirroredStrategy and MultiWorkerMirroredStrategy; got OneDeviceStrategy" in \
         str(res["errors:unsupported"])
     assert "sok.init() was called outside it" in str(res["errors:init_outside"])
+    assert "exchange='nccl' needs one rank per process (Horovod)" in str(res["errors:nccl"])
     assert "create tables inside that strategy's scope()" in str(res["errors:create_outside"])
     assert "Call them inside strategy.run" in str(res["errors:cross_replica"])
     for mode in ("eager", "function"):

@@ -189,6 +189,10 @@ def errors(seed, res):
             sok.Variable(shape=[10, 4], name="early")
         except RuntimeError as e:
             res["init_outside"] = str(e)
+        try:
+            sok.init(exchange="nccl")
+        except ValueError as e:
+            res["nccl"] = str(e)
         sok.init()
         table = sok.Variable(np.random.default_rng(seed).standard_normal((10, 4)).astype(np.float32), name="ta")
     try:
