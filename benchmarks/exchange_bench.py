@@ -14,6 +14,8 @@ import numpy as np
 import tensorflow as tf
 import keras
 
+from tensorflow.python.eager import tape as tape_lib
+
 import tf_sok as sok
 from bench_args import add_shape_args
 from lookup_bench import make_batch, time_step
@@ -24,6 +26,8 @@ from tf_sok.python.variable import table_meta
 
 
 def exchanged(tables, ids):
+    for t in tables:  # as lookup_sparse does: the tape must see the reads to differentiate them
+        tape_lib.variable_accessed(t)
     metas = [table_meta(t) for t in tables]
     return exchange.exchanged_lookup(
         SingleProcess(), [t.handle for t in tables], metas, list(range(len(tables))),

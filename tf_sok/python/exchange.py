@@ -39,6 +39,31 @@ def _scale_gradient(x, factor: float):
     return f(x)
 
 
+def _gather_rows(rows, index):
+    """tf.gather(rows, index) with a dense gradient (a segment sum). tf.gather's own
+    gradient is an IndexedSlices, and reaching the tf.concat that built `rows` it would
+    be split per table by a tf.where each: on a GPU, one wait on the stream per table."""
+    @tf.custom_gradient
+    def gather(r):
+        def grad(dy):
+            return tf.math.unsorted_segment_sum(tf.convert_to_tensor(dy), index, tf.shape(r, out_type=index.dtype)[0])
+        return tf.gather(r, index), grad
+    return gather(rows)
+
+
+def _one_id_per_row(counts, num: int):
+    """Row splits [0, 1, ..., counts[i]] of `num` lookups of one id per row, in a fixed
+    number of ops whatever `num`. The sizes stay on the host: size arithmetic placed on
+    a GPU would have to come back to the host for tf.range, a wait per lookup."""
+    with tf.device("/cpu:0"):
+        lengths = tf.cast(counts, tf.int64) + 1
+        ends = tf.cumsum(lengths)
+        starts = ends - lengths
+        total = tf.reduce_sum(lengths)
+    position = tf.range(total)
+    return tf.split(position - tf.gather(starts, tf.searchsorted(ends, position, side="right")), lengths, num=num)
+
+
 def _flatten(ids):
     """Every feature's ids as one vector, and the feature of each position (by a
     sorted search over the features' ends: unlike tf.repeat, no device-to-host wait)."""
@@ -60,9 +85,9 @@ def _check(comm: Communicator, step: int, sig: int, metas, feature_table, ids, n
     # bad positions score n - position (the first scores highest, no ties), good ones 0
     score = tf.concat([tf.where((flat < 0) | (flat >= rows), n - tf.range(n), 0), [0]], 0)
     first = tf.argmax(score, output_type=tf.int64)
-    found = score[first] > 0
+    found = tf.gather(score, first) > 0       # gathers: indexing by a device scalar would wait for it
     local = tf.stack([tf.constant(sig, tf.int64), tf.cast(found, tf.int64),
-                      tf.concat([feature_of, [-1]], 0)[first], tf.concat([flat, [-1]], 0)[first]])
+                      tf.gather(tf.concat([feature_of, [-1]], 0), first), tf.gather(tf.concat([flat, [-1]], 0), first)])
     every = comm.allgather(local[None, :], name=f"tf_sok.check.{step}")            # [N, 4]
     healthy = tf.reduce_all(tf.equal(every[:, 0], sig)) & tf.reduce_all(tf.equal(every[:, 1], 0))
 
@@ -116,7 +141,7 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
                                                        by_table=True)
     per_table = tf.split(tf.bitwise.bitwise_and(uniq, _LOCAL_MASK), table_splits, num=T)
     gathered = lookup_ops.fused_lookup(
-        handles, per_table, [tf.range(tf.size(x, out_type=tf.int64) + 1) for x in per_table],
+        handles, per_table, _one_id_per_row(table_splits, T),
         [tf.zeros([0], tf.float32)] * T, feature_table=list(range(T)), combiners=["sum"] * T,
         weighted=[False] * T, dims=[m.dim for m in metas], feature_names=[f"{m.name} (owner side)" for m in metas],
         table_names=[m.name for m in metas])
@@ -128,15 +153,16 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
         group = [t for t in range(T) if metas[t].dim == dim]
         rows = tf.concat([gathered[t] for t in group], 0)      # the group's distinct keys, table by table
         if len(group) == T:
-            vectors, back_splits, slot = tf.gather(rows, uniq_of_recv), recv_splits, send_position
+            vectors, back_splits, slot = _gather_rows(rows, uniq_of_recv), recv_splits, send_position
             coming = send_splits      # each owner returns one vector per key this rank sent it
         else:
             member = tf.constant([t in group for t in range(T)])
             in_group = tf.gather(member, tf.bitwise.right_shift(uniq, _TABLE_SHIFT))
             row_of_uniq = tf.cumsum(tf.cast(in_group, tf.int64)) - 1
             recv_in_group = tf.gather(in_group, uniq_of_recv)
-            vectors = tf.gather(rows, tf.gather(row_of_uniq, tf.boolean_mask(uniq_of_recv, recv_in_group)))
-            src_rank = tf.repeat(tf.range(N), recv_splits)
+            vectors = _gather_rows(rows, tf.gather(row_of_uniq, tf.boolean_mask(uniq_of_recv, recv_in_group)))
+            src_rank = tf.searchsorted(tf.cumsum(recv_splits), tf.range(tf.size(recv_keys, out_type=tf.int32)),
+                                       side="right")
             back_splits = tf.math.unsorted_segment_sum(tf.cast(recv_in_group, tf.int32), src_rank, N)
             sent_in_group = tf.gather(member, tf.bitwise.right_shift(send_keys, _TABLE_SHIFT))
             slot = tf.gather(tf.cumsum(tf.cast(sent_in_group, tf.int64)) - 1, send_position)
