@@ -46,7 +46,7 @@ def _gather_rows(rows, index):
     @tf.custom_gradient
     def gather(r):
         def grad(dy):
-            return tf.math.unsorted_segment_sum(tf.convert_to_tensor(dy), index, tf.shape(r, out_type=index.dtype)[0])
+            return tf.math.unsorted_segment_sum(tf.convert_to_tensor(dy), index, tf.shape(r)[0])  # int32: host
         return tf.gather(r, index), grad
     return gather(rows)
 

@@ -60,4 +60,5 @@ def _fused_lookup_grad(op, *out_grads):
 
 @tf.RegisterGradient("TfSokFusedCombine")
 def _fused_combine_grad(op, *out_grads):
-    return _pooled_grad(op, out_grads, lambda p: tf.shape(p, out_type=tf.int64))
+    # int32 shape: made dense (received vectors' gradient), dense_shape[0] then stays in host memory on a GPU
+    return _pooled_grad(op, out_grads, lambda p: tf.shape(p))
