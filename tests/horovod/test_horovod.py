@@ -146,6 +146,9 @@ def test_nccl_alltoall_allgather_and_gradient_match_numpy(tmp_path, seed, num_ra
 def test_bad_configurations_raise_on_every_rank(tmp_path, seed):
     ranks = run_workers(2, "bad_configs", seed, tmp_path)
     for r, res in enumerate(ranks):
+        if not GPUS:
+            assert "exchange='nccl' is unavailable on 2 of 2 rank(s); on this rank: this process sees no GPU" in \
+                str(res["nccl"]) or "built without CUDA" in str(res["nccl"])
         assert "ranks declare different tables" in str(res["shape"]) and "'mismatch'" in str(res["shape"])
         assert "mode 'localized:2' needs rank 2, but there are 2 rank(s)" in str(res["localized"])
         assert "ranks disagree on lookup step" in str(res["order"])

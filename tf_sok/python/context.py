@@ -69,7 +69,7 @@ def _detect_communicator() -> Communicator:
 def _with_exchange(comm: Communicator, exchange: str) -> Communicator:
     """`comm`, or an NcclCommunicator over it when the lookup's data should move by NCCL."""
     from tf_sok.python.comm.horovod import HorovodCommunicator
-    from tf_sok.python.comm.nccl import NcclCommunicator
+    from tf_sok.python.comm.nccl import NcclCommunicator, NcclUnavailable
     from tf_sok.python.ops import collective_ops
 
     if exchange == "framework" or isinstance(comm, NcclCommunicator):
@@ -79,7 +79,10 @@ def _with_exchange(comm: Communicator, exchange: str) -> Communicator:
     # auto: NCCL where it applies (Horovod ranks with a GPU each), the communicator's own collectives elsewhere
     if (isinstance(comm, HorovodCommunicator) and comm.size > 1 and tf.config.list_logical_devices("GPU")
             and collective_ops.available()):
-        return NcclCommunicator(comm)
+        try:
+            return NcclCommunicator(comm)
+        except NcclUnavailable as e:  # every rank lands here alike
+            _log.warning("tf_sok: the lookup's data moves by Horovod's collectives: %s", e)
     return comm
 
 

@@ -2,6 +2,7 @@
 // calls. Errors name the op and the offending value.
 #if TF_SOK_WITH_CUDA
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -177,6 +178,25 @@ class AllGatherOp : public tf::OpKernel {
  private:
   int64_t key_ = 0;
 };
+
+}  // namespace
+}  // namespace tf_sok
+
+// Whether NCCL can be opened here: writes its version (returns 1) or the reason (returns 0),
+// truncated to `size` bytes. Read by the Python communicator (ctypes) on every rank before
+// any rank starts a collective, so that all of them fall back or fail alike.
+extern "C" __attribute__((visibility("default"))) int TfSokNcclProbe(char* text, int size) {
+  std::string version;
+  std::string why = tf_sok::impl::nccl::Version(&version);
+  const std::string& out = why.empty() ? version : why;
+  if (size > 0) {
+    std::snprintf(text, static_cast<size_t>(size), "%s", out.c_str());
+  }
+  return why.empty() ? 1 : 0;
+}
+
+namespace tf_sok {
+namespace {
 
 REGISTER_KERNEL_BUILDER(Name("TfSokNcclUniqueId").Device(tf::DEVICE_CPU), UniqueIdOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokNcclInit").Device(tf::DEVICE_GPU).HostMemory("id").HostMemory("version"), InitOp);

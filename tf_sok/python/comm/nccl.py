@@ -29,6 +29,30 @@ _keys = itertools.count(1)
 _joined: Dict[Tuple, int] = {}   # (bootstrap type, rank, size) -> communicator key: one NCCL communicator each
 
 
+class NcclUnavailable(RuntimeError):
+    """NCCL cannot run on every rank; raised on every rank alike (exchange="auto" falls back)."""
+
+
+def _agree_available(bootstrap: Communicator) -> None:
+    """Raises NcclUnavailable on every rank if any rank cannot use NCCL, before any rank
+    starts a collective that the others would never join."""
+    if not collective_ops.available():
+        why = "the tf_sok op library was built without CUDA (no nvcc at build time)"
+    elif not tf.config.list_logical_devices("GPU"):
+        why = "this process sees no GPU"
+    else:
+        ok, text = collective_ops.probe()
+        why = None if ok else text
+    missing = int(why is not None)
+    if bootstrap.size > 1:
+        with tf.init_scope(), tf.device("/cpu:0"):
+            missing = int(bootstrap.allreduce([tf.constant([missing], tf.int32)], "sum",
+                                              name="tf_sok.nccl_available")[0].numpy()[0])
+    if missing:
+        raise NcclUnavailable(f"exchange='nccl' is unavailable on {missing} of {bootstrap.size} rank(s); on this "
+                              f"rank: {why or 'available'}; use exchange='framework'")
+
+
 class NcclCommunicator(Communicator):
     """One GPU per rank; `bootstrap` is a multi-process communicator (Horovod).
 
@@ -41,18 +65,13 @@ class NcclCommunicator(Communicator):
         if bootstrap.per_replica_tables:
             raise ValueError("exchange='nccl' needs one rank per process (Horovod); under tf.distribute use "
                              "exchange='framework'")
-        if not collective_ops.available():
-            raise RuntimeError("exchange='nccl': the tf_sok op library was built without CUDA (no nvcc at build "
-                               "time); rebuild with CUDA or use exchange='framework'")
-        if not tf.config.list_logical_devices("GPU"):
-            raise RuntimeError("exchange='nccl' needs a GPU per rank, and this process sees none; "
-                               "use exchange='framework'")
         self._boot = bootstrap
         self._device = device
         joined = (type(bootstrap).__name__, bootstrap.rank, bootstrap.size)
         if joined in _joined:
             self._key, self.version = _joined[joined]
             return
+        _agree_available(bootstrap)
         # NCCL sets up connections lazily at their first use, allocating memory and synchronising the GPU;
         # done while another communicator's kernel (Horovod's all-reduce, or ours) waits on the peer GPU, that
         # can hang both. So: every connection at creation (NCCL >= 2.22 reads this when its first

@@ -3,14 +3,26 @@
 Gradients are not registered here: `tf_sok.python.comm.nccl.NcclCommunicator`
 attaches them, because it also orders every collective of a graph.
 """
+import ctypes
+from typing import Tuple
+
 import tensorflow as tf
 
-from tf_sok.python.ops.loader import build_info, ops
+from tf_sok.python.ops.loader import build_info, library_path, ops
 
 
 def available() -> bool:
     """True when the op library was built with the CUDA (and so the NCCL) kernels."""
     return build_info()["cuda"]
+
+
+def probe() -> Tuple[bool, str]:
+    """(True, NCCL's version) if libnccl.so.2 (or TF_SOK_NCCL_LIBRARY) opens here, else (False, why)."""
+    if not available():
+        return False, "the tf_sok op library was built without CUDA (no nvcc at build time)"
+    text = ctypes.create_string_buffer(1024)
+    ok = ctypes.CDLL(library_path()).TfSokNcclProbe(text, len(text))
+    return bool(ok), text.value.decode()
 
 
 def unique_id() -> tf.Tensor:
