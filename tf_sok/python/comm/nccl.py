@@ -26,7 +26,8 @@ from tf_sok.python.ops import collective_ops
 
 _log = logging.getLogger("tf_sok")
 _keys = itertools.count(1)
-_joined: Dict[Tuple, int] = {}   # (bootstrap type, rank, size) -> communicator key: one NCCL communicator each
+# (bootstrap type, rank, size) -> (communicator key, NCCL version): one NCCL communicator each
+_joined: Dict[Tuple, Tuple[int, str]] = {}
 
 
 class NcclUnavailable(RuntimeError):
@@ -71,12 +72,12 @@ class NcclCommunicator(Communicator):
         if joined in _joined:
             self._key, self.version = _joined[joined]
             return
-        _agree_available(bootstrap)
         # NCCL sets up connections lazily at their first use, allocating memory and synchronising the GPU;
         # done while another communicator's kernel (Horovod's all-reduce, or ours) waits on the peer GPU, that
         # can hang both. So: every connection at creation (NCCL >= 2.22 reads this when its first
         # communicator is made), and the framework's own GPU communicator made now, with nothing in flight.
         os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
+        _agree_available(bootstrap)
         with tf.init_scope():
             with tf.device(device):
                 bootstrap.allreduce([tf.zeros([8])], "sum", name="tf_sok.nccl_warmup")[0].numpy()
