@@ -76,13 +76,14 @@ def _with_exchange(comm: Communicator, exchange: str) -> Communicator:
         return comm
     if exchange == "nccl":
         return NcclCommunicator(comm)
-    # auto: NCCL where it applies (Horovod ranks with a GPU each), the communicator's own collectives elsewhere
-    if (isinstance(comm, HorovodCommunicator) and comm.size > 1 and tf.config.list_logical_devices("GPU")
-            and collective_ops.available()):
+    # auto: NCCL where every rank can use it (Horovod ranks with a GPU each, decided by all ranks
+    # together: a rank that chose alone could leave the others waiting), the communicator's own
+    # collectives elsewhere
+    if isinstance(comm, HorovodCommunicator) and comm.size > 1 and collective_ops.available():
         try:
             return NcclCommunicator(comm)
         except NcclUnavailable as e:  # every rank lands here alike
-            _log.warning("tf_sok: the lookup's data moves by Horovod's collectives: %s", e)
+            _log.info("tf_sok: the lookup's data moves by Horovod's collectives: %s", e)
     return comm
 
 

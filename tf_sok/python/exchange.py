@@ -64,6 +64,12 @@ def _one_id_per_row(counts, num: int):
     return tf.split(position - tf.gather(starts, tf.searchsorted(ends, position, side="right")), lengths, num=num)
 
 
+def _bucket_of_position(splits, n):
+    """For positions 0..n-1 of rows laid out bucket after bucket (splits[b] rows in
+    bucket b), the bucket of each: a sorted search, no device-to-host wait."""
+    return tf.searchsorted(tf.cumsum(splits), tf.range(n), side="right")
+
+
 def _flatten(ids):
     """Every feature's ids as one vector, and the feature of each position (by a
     sorted search over the features' ends: unlike tf.repeat, no device-to-host wait)."""
@@ -81,7 +87,8 @@ def _check(comm: Communicator, step: int, sig: int, metas, feature_table, ids, n
     are checked as one concatenated vector against per-position row counts."""
     flat, feature_of = flat_ids if flat_ids is not None else _flatten(ids)
     n = tf.size(flat, out_type=tf.int64)
-    rows = tf.gather(tf.constant([metas[t].rows for t in feature_table], tf.int64), feature_of)
+    rows_of_feature = tf.constant([metas[t].rows for t in feature_table], tf.int64)
+    rows = tf.gather(rows_of_feature, feature_of)
     # bad positions score n - position (the first scores highest, no ties), good ones 0
     score = tf.concat([tf.where((flat < 0) | (flat >= rows), n - tf.range(n), 0), [0]], 0)
     first = tf.argmax(score, output_type=tf.int64)
@@ -101,7 +108,7 @@ def _check(comm: Communicator, step: int, sig: int, metas, feature_table, ids, n
         f = every[rank, 2]
         feature_name = tf.gather(tf.constant(list(names)), f)
         table_name = tf.gather(tf.constant([metas[t].name for t in feature_table]), f)
-        table_rows = tf.gather(tf.constant([metas[t].rows for t in feature_table], tf.int64), f)
+        table_rows = tf.gather(rows_of_feature, f)
         in_range = tf.debugging.Assert(
             tf.equal(tf.reduce_max(every[:, 1]), 0),
             [tf.strings.join(["tf_sok lookup: feature '", feature_name, "' has id ",
@@ -161,13 +168,11 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
             row_of_uniq = tf.cumsum(tf.cast(in_group, tf.int64)) - 1
             recv_in_group = tf.gather(in_group, uniq_of_recv)
             vectors = _gather_rows(rows, tf.gather(row_of_uniq, tf.boolean_mask(uniq_of_recv, recv_in_group)))
-            src_rank = tf.searchsorted(tf.cumsum(recv_splits), tf.range(tf.size(recv_keys, out_type=tf.int32)),
-                                       side="right")
+            src_rank = _bucket_of_position(recv_splits, tf.size(recv_keys, out_type=tf.int32))
             back_splits = tf.math.unsorted_segment_sum(tf.cast(recv_in_group, tf.int32), src_rank, N)
             sent_in_group = tf.gather(member, tf.bitwise.right_shift(send_keys, _TABLE_SHIFT))
             slot = tf.gather(tf.cumsum(tf.cast(sent_in_group, tf.int64)) - 1, send_position)
-            owner_of_sent = tf.searchsorted(tf.cumsum(send_splits), tf.range(tf.size(send_keys, out_type=tf.int32)),
-                                            side="right")
+            owner_of_sent = _bucket_of_position(send_splits, tf.size(send_keys, out_type=tf.int32))
             coming = tf.math.unsorted_segment_sum(tf.cast(sent_in_group, tf.int32), owner_of_sent, N)
         if reduction == "mean":
             vectors = _scale_gradient(vectors, 1.0 / N)

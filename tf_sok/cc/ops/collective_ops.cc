@@ -8,6 +8,16 @@ namespace tf_sok {
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
+// Output 0: input 0's shape with an unknown number of rows (what other ranks send).
+absl::Status RowsUnknown(InferenceContext* c) {
+  ShapeHandle in, rest, out;
+  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &in));
+  TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
+  TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &out));
+  c->set_output(0, out);
+  return absl::OkStatus();
+}
+
 REGISTER_OP("TfSokNcclUniqueId")
     .Output("id: uint8")
     .SetIsStateful()
@@ -63,14 +73,7 @@ REGISTER_OP("TfSokNcclAllToAll")
     .Attr("T: type")
     .Attr("key: int")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle in, rest, out;
-      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &in));
-      TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
-      TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &out));
-      c->set_output(0, out);
-      return absl::OkStatus();
-    })
+    .SetShapeFn(RowsUnknown)
     .Doc(R"doc(
 Sends rows send_splits[p] (consecutive, in rank order) of `input` to rank p and
 receives recv_splits[p] rows from rank p: output holds them in rank order.
@@ -84,14 +87,7 @@ REGISTER_OP("TfSokNcclAllGather")
     .Attr("T: type")
     .Attr("key: int")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle in, rest, out;
-      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &in));
-      TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
-      TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &out));
-      c->set_output(0, out);
-      return absl::OkStatus();
-    })
+    .SetShapeFn(RowsUnknown)
     .Doc(R"doc(
 Every rank's `input` (the same shape on every rank), concatenated along the
 first axis in rank order.
