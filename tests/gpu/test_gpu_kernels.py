@@ -225,3 +225,85 @@ def test_route_gpu_equals_cpu(by_table):
         np.testing.assert_array_equal(g.numpy(), c.numpy())
     with tf.device("GPU:0"), pytest.raises(tf.errors.InvalidArgumentError, match="names table 9"):
         route(tf.constant([1, 9 << 40], tf.int64), num_buckets=3, table_owner=[-1] * 6)
+
+
+def _combine_and_grad(device, params_np, feature_table, ragged, weights, combiners, upstream, checked):
+    from tf_sok.python.ops import lookup_ops
+
+    with tf.device(device):
+        params = [tf.constant(p) for p in params_np]
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            outs = lookup_ops.fused_combine(
+                params, [r.values for r in ragged], [r.row_splits for r in ragged],
+                [w.values if w is not None else tf.zeros([0]) for w in weights], feature_table=feature_table,
+                combiners=combiners, weighted=[w is not None for w in weights],
+                feature_names=[f"f{f}" for f in range(len(ragged))], table_names=["p0", "p1"], checked=checked)
+            loss = sum(tf.reduce_sum(o * u) for o, u in zip(outs, upstream))
+        grads = tape.gradient(loss, params)
+    return [o.numpy() for o in outs], grads
+
+
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("checked", [False, True])
+def test_combine_and_its_dense_gradient_gpu_equals_cpu(rng, id_dtype, checked):
+    params_np = [rng.standard_normal(s).astype(np.float32) for s in ((3000, 128), (500, 7))]  # 16-byte and scalar paths
+    feature_table, combiners = [0, 1, 0], ["mean", "sqrtn", "sum"]
+    ragged, weights, upstream = [], [], []
+    for f, t in enumerate(feature_table):
+        lens, ids = random_ragged(rng, 8193, params_np[t].shape[0], 5, id_dtype, zipf=1.2)   # hot rows: contention
+        ragged.append(to_ragged(lens, ids))
+        weights.append(to_ragged(lens, rng.uniform(0.1, 2, len(ids)).astype(np.float32)) if f == 1 else None)
+        upstream.append(rng.standard_normal((8193, params_np[t].shape[1])).astype(np.float32))
+    cpu_out, cpu_g = _combine_and_grad("/CPU:0", params_np, feature_table, ragged, weights, combiners, upstream, checked)
+    gpu_out, gpu_g = _combine_and_grad("/GPU:0", params_np, feature_table, ragged, weights, combiners, upstream, checked)
+    for c, g in zip(cpu_out, gpu_out):
+        np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-5)
+    mass = _abs_mass(params_np, feature_table, ragged, [w if w is not None else to_ragged(r.row_lengths().numpy(),
+                     np.ones(len(r.values), np.float32)) for w, r in zip(weights, ragged)], combiners, upstream)
+    for t, (c, g) in enumerate(zip(cpu_g, gpu_g)):
+        assert isinstance(g, tf.Tensor) and "GPU" in g.device
+        diff = np.abs(g.numpy() - c.numpy())
+        assert (diff <= 1e-5 * mass[t] + 1e-6).all(), f"params {t}: max diff {diff.max()}"
+
+
+def test_exchange_path_on_gpu_equals_cpu(rng):
+    """The multi-rank lookup's own ops (routing, checked owner-side lookup with its direct
+    gradient, combine with its dense gradient), run with one rank on GPU:0 and on the CPU."""
+    from tensorflow.python.eager import tape as tape_lib
+
+    from tf_sok.python import exchange
+    from tf_sok.python.comm import SingleProcess
+
+    shapes = [(20000, 128), (700, 16), (90000, 128)]
+    values = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    feature_table, combiners = [0, 1, 2, 0], ["sum", "mean", "sqrtn", "mean"]
+    feats = [random_ragged(rng, 4096, shapes[t][0], 4, zipf=1.1) for t in feature_table]
+    upstream = [rng.standard_normal((4096, shapes[t][1])).astype(np.float32) for t in feature_table]
+
+    def run(device):
+        sok.init()
+        with tf.device(device):
+            tables = [sok.Variable(v, name=f"x{i}") for i, v in enumerate(values)]
+
+            @tf.function
+            def step():
+                with tf.GradientTape() as tape:
+                    for t in tables:
+                        tape_lib.variable_accessed(t)
+                    outs = exchange.exchanged_lookup(
+                        SingleProcess(), [t.handle for t in tables], [sok.table_meta(t) for t in tables],
+                        feature_table, [tf.constant(ids) for _, ids in feats],
+                        [tf.constant(np.concatenate([[0], np.cumsum(lens)]), tf.int64) for lens, _ in feats],
+                        [None] * 4, combiners, ["a", "b", "c", "d"], "sum", 1)
+                    loss = tf.add_n([tf.reduce_sum(o * u) for o, u in zip(outs, upstream)])
+                return outs, tape.gradient(loss, tables)
+            outs, grads = step()
+        return [o.numpy() for o in outs], [dense_grad(g, s[0]) for g, s in zip(grads, shapes)]
+
+    cpu_out, cpu_g = run("/CPU:0")
+    gpu_out, gpu_g = run("/GPU:0")
+    for c, g in zip(cpu_out, gpu_out):
+        np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-5)
+    for c, g in zip(cpu_g, gpu_g):
+        np.testing.assert_allclose(g, c, rtol=1e-4, atol=1e-4)

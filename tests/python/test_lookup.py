@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.eager import tape as tape_lib
 
 import tf_sok as sok
 from tests.helpers import dense_grad, np_lookup, random_ragged, to_ragged
@@ -139,32 +140,83 @@ class TestBadInput:
             sok.lookup_sparse([table], [ids], combiners=["max"])
 
 
-def test_fused_combine_over_tensors_matches_numpy_and_its_gradient(rng):
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+def test_fused_combine_over_tensors_matches_numpy_and_its_dense_gradient(rng, id_dtype):
     from tf_sok.python.ops import lookup_ops
 
     params_np = [rng.standard_normal((30, 4)).astype(np.float32), rng.standard_normal((12, 6)).astype(np.float32)]
     params = [tf.constant(p) for p in params_np]
-    feats = [(0, random_ragged(rng, 9, 30, 4), "mean"), (1, random_ragged(rng, 9, 12, 3), "sqrtn"),
-             (0, random_ragged(rng, 9, 30, 2), "sum")]
+    feats = [(0, random_ragged(rng, 9, 30, 4, id_dtype), "mean"), (1, random_ragged(rng, 9, 12, 3, id_dtype), "sqrtn"),
+             (0, random_ragged(rng, 9, 30, 2, id_dtype), "sum")]
+    weights = [None, rng.uniform(0.5, 2, len(feats[1][1][1])).astype(np.float32), None]
     up = [rng.standard_normal((9, params_np[t].shape[1])).astype(np.float32) for t, _, _ in feats]
     with tf.GradientTape() as tape:
         tape.watch(params)
         outs = lookup_ops.fused_combine(
             params, [tf.constant(ids) for _, (_, ids), _ in feats],
-            [to_ragged(lens, ids).row_splits for _, (lens, ids), _ in feats], [tf.zeros([0])] * 3,
-            feature_table=[t for t, _, _ in feats], combiners=[c for _, _, c in feats], weighted=[False] * 3,
-            feature_names=["a", "b", "c"], table_names=["p0", "p1"])
+            [to_ragged(lens, ids).row_splits for _, (lens, ids), _ in feats],
+            [tf.zeros([0]) if w is None else tf.constant(w) for w in weights],
+            feature_table=[t for t, _, _ in feats], combiners=[c for _, _, c in feats],
+            weighted=[w is not None for w in weights], feature_names=["a", "b", "c"], table_names=["p0", "p1"])
         loss = sum(tf.reduce_sum(o * u) for o, u in zip(outs, up))
     grads = tape.gradient(loss, params)
     with tf.GradientTape() as ref_tape:
         ref_tape.watch(params)
-        ref = [tf.nn.embedding_lookup_sparse(params[t], to_ragged(*x).to_sparse(), None, combiner=c)
-               for t, x, c in feats]
+        ref = [tf.nn.embedding_lookup_sparse(
+            params[t], to_ragged(*x).to_sparse(),
+            None if w is None else tf.RaggedTensor.from_row_lengths(w, x[0]).to_sparse(), combiner=c)
+            for (t, x, c), w in zip(feats, weights)]
         ref_loss = sum(tf.reduce_sum(o * u[:o.shape[0]]) for o, u in zip(ref, up))
     ref_grads = ref_tape.gradient(ref_loss, params)
-    for (t, (lens, ids), c), o in zip(feats, outs):
-        np.testing.assert_allclose(o.numpy(), np_lookup(params_np[t], lens, ids, None, c), rtol=1e-5, atol=1e-6)
+    for (t, (lens, ids), c), w, o in zip(feats, weights, outs):
+        np.testing.assert_allclose(o.numpy(), np_lookup(params_np[t], lens, ids, w, c), rtol=1e-5, atol=1e-6)
     for t, (g, r) in enumerate(zip(grads, ref_grads)):
-        assert isinstance(g, tf.IndexedSlices)
-        rows = params_np[t].shape[0]
-        np.testing.assert_allclose(dense_grad(g, rows), dense_grad(r, rows), rtol=1e-5, atol=1e-5)
+        assert isinstance(g, tf.Tensor) and g.shape == params_np[t].shape   # dense: no IndexedSlices
+        np.testing.assert_allclose(g.numpy(), dense_grad(r, params_np[t].shape[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_combine_gradient_names_a_bad_id_and_checks_shapes():
+    from tf_sok.python.ops.loader import ops
+
+    args = dict(params=[tf.zeros([5, 4])], row_splits=[tf.constant([0, 2], tf.int64)], weights=[tf.zeros([0])],
+                output_grads=[tf.ones([1, 4])], feature_table=[0], combiners=["sum"], weighted=[False], dims=[4])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"feature '#0' has id 5 \(at position 1\) outside table"):
+        ops().tf_sok_fused_combine_grad(ids=[tf.constant([1, 5], tf.int64)], **args)
+    args["output_grads"] = [tf.ones([2, 4])]
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"output gradient of feature 0 has shape \[2,4\], expected \[1, 4\]"):
+        ops().tf_sok_fused_combine_grad(ids=[tf.constant([1, 2], tf.int64)], **args)
+
+
+def test_distinct_ids_lookup_gradient_is_the_output_gradient_and_promises_ascending_rows(rng):
+    from tf_sok.python.ops import lookup_ops
+    from tf_sok.python.optimizers.base import _from_lookup_gradient
+
+    values = [rng.standard_normal((40, 8)).astype(np.float32), rng.standard_normal((25, 4)).astype(np.float32)]
+    tables = [sok.Variable(v, name=f"d{i}") for i, v in enumerate(values)]
+    ids = [np.sort(rng.choice(40, 11, replace=False)), np.sort(rng.choice(25, 6, replace=False))]
+    up = [rng.standard_normal((len(i), v.shape[1])).astype(np.float32) for i, v in zip(ids, values)]
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            for t in tables:
+                tape_lib.variable_accessed(t)   # as lookup_sparse does
+            outs = lookup_ops.fused_lookup(
+                [t.handle for t in tables], [tf.constant(i) for i in ids],
+                [tf.range(len(i) + 1, dtype=tf.int64) for i in ids], [tf.zeros([0])] * 2, feature_table=[0, 1],
+                combiners=["sum"] * 2, weighted=[False] * 2, dims=[8, 4], feature_names=["a", "b"],
+                table_names=["d0", "d1"], checked=True, distinct_ids=True)
+            loss = sum(tf.reduce_sum(o * u) for o, u in zip(outs, up))
+        grads = tape.gradient(loss, tables)
+        assert all(_from_lookup_gradient(g.indices) for g in grads)   # traced: the promise is visible
+        return outs, grads
+
+    outs, grads = step()
+    for t in range(2):
+        np.testing.assert_array_equal(outs[t].numpy(), values[t][ids[t]])
+        np.testing.assert_array_equal(grads[t].indices.numpy(), ids[t])
+        np.testing.assert_array_equal(grads[t].values.numpy(), up[t])
+    with pytest.raises(ValueError, match="distinct_ids needs feature t to read table t"):
+        lookup_ops.fused_lookup([tables[0].handle], [tf.constant(ids[0])], [tf.range(12, dtype=tf.int64)],
+                                [tf.zeros([0])], feature_table=[0], combiners=["mean"], weighted=[False], dims=[8],
+                                feature_names=["a"], table_names=["d0"], distinct_ids=True)

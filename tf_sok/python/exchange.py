@@ -143,7 +143,8 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
         recv_splits = tf.cast(recv_splits, tf.int32)
 
     # 2. owners: the received keys deduplicated across senders and grouped by table (one op), then
-    # one fused lookup reads each requested row once
+    # one fused lookup reads each requested row once. Its ids are checked and distinct: no wait for
+    # errors, and the tables' gradients are its output gradients as they are (no sort)
     uniq, table_splits, uniq_of_recv = route_ops.route(recv_keys, num_buckets=T, table_owner=[0] * T,
                                                        by_table=True)
     per_table = tf.split(tf.bitwise.bitwise_and(uniq, _LOCAL_MASK), table_splits, num=T)
@@ -151,7 +152,7 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
         handles, per_table, _one_id_per_row(table_splits, T),
         [tf.zeros([0], tf.float32)] * T, feature_table=list(range(T)), combiners=["sum"] * T,
         weighted=[False] * T, dims=[m.dim for m in metas], feature_names=[f"{m.name} (owner side)" for m in metas],
-        table_names=[m.name for m in metas])
+        table_names=[m.name for m in metas], checked=True, distinct_ids=True)
 
     # 3. vectors back in the order the keys came, one all-to-all per embedding width
     dims = sorted({m.dim for m in metas})
@@ -182,10 +183,11 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
         slot_by_dim.append(tf.split(slot, counts, num=F))      # per feature: its ids' returned rows
 
     # 4. combine where the batch lives: one fused op pools every feature from the received vectors
+    # (positions tf_sok computed: no wait for errors; its gradient is dense, no sort)
     rows_of_feature = [slot_by_dim[dims.index(metas[feature_table[f]].dim)][f] for f in range(F)]
     weighted = [w is not None for w in weights]
     return lookup_ops.fused_combine(
         returned_by_dim, rows_of_feature, splits,
         [w if w is not None else tf.zeros([0], tf.float32) for w in weights],
         feature_table=[dims.index(metas[feature_table[f]].dim) for f in range(F)], combiners=combiners,
-        weighted=weighted, feature_names=names, table_names=[f"vectors of width {d}" for d in dims])
+        weighted=weighted, feature_names=names, table_names=[f"vectors of width {d}" for d in dims], checked=True)

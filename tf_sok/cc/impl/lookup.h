@@ -34,11 +34,27 @@ struct FeatureView {
 
 // Forward: outputs[f] is [features[f].batch, tables[table].dim].
 // Validates splits and ids first; on error nothing meaningful is written.
+// report = false (ids tf_sok produced itself, already checked): a device does
+// not wait to learn whether the kernels saw a bad id; bad ids are still never
+// read (they contribute nothing), and the CPU reports them regardless.
 template <typename Device, typename Id>
 struct FusedLookup {
   Error operator()(const Device& d, const std::vector<TableView>& tables,
                    const std::vector<FeatureView<Id>>& features,
-                   const std::vector<float*>& outputs);
+                   const std::vector<float*>& outputs, bool report = true);
+};
+
+// The dense gradient of the forward pooling with respect to the rows it read:
+// grads[t] ([tables[t].rows, tables[t].dim], zeroed here) gets every id's
+// coefficient times its row's output gradient, added at the id's row. For
+// pooled rows that travel as a plain tensor (the exchange path's received
+// vectors): no sort, no wait on a device. Ids outside a table are skipped
+// (kIdOutOfRange on the CPU; a device does not wait for it).
+template <typename Device, typename Id>
+struct CombineGrad {
+  Error operator()(const Device& d, const std::vector<TableView>& tables,
+                   const std::vector<FeatureView<Id>>& features,
+                   const std::vector<const float*>& out_grads, const std::vector<float*>& grads);
 };
 
 // Backward, per table: the features reading it and their output gradients.

@@ -83,7 +83,7 @@ template <typename Id>
 struct FusedLookup<CpuDevice, Id> {
   Error operator()(const CpuDevice& d, const std::vector<TableView>& tables,
                    const std::vector<FeatureView<Id>>& features,
-                   const std::vector<float*>& outputs) {
+                   const std::vector<float*>& outputs, bool /*report: the CPU always does*/) {
     Error e = CheckSplits(features);
     if (!e.ok()) return e;
     for (const auto& t : tables) AdviseHugePages(t.data, sizeof(float) * static_cast<size_t>(t.rows) * t.dim);
@@ -239,6 +239,66 @@ struct LookupGrad<CpuDevice, Id> {
   }
 };
 
+template <typename Id>
+struct CombineGrad<CpuDevice, Id> {
+  Error operator()(const CpuDevice& d, const std::vector<TableView>& tables,
+                   const std::vector<FeatureView<Id>>& features,
+                   const std::vector<const float*>& out_grads, const std::vector<float*>& grads) {
+    Error e = CheckSplits(features);
+    if (!e.ok()) return e;
+    int64_t total = 0, max_dim = 1;
+    for (size_t f = 0; f < features.size(); ++f) {
+      const auto& ft = features[f];
+      for (int64_t i = 0; i < ft.num_ids; ++i) {
+        const int64_t id = static_cast<int64_t>(ft.ids[i]);
+        if (id < 0 || id >= tables[ft.table].rows) {
+          e.kind = ErrorKind::kIdOutOfRange;
+          e.group = static_cast<int32_t>(f), e.item = i, e.value = id;
+          return e;
+        }
+      }
+      total += ft.num_ids;
+    }
+    for (size_t t = 0; t < tables.size(); ++t) {
+      const int64_t dim = tables[t].dim;
+      max_dim = std::max(max_dim, dim);
+      float* g = grads[t];
+      d.parallel_for(tables[t].rows, dim, [&](int64_t r0, int64_t r1) {
+        std::fill(g + r0 * dim, g + r1 * dim, 0.0f);
+      });
+    }
+    // Each thread owns a range of columns of every table: no two threads add to one element,
+    // and the order of additions is fixed (deterministic).
+    d.parallel_for(max_dim, 2 * total + 1, [&](int64_t j0, int64_t j1) {
+      for (size_t f = 0; f < features.size(); ++f) {
+        const auto& ft = features[f];
+        const int dim = tables[ft.table].dim;
+        if (j0 >= dim) continue;
+        const int64_t hi = std::min<int64_t>(j1, dim);
+        float* __restrict g = grads[ft.table];
+        for (int64_t b = 0; b < ft.batch; ++b) {
+          float wsum = 0.0f, wsq = 0.0f;
+          for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) {
+            const float w = ft.weights ? ft.weights[i] : 1.0f;
+            wsum += w;
+            wsq += w * w;
+          }
+          const float scale = CombinerScale(ft.combiner, wsum, wsq);
+          const float* __restrict src = out_grads[f] + b * dim;
+          for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) {
+            const float c = (ft.weights ? ft.weights[i] : 1.0f) * scale;
+            float* __restrict row = g + static_cast<int64_t>(ft.ids[i]) * dim;
+            for (int64_t j = j0; j < hi; ++j) row[j] += c * src[j];
+          }
+        }
+      }
+    });
+    return Error();
+  }
+};
+
+template struct CombineGrad<CpuDevice, int32_t>;
+template struct CombineGrad<CpuDevice, int64_t>;
 template struct FusedLookup<CpuDevice, int32_t>;
 template struct FusedLookup<CpuDevice, int64_t>;
 template struct LookupGrad<CpuDevice, int32_t>;

@@ -30,6 +30,7 @@ struct Batch {
   int combiner[kChunk];
   int feature_index[kChunk];        // index in the op's feature list (for errors)
   int key_table[kChunk];            // backward: the feature's table within its group
+  float* grad_table[kChunk];        // dense backward: the gradient of the feature's table
 };
 
 template <int VEC>
@@ -119,6 +120,43 @@ __global__ void ForwardKernel(const Batch<Id> b, int group, DeviceError* err) {
       V::Fma(acc, w, V::Load(table + id * dim + j0));
     }
     V::Store(out + j0, V::Scale(acc, CombinerScale(static_cast<Combiner>(b.combiner[f]), wsum, wsq)));
+  }
+}
+
+// Dense backward (TfSokFusedCombineGrad): each id's coefficient times its row's
+// output gradient, added atomically at the id's row of its table's gradient.
+template <typename Id, int VEC>
+__global__ void ScatterGradKernel(const Batch<Id> b, int group, DeviceError* err) {
+  using V = Vec<VEC>;
+  const long long r = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
+  const int lane = threadIdx.x % group;
+  if (r >= b.row_start[b.num_features]) return;
+  const int f = FindFeature(b, r);
+  const long long row = r - b.row_start[f];
+  const long long batch = b.row_start[f + 1] - b.row_start[f];
+  long long s, e;
+  if (!RowBounds(b, f, row, batch, err, &s, &e)) return;
+  const float* weights = b.weights[f];
+  float wsum = 0.0f, wsq = 0.0f;
+  for (long long i = s; i < e; ++i) {
+    const float w = weights ? weights[i] : 1.0f;
+    wsum += w;
+    wsq += w * w;
+  }
+  const float scale = CombinerScale(static_cast<Combiner>(b.combiner[f]), wsum, wsq);
+  const int dim = b.dim[f];
+  const float* grow = b.rows_out[f] + row * dim;
+  for (long long i = s; i < e; ++i) {
+    const long long id = static_cast<long long>(b.ids[f][i]);
+    if (id < 0 || id >= b.table_rows[f]) {
+      Raise(err, ErrorKind::kIdOutOfRange, b.feature_index[f], i, id);
+      continue;
+    }
+    const float c = (weights ? weights[i] : 1.0f) * scale;
+    float* out = b.grad_table[f] + id * dim;
+    for (int j0 = lane * VEC; j0 < dim; j0 += group * VEC) {
+      V::AtomicAdd(out + j0, V::Scale(V::Load(grow + j0), c));
+    }
   }
 }
 
@@ -269,7 +307,7 @@ template <typename Id>
 struct FusedLookup<GpuDevice, Id> {
   Error operator()(const GpuDevice& d, const std::vector<TableView>& tables,
                    const std::vector<FeatureView<Id>>& features,
-                   const std::vector<float*>& outputs) {
+                   const std::vector<float*>& outputs, bool report) {
     using namespace gpu;
     DeviceError* err = NewError(d);
     if (!err) return OutOfMemory();
@@ -298,7 +336,47 @@ struct FusedLookup<GpuDevice, Id> {
     }
     cudaError_t c = cudaGetLastError();
     if (c != cudaSuccess) return CudaFailure(c);
-    return Collect(d, err);
+    return report ? Collect(d, err) : Error();
+  }
+};
+
+template <typename Id>
+struct CombineGrad<GpuDevice, Id> {
+  Error operator()(const GpuDevice& d, const std::vector<TableView>& tables,
+                   const std::vector<FeatureView<Id>>& features,
+                   const std::vector<const float*>& out_grads, const std::vector<float*>& grads) {
+    using namespace gpu;
+    DeviceError* err = NewError(d);
+    if (!err) return OutOfMemory();
+    for (size_t t = 0; t < tables.size(); ++t) {
+      cudaMemsetAsync(grads[t], 0, sizeof(float) * static_cast<size_t>(tables[t].rows) * tables[t].dim,
+                      StreamOf(d));
+    }
+    for (size_t first = 0; first < features.size(); first += kChunk) {
+      const size_t count = std::min<size_t>(kChunk, features.size() - first);
+      Batch<Id> b = MakeBatch(features, first, count);
+      int max_dim = 1;
+      for (size_t k = 0; k < count; ++k) {
+        const TableView& t = tables[features[first + k].table];
+        b.grad_table[k] = grads[features[first + k].table];
+        b.table_rows[k] = t.rows;
+        b.dim[k] = t.dim;
+        b.rows_out[k] = const_cast<float*>(out_grads[first + k]);
+        max_dim = std::max(max_dim, t.dim);
+      }
+      const long long total = b.row_start[count];
+      if (total == 0) continue;
+      const bool vec4 = AllDivisibleBy4(b.dim, b.num_features);
+      const int group = GroupWidth(max_dim, vec4 ? 4 : 1);
+      const long long blocks = (total * group + kThreads - 1) / kThreads;
+      if (vec4) {
+        ScatterGradKernel<Id, 4><<<blocks, kThreads, 0, StreamOf(d)>>>(b, group, err);
+      } else {
+        ScatterGradKernel<Id, 1><<<blocks, kThreads, 0, StreamOf(d)>>>(b, group, err);
+      }
+    }
+    cudaError_t c = cudaGetLastError();
+    return c == cudaSuccess ? Error() : CudaFailure(c);
   }
 };
 
@@ -448,6 +526,8 @@ struct LookupGrad<GpuDevice, Id> {
   }
 };
 
+template struct CombineGrad<GpuDevice, int32_t>;
+template struct CombineGrad<GpuDevice, int64_t>;
 template struct FusedLookup<GpuDevice, int32_t>;
 template struct FusedLookup<GpuDevice, int64_t>;
 template struct LookupGrad<GpuDevice, int32_t>;

@@ -90,6 +90,19 @@ struct LookupAttrs {
   }
 };
 
+// Output gradient f of a pooling op: [batch, dim], as the forward produced it.
+absl::Status OutputGrad(tf::OpKernelContext* ctx, int input, int f, int64_t batch, int dim,
+                        const float** out) {
+  const tf::Tensor& g = ctx->input(input);
+  if (g.dims() != 2 || g.dim_size(0) != batch || g.dim_size(1) != dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tf_sok lookup gradient: output gradient of feature ", f, " has shape ",
+        g.shape().DebugString(), ", expected [", batch, ", ", dim, "]"));
+  }
+  *out = g.flat<float>().data();
+  return absl::OkStatus();
+}
+
 absl::Status Explain(const LookupAttrs& a, const impl::Error& e,
                      const std::vector<impl::TableView>& tables) {
   switch (e.kind) {
@@ -140,6 +153,7 @@ class FusedLookupOp : public tf::OpKernel {
  public:
   explicit FusedLookupOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
     OP_REQUIRES_OK(c, attrs_.Read(c, /*with_names=*/true));
+    OP_REQUIRES_OK(c, c->GetAttr("checked", &checked_));
   }
 
   void Compute(tf::OpKernelContext* ctx) override {
@@ -170,7 +184,48 @@ class FusedLookupOp : public tf::OpKernel {
     TensorScratch scratch(ctx);
     const Device d = MakeDevice<Device>(ctx, &scratch);
     OP_REQUIRES_OK(ctx, Explain(attrs_, impl::FusedLookup<Device, Id>()(d, tables, features,
-                                                                        outputs),
+                                                                        outputs, !checked_),
+                                tables));
+  }
+
+ private:
+  LookupAttrs attrs_;
+  bool checked_ = false;
+};
+
+template <typename Device, typename Id>
+class FusedCombineGradOp : public tf::OpKernel {
+ public:
+  explicit FusedCombineGradOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
+    OP_REQUIRES_OK(c, attrs_.Read(c, /*with_names=*/false));
+  }
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    const int T = attrs_.num_tables, F = attrs_.num_features;
+    std::vector<impl::TableView> tables(T);
+    std::vector<float*> grads(T);
+    for (int t = 0; t < T; ++t) {
+      const tf::Tensor& p = ctx->input(t);
+      OP_REQUIRES(ctx, p.dims() == 2 && p.dim_size(1) == attrs_.dims[t],
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "tf_sok combine gradient: params ", t, " have shape ", p.shape().DebugString(),
+                      " but the op expects dim ", attrs_.dims[t])));
+      tf::Tensor* g = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(t, p.shape(), &g));
+      tables[t] = {nullptr, p.dim_size(0), static_cast<int32_t>(attrs_.dims[t])};
+      grads[t] = g->flat<float>().data();
+    }
+    std::vector<impl::FeatureView<Id>> features;
+    OP_REQUIRES_OK(ctx, attrs_.Features<Id>(ctx, T, &features));
+    std::vector<const float*> out_grads(F);
+    for (int f = 0; f < F; ++f) {
+      OP_REQUIRES_OK(ctx, OutputGrad(ctx, T + 3 * F + f, f, features[f].batch,
+                                     attrs_.dims[features[f].table], &out_grads[f]));
+    }
+    TensorScratch scratch(ctx);
+    const Device d = MakeDevice<Device>(ctx, &scratch);
+    OP_REQUIRES_OK(ctx, Explain(attrs_, impl::CombineGrad<Device, Id>()(d, tables, features, out_grads,
+                                                                        grads),
                                 tables));
   }
 
@@ -195,15 +250,10 @@ class FusedLookupGradOp : public tf::OpKernel {
     for (int t = 0; t < T; ++t) tables[t].dim = attrs_.dims[t];
     for (int f = 0; f < F; ++f) {
       const int t = all[f].table;
-      const tf::Tensor& g = ctx->input(3 * F + f);
-      OP_REQUIRES(ctx, g.dims() == 2 && g.dim_size(0) == all[f].batch &&
-                           g.dim_size(1) == attrs_.dims[t],
-                  absl::InvalidArgumentError(absl::StrCat(
-                      "tf_sok lookup gradient: output gradient of feature ", f, " has shape ",
-                      g.shape().DebugString(), ", expected [", all[f].batch, ", ",
-                      attrs_.dims[t], "]")));
+      const float* g = nullptr;
+      OP_REQUIRES_OK(ctx, OutputGrad(ctx, 3 * F + f, f, all[f].batch, attrs_.dims[t], &g));
       tables[t].features.push_back(all[f]);
-      tables[t].out_grads.push_back(g.flat<float>().data());
+      tables[t].out_grads.push_back(g);
     }
     impl::LookupGrad<Device, Id> grad;
     impl::GradPlan plan;
@@ -243,7 +293,10 @@ class FusedLookupGradOp : public tf::OpKernel {
       FusedLookupOp<DEVICE, ID, false>);                                             \
   REGISTER_KERNEL_BUILDER(                                                           \
       Name("TfSokFusedLookupGrad").Device(DEV).TypeConstraint<ID>("Tid"),            \
-      FusedLookupGradOp<DEVICE, ID>);
+      FusedLookupGradOp<DEVICE, ID>);                                                \
+  REGISTER_KERNEL_BUILDER(                                                           \
+      Name("TfSokFusedCombineGrad").Device(DEV).TypeConstraint<ID>("Tid"),           \
+      FusedCombineGradOp<DEVICE, ID>);
 
 TF_SOK_REGISTER_LOOKUP(tf::DEVICE_CPU, impl::CpuDevice, int32_t)
 TF_SOK_REGISTER_LOOKUP(tf::DEVICE_CPU, impl::CpuDevice, int64_t)

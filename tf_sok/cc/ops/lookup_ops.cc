@@ -55,15 +55,23 @@ absl::Status PooledOutputShapes(InferenceContext* c) {
           TF_SOK_POOLING_ATTRS                            \
       .Attr("feature_names: list(string)")                \
       .Attr("table_names: list(string)")                  \
+      .Attr("checked: bool = false")                      \
       .SetShapeFn(PooledOutputShapes)
 
 REGISTER_OP("TfSokFusedLookup")
     .Input("tables: num_tables * resource")
     TF_SOK_POOLED_FORWARD
+    .Attr("distinct_ids: bool = false")
     .Doc(R"doc(
 Looks up every feature's ragged ids in its table and combines each row
 (sum, mean or sqrtn, optionally weighted) into one [batch, dim] output per
 feature. Unweighted features pass an empty weights tensor.
+
+checked: the ids were produced (and checked) by tf_sok itself; a GPU does not
+  wait on its stream to learn whether an id was bad (bad ids contribute zero).
+distinct_ids: feature t reads table t, one id per row, summed, unweighted, and
+  its ids are strictly ascending; the gradient is then the output gradients as
+  the rows of those ids (no sort).
 )doc");
 
 REGISTER_OP("TfSokFusedCombine")
@@ -72,6 +80,27 @@ REGISTER_OP("TfSokFusedCombine")
     .Doc(R"doc(
 TfSokFusedLookup over plain float tensors instead of variables: pools rows of
 `params` (e.g. vectors received from other ranks) per feature and row.
+)doc");
+
+REGISTER_OP("TfSokFusedCombineGrad")
+    .Input("params: num_tables * float")
+    .Input("ids: num_features * Tid")
+    .Input("row_splits: num_features * int64")
+    .Input("weights: num_features * float")
+    .Input("output_grads: num_features * float")
+    .Output("grads: num_tables * float")
+    TF_SOK_POOLING_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      int num_tables;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &num_tables));
+      for (int t = 0; t < num_tables; ++t) c->set_output(t, c->input(t));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Dense gradient of TfSokFusedCombine with respect to its params: grads[t] has
+the shape of params[t] (only their shapes are read) and holds, at each id's
+row, the sum of its coefficients times its rows' output gradients. No sort and,
+on a GPU, no wait on the stream.
 )doc");
 
 REGISTER_OP("TfSokFusedLookupGrad")

@@ -1,4 +1,5 @@
-"""The fused lookup op and its registered gradient (row-sparse per table)."""
+"""The fused lookup ops and their registered gradients: row-sparse per table
+for variables, dense for plain tensors (the exchange path's received vectors)."""
 from typing import List, Sequence
 
 import tensorflow as tf
@@ -10,55 +11,73 @@ from tf_sok.python.ops.loader import ops
 def fused_lookup(handles: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], row_splits: Sequence[tf.Tensor],
                  weights: Sequence[tf.Tensor], *, feature_table: Sequence[int], combiners: Sequence[str],
                  weighted: Sequence[bool], dims: Sequence[int], feature_names: Sequence[str],
-                 table_names: Sequence[str]) -> List[tf.Tensor]:
-    """One [batch_f, dim] output per feature; see TfSokFusedLookup."""
+                 table_names: Sequence[str], checked: bool = False, distinct_ids: bool = False) -> List[tf.Tensor]:
+    """One [batch_f, dim] output per feature; see TfSokFusedLookup. `checked` and
+    `distinct_ids` are for ids tf_sok produced itself (the exchange path's owner side)."""
+    if distinct_ids and (list(feature_table) != list(range(len(handles))) or set(combiners) != {"sum"}
+                         or any(weighted)):
+        raise ValueError("fused_lookup: distinct_ids needs feature t to read table t, summed and unweighted")
     return ops().tf_sok_fused_lookup(
         tables=list(handles), ids=list(ids), row_splits=list(row_splits), weights=list(weights),
         feature_table=list(feature_table), combiners=list(combiners), weighted=list(weighted),
-        dims=list(dims), feature_names=list(feature_names), table_names=list(table_names))
+        dims=list(dims), feature_names=list(feature_names), table_names=list(table_names), checked=checked,
+        distinct_ids=distinct_ids)
 
 
 def fused_combine(params: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], row_splits: Sequence[tf.Tensor],
                   weights: Sequence[tf.Tensor], *, feature_table: Sequence[int], combiners: Sequence[str],
                   weighted: Sequence[bool], feature_names: Sequence[str],
-                  table_names: Sequence[str]) -> List[tf.Tensor]:
-    """fused_lookup over plain [rows, dim] tensors (e.g. vectors received from other ranks)."""
+                  table_names: Sequence[str], checked: bool = False) -> List[tf.Tensor]:
+    """fused_lookup over plain [rows, dim] tensors (e.g. vectors received from other
+    ranks). Its gradient with respect to `params` is dense (TfSokFusedCombineGrad)."""
     return ops().tf_sok_fused_combine(
         params=list(params), ids=list(ids), row_splits=list(row_splits), weights=list(weights),
         feature_table=list(feature_table), combiners=list(combiners), weighted=list(weighted),
-        dims=[int(p.shape[1]) for p in params], feature_names=list(feature_names), table_names=list(table_names))
+        dims=[int(p.shape[1]) for p in params], feature_names=list(feature_names), table_names=list(table_names),
+        checked=checked)
 
 
-def _pooled_grad(op, out_grads, table_shape):
-    """Per table an IndexedSlices of the unique rows read, for both pooled ops."""
+ASCENDING_ROWS = "tf_sok_ascending_rows"   # names indices that are strictly ascending by construction
+
+
+def _inputs_and_grads(op, out_grads):
+    """The op's tables, ids, splits and weights, and an output gradient for every
+    feature (zeros where none flows)."""
     T = op.get_attr("num_tables")
     F = op.get_attr("num_features")
     dims = op.get_attr("dims")
     feature_table = op.get_attr("feature_table")
-    ids = op.inputs[T:T + F]
-    splits = op.inputs[T + F:T + 2 * F]
-    weights = op.inputs[T + 2 * F:T + 3 * F]
+    ins = list(op.inputs)
+    tables, ids, splits, weights = ins[:T], ins[T:T + F], ins[T + F:T + 2 * F], ins[T + 2 * F:T + 3 * F]
     grads = []
     for f, g in enumerate(out_grads):
         if g is None:
             g = tf.zeros(tf.stack([tf.shape(splits[f], out_type=tf.int64)[0] - 1,
                                    tf.constant(dims[feature_table[f]], tf.int64)]), tf.float32)
         grads.append(g)
-    indices, values = ops().tf_sok_fused_lookup_grad(
-        ids=list(ids), row_splits=list(splits), weights=list(weights), output_grads=grads,
-        feature_table=feature_table, combiners=op.get_attr("combiners"),
-        weighted=op.get_attr("weighted"), dims=dims, num_tables=T)
-    table_grads = [tf.IndexedSlices(values[t], indices[t], dense_shape=table_shape(op.inputs[t]))
-                   for t in range(T)]
-    return table_grads + [None] * (3 * F)
+    attrs = dict(feature_table=feature_table, combiners=op.get_attr("combiners"),
+                 weighted=op.get_attr("weighted"), dims=dims)
+    return tables, ids, splits, weights, grads, attrs
 
 
 @tf.RegisterGradient("TfSokFusedLookup")
 def _fused_lookup_grad(op, *out_grads):
-    return _pooled_grad(op, out_grads, lambda h: resource_variable_ops.variable_shape(h, out_type=tf.int64))
+    """Per table an IndexedSlices of the unique rows read."""
+    tables, ids, splits, weights, grads, attrs = _inputs_and_grads(op, out_grads)
+    shape = [resource_variable_ops.variable_shape(h, out_type=tf.int64) for h in tables]
+    if op.get_attr("distinct_ids"):   # each output row is the gradient of its one, distinct id
+        rows = [tf.identity(tf.cast(i, tf.int64), name=ASCENDING_ROWS) for i in ids]
+        return [tf.IndexedSlices(g, r, dense_shape=s) for g, r, s in zip(grads, rows, shape)] + [None] * (3 * len(ids))
+    indices, values = ops().tf_sok_fused_lookup_grad(
+        ids=ids, row_splits=splits, weights=weights, output_grads=grads, num_tables=len(tables), **attrs)
+    return [tf.IndexedSlices(values[t], indices[t], dense_shape=shape[t]) for t in range(len(tables))] + \
+        [None] * (3 * len(ids))
 
 
 @tf.RegisterGradient("TfSokFusedCombine")
 def _fused_combine_grad(op, *out_grads):
-    # int32 shape: made dense (received vectors' gradient), dense_shape[0] then stays in host memory on a GPU
-    return _pooled_grad(op, out_grads, lambda p: tf.shape(p))
+    """Dense gradients of the pooled params: no sort, and on a GPU no wait."""
+    params, ids, splits, weights, grads, attrs = _inputs_and_grads(op, out_grads)
+    dense = ops().tf_sok_fused_combine_grad(params=params, ids=ids, row_splits=splits, weights=weights,
+                                            output_grads=grads, **attrs)
+    return list(dense) + [None] * (3 * len(ids))

@@ -5,7 +5,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import tensorflow as tf
 
-from tf_sok.python.ops import optimizer_ops
+from tf_sok.python.ops import lookup_ops, optimizer_ops
 from tf_sok.python.variable import backing_variable, expand_tables, state_placement, table_meta
 
 
@@ -28,12 +28,14 @@ def _tf_slot(name, shape, initial_value, like):
 def _from_lookup_gradient(indices) -> bool:
     """True when `indices` are exactly a lookup gradient's output (unique and
     ascending by construction). Only a graph knows where a tensor came from;
-    eagerly the op sorts, which is always correct."""
+    eagerly the op sorts, which is always correct. The update op checks the
+    promise (a broken one is an error, never a wrong update)."""
     try:
         op = indices.op
     except AttributeError:
         return False
-    return op.type == "TfSokFusedLookupGrad"
+    return op.type == "TfSokFusedLookupGrad" or (
+        op.type == "Identity" and op.name.rsplit("/", 1)[-1].startswith(lookup_ops.ASCENDING_ROWS))
 
 
 class SparseOptimizer(tf.Module, abc.ABC):
