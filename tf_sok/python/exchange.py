@@ -183,7 +183,7 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
         slot_by_dim.append(tf.split(slot, counts, num=F))      # per feature: its ids' returned rows
 
     # 4. combine where the batch lives: one fused op pools every feature from the received vectors
-    # (positions tf_sok computed: no wait for errors; its gradient is dense, no sort)
+    # (positions tf_sok computed: no wait for errors; its gradient is dense, with no wait)
     rows_of_feature = [slot_by_dim[dims.index(metas[feature_table[f]].dim)][f] for f in range(F)]
     weighted = [w is not None for w in weights]
     return lookup_ops.fused_combine(

@@ -48,8 +48,9 @@ struct FusedLookup {
 // grads[t] ([tables[t].rows, tables[t].dim], zeroed here) gets every id's
 // coefficient times its row's output gradient, added at the id's row. For
 // pooled rows that travel as a plain tensor (the exchange path's received
-// vectors): no sort, no wait on a device. Ids outside a table are skipped
-// (kIdOutOfRange on the CPU; a device does not wait for it).
+// vectors). Nothing is sized by the number of distinct ids, so a device never
+// waits on its stream. Ids outside a table are skipped (kIdOutOfRange on the
+// CPU; a device does not wait for it).
 template <typename Device, typename Id>
 struct CombineGrad {
   Error operator()(const Device& d, const std::vector<TableView>& tables,

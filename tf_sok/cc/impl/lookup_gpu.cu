@@ -30,7 +30,6 @@ struct Batch {
   int combiner[kChunk];
   int feature_index[kChunk];        // index in the op's feature list (for errors)
   int key_table[kChunk];            // backward: the feature's table within its group
-  float* grad_table[kChunk];        // dense backward: the gradient of the feature's table
 };
 
 template <int VEC>
@@ -123,43 +122,6 @@ __global__ void ForwardKernel(const Batch<Id> b, int group, DeviceError* err) {
   }
 }
 
-// Dense backward (TfSokFusedCombineGrad): each id's coefficient times its row's
-// output gradient, added atomically at the id's row of its table's gradient.
-template <typename Id, int VEC>
-__global__ void ScatterGradKernel(const Batch<Id> b, int group, DeviceError* err) {
-  using V = Vec<VEC>;
-  const long long r = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
-  const int lane = threadIdx.x % group;
-  if (r >= b.row_start[b.num_features]) return;
-  const int f = FindFeature(b, r);
-  const long long row = r - b.row_start[f];
-  const long long batch = b.row_start[f + 1] - b.row_start[f];
-  long long s, e;
-  if (!RowBounds(b, f, row, batch, err, &s, &e)) return;
-  const float* weights = b.weights[f];
-  float wsum = 0.0f, wsq = 0.0f;
-  for (long long i = s; i < e; ++i) {
-    const float w = weights ? weights[i] : 1.0f;
-    wsum += w;
-    wsq += w * w;
-  }
-  const float scale = CombinerScale(static_cast<Combiner>(b.combiner[f]), wsum, wsq);
-  const int dim = b.dim[f];
-  const float* grow = b.rows_out[f] + row * dim;
-  for (long long i = s; i < e; ++i) {
-    const long long id = static_cast<long long>(b.ids[f][i]);
-    if (id < 0 || id >= b.table_rows[f]) {
-      Raise(err, ErrorKind::kIdOutOfRange, b.feature_index[f], i, id);
-      continue;
-    }
-    const float c = (weights ? weights[i] : 1.0f) * scale;
-    float* out = b.grad_table[f] + id * dim;
-    for (int j0 = lane * VEC; j0 < dim; j0 += group * VEC) {
-      V::AtomicAdd(out + j0, V::Scale(V::Load(grow + j0), c));
-    }
-  }
-}
-
 // Backward, per id: its key (table << kTableShift) | id, the output-gradient
 // row it reads, its coefficient.
 template <typename Id>
@@ -210,12 +172,14 @@ __global__ void TableStartsKernel(Groups g, int num_tables, int* starts) {
 }
 
 // A group's tables' outputs: distinct key k of table t goes to row
-// k - starts[t] of indices[t] / values[t].
+// k - starts[t] of indices[t] / values[t]; or, dense (indices[t] == nullptr),
+// to row `id` of the zeroed [rows[t], dim] values[t] (ids past it are skipped).
 struct GradOutputs {
   int num_tables;
   long long* indices[kChunk];
   float* values[kChunk];
   int dim[kChunk];
+  long long rows[kChunk];
 };
 
 // Sums each id group's scaled output-gradient rows. Work is cut into chunks
@@ -242,7 +206,12 @@ __global__ void SegmentSumKernel(Groups g, int total, const float* coef,
     const long long key = g.unique_keys[u];
     const int t = static_cast<int>(key >> kTableShift);
     const int dim = o.dim[t];
-    const long long local = u - starts[t];
+    const bool dense = o.indices[t] == nullptr;
+    const long long local = dense ? (key & kRowMask) : u - starts[t];
+    if (dense && local >= o.rows[t]) {
+      k = end;
+      continue;
+    }
     float* out = o.values[t] + local * dim;
     const bool whole = seg_begin >= start && seg_end <= stop;
     for (int j0 = lane * VEC; j0 < dim; j0 += group * VEC) {
@@ -257,7 +226,7 @@ __global__ void SegmentSumKernel(Groups g, int total, const float* coef,
         V::AtomicAdd(out + j0, acc);
       }
     }
-    if (lane == 0 && seg_begin >= start) o.indices[t][local] = key & kRowMask;
+    if (!dense && lane == 0 && seg_begin >= start) o.indices[t][local] = key & kRowMask;
     k = end;
   }
 }
@@ -340,46 +309,6 @@ struct FusedLookup<GpuDevice, Id> {
   }
 };
 
-template <typename Id>
-struct CombineGrad<GpuDevice, Id> {
-  Error operator()(const GpuDevice& d, const std::vector<TableView>& tables,
-                   const std::vector<FeatureView<Id>>& features,
-                   const std::vector<const float*>& out_grads, const std::vector<float*>& grads) {
-    using namespace gpu;
-    DeviceError* err = NewError(d);
-    if (!err) return OutOfMemory();
-    for (size_t t = 0; t < tables.size(); ++t) {
-      cudaMemsetAsync(grads[t], 0, sizeof(float) * static_cast<size_t>(tables[t].rows) * tables[t].dim,
-                      StreamOf(d));
-    }
-    for (size_t first = 0; first < features.size(); first += kChunk) {
-      const size_t count = std::min<size_t>(kChunk, features.size() - first);
-      Batch<Id> b = MakeBatch(features, first, count);
-      int max_dim = 1;
-      for (size_t k = 0; k < count; ++k) {
-        const TableView& t = tables[features[first + k].table];
-        b.grad_table[k] = grads[features[first + k].table];
-        b.table_rows[k] = t.rows;
-        b.dim[k] = t.dim;
-        b.rows_out[k] = const_cast<float*>(out_grads[first + k]);
-        max_dim = std::max(max_dim, t.dim);
-      }
-      const long long total = b.row_start[count];
-      if (total == 0) continue;
-      const bool vec4 = AllDivisibleBy4(b.dim, b.num_features);
-      const int group = GroupWidth(max_dim, vec4 ? 4 : 1);
-      const long long blocks = (total * group + kThreads - 1) / kThreads;
-      if (vec4) {
-        ScatterGradKernel<Id, 4><<<blocks, kThreads, 0, StreamOf(d)>>>(b, group, err);
-      } else {
-        ScatterGradKernel<Id, 1><<<blocks, kThreads, 0, StreamOf(d)>>>(b, group, err);
-      }
-    }
-    cudaError_t c = cudaGetLastError();
-    return c == cudaSuccess ? Error() : CudaFailure(c);
-  }
-};
-
 // The grouping of one group of up to kChunk tables (all of a step's ids of
 // those tables sorted together).
 struct GradGroup {
@@ -390,6 +319,22 @@ struct GradGroup {
   gpu::Groups groups;
   int* starts = nullptr;  // device [num_tables + 1]
 };
+
+// Sums each distinct key's scaled output-gradient rows of one group into `o`.
+inline void SumGroups(const GpuDevice& d, const GradGroup& gg, const gpu::GradOutputs& o, int max_dim,
+                      bool vec4) {
+  using namespace gpu;
+  const int total = static_cast<int>(gg.total);
+  const int group = GroupWidth(max_dim, vec4 ? 4 : 1);
+  const long long chunks = (total + kSegChunk - 1) / kSegChunk;
+  const long long blocks = (chunks * group + kThreads - 1) / kThreads;
+  const auto* rows = static_cast<const float* const*>(gg.grad_rows);
+  if (vec4) {
+    SegmentSumKernel<4><<<blocks, kThreads, 0, StreamOf(d)>>>(gg.groups, total, gg.coef, rows, o, gg.starts, group);
+  } else {
+    SegmentSumKernel<1><<<blocks, kThreads, 0, StreamOf(d)>>>(gg.groups, total, gg.coef, rows, o, gg.starts, group);
+  }
+}
 
 struct GradState {
   std::vector<GradGroup> groups;
@@ -507,22 +452,63 @@ struct LookupGrad<GpuDevice, Id> {
         max_dim = std::max(max_dim, dim);
         vec4 = vec4 && dim % 4 == 0;
       }
-      const int total = static_cast<int>(gg.total);
       const int zgroup = GroupWidth(max_dim, 1);
-      ZeroSplitRowsKernel<<<(total * static_cast<long long>(zgroup) + kThreads - 1) / kThreads,
-                            kThreads, 0, StreamOf(d)>>>(gg.groups, o, gg.starts, zgroup);
-      const int group = GroupWidth(max_dim, vec4 ? 4 : 1);
-      const long long chunks = (total + kSegChunk - 1) / kSegChunk;
-      const long long blocks = (chunks * group + kThreads - 1) / kThreads;
-      const auto* rows = static_cast<const float* const*>(gg.grad_rows);
-      if (vec4) {
-        SegmentSumKernel<4><<<blocks, kThreads, 0, StreamOf(d)>>>(gg.groups, total, gg.coef, rows, o,
-                                                                gg.starts, group);
-      } else {
-        SegmentSumKernel<1><<<blocks, kThreads, 0, StreamOf(d)>>>(gg.groups, total, gg.coef, rows, o,
-                                                                gg.starts, group);
-      }
+      ZeroSplitRowsKernel<<<(gg.total * zgroup + kThreads - 1) / kThreads, kThreads, 0, StreamOf(d)>>>(
+          gg.groups, o, gg.starts, zgroup);
+      SumGroups(d, gg, o, max_dim, vec4);
     }
+  }
+};
+
+template <typename Id>
+struct CombineGrad<GpuDevice, Id> {
+  // The lookup gradient's expand + sort + segment sum, written densely at each id's row of the
+  // zeroed gradients: nothing to allocate by count, so no wait on the stream.
+  Error operator()(const GpuDevice& d, const std::vector<TableView>& tables,
+                   const std::vector<FeatureView<Id>>& features,
+                   const std::vector<const float*>& out_grads, const std::vector<float*>& grads) {
+    using namespace gpu;
+    const int T = static_cast<int>(tables.size());
+    std::vector<TableGradInput<Id>> in(T);
+    for (int t = 0; t < T; ++t) {
+      in[t].dim = tables[t].dim;
+      cudaMemsetAsync(grads[t], 0, sizeof(float) * static_cast<size_t>(tables[t].rows) * tables[t].dim,
+                      StreamOf(d));
+    }
+    for (size_t f = 0; f < features.size(); ++f) {
+      in[features[f].table].features.push_back(features[f]);
+      in[features[f].table].out_grads.push_back(out_grads[f]);
+    }
+    DeviceError* err = NewError(d);
+    int* starts = Alloc<int>(d, T + (T + kChunk - 1) / kChunk);
+    if (!err || !starts) return OutOfMemory();
+    LookupGrad<GpuDevice, Id> grad;
+    for (int first = 0, slot = 0; first < T; first += kChunk) {
+      GradGroup gg;
+      gg.first_table = first;
+      gg.num_tables = std::min(kChunk, T - first);
+      gg.starts = starts + slot;
+      slot += gg.num_tables + 1;
+      Error e = grad.PrepareGroup(d, in, &gg, err);
+      if (!e.ok()) return e;
+      if (gg.total == 0) continue;
+      GradOutputs o{};
+      o.num_tables = gg.num_tables;
+      int max_dim = 1;
+      bool vec4 = true;
+      for (int t = 0; t < gg.num_tables; ++t) {
+        const TableView& tv = tables[first + t];
+        o.indices[t] = nullptr;
+        o.values[t] = grads[first + t];
+        o.dim[t] = tv.dim;
+        o.rows[t] = tv.rows;
+        max_dim = std::max(max_dim, tv.dim);
+        vec4 = vec4 && tv.dim % 4 == 0;
+      }
+      SumGroups(d, gg, o, max_dim, vec4);
+    }
+    cudaError_t c = cudaGetLastError();
+    return c == cudaSuccess ? Error() : CudaFailure(c);
   }
 };
 

@@ -99,8 +99,8 @@ REGISTER_OP("TfSokFusedCombineGrad")
     .Doc(R"doc(
 Dense gradient of TfSokFusedCombine with respect to its params: grads[t] has
 the shape of params[t] (only their shapes are read) and holds, at each id's
-row, the sum of its coefficients times its rows' output gradients. No sort and,
-on a GPU, no wait on the stream.
+row, the sum of its coefficients times its rows' output gradients. On a GPU it
+does not wait on the stream (nothing is sized by the number of distinct ids).
 )doc");
 
 REGISTER_OP("TfSokFusedLookupGrad")

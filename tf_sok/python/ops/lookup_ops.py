@@ -76,7 +76,7 @@ def _fused_lookup_grad(op, *out_grads):
 
 @tf.RegisterGradient("TfSokFusedCombine")
 def _fused_combine_grad(op, *out_grads):
-    """Dense gradients of the pooled params: no sort, and on a GPU no wait."""
+    """Dense gradients of the pooled params (on a GPU, no wait on the stream)."""
     params, ids, splits, weights, grads, attrs = _inputs_and_grads(op, out_grads)
     dense = ops().tf_sok_fused_combine_grad(params=params, ids=ids, row_splits=splits, weights=weights,
                                             output_grads=grads, **attrs)
