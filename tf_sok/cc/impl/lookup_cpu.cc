@@ -267,16 +267,19 @@ struct CombineGrad<CpuDevice, Id> {
         std::fill(g + r0 * dim, g + r1 * dim, 0.0f);
       });
     }
-    // Each thread owns a range of columns of every table: no two threads add to one element,
-    // and the order of additions is fixed (deterministic).
-    d.parallel_for(max_dim, 2 * total + 1, [&](int64_t j0, int64_t j1) {
-      for (size_t f = 0; f < features.size(); ++f) {
-        const auto& ft = features[f];
-        const int dim = tables[ft.table].dim;
-        if (j0 >= dim) continue;
-        const int64_t hi = std::min<int64_t>(j1, dim);
-        float* __restrict g = grads[ft.table];
-        for (int64_t b = 0; b < ft.batch; ++b) {
+    // Every position's coefficient (its weight times its row's combiner scale), once.
+    auto* coef = static_cast<float*>(d.scratch->Allocate(sizeof(float) * std::max<int64_t>(total, 1)));
+    if (!coef) {
+      e.kind = ErrorKind::kOutOfMemory;
+      return e;
+    }
+    std::vector<int64_t> base(features.size() + 1, 0);
+    for (size_t f = 0; f < features.size(); ++f) {
+      const auto& ft = features[f];
+      base[f + 1] = base[f] + ft.num_ids;
+      float* c = coef + base[f];
+      d.parallel_for(ft.batch, 16, [&ft, c](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
           float wsum = 0.0f, wsq = 0.0f;
           for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) {
             const float w = ft.weights ? ft.weights[i] : 1.0f;
@@ -284,11 +287,27 @@ struct CombineGrad<CpuDevice, Id> {
             wsq += w * w;
           }
           const float scale = CombinerScale(ft.combiner, wsum, wsq);
+          for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) c[i] = (ft.weights ? ft.weights[i] : 1.0f) * scale;
+        }
+      });
+    }
+    // Each thread owns blocks of kColumns columns of every table: no two threads add to one
+    // element, and the order of additions is fixed (deterministic).
+    constexpr int64_t kColumns = 16;
+    d.parallel_for((max_dim + kColumns - 1) / kColumns, 2 * kColumns * total + 1, [&](int64_t k0, int64_t k1) {
+      const int64_t j0 = k0 * kColumns, j1 = k1 * kColumns;
+      for (size_t f = 0; f < features.size(); ++f) {
+        const auto& ft = features[f];
+        const int64_t dim = tables[ft.table].dim;
+        if (j0 >= dim) continue;
+        const int64_t hi = std::min(j1, dim);
+        float* __restrict g = grads[ft.table];
+        const float* c = coef + base[f];
+        for (int64_t b = 0; b < ft.batch; ++b) {
           const float* __restrict src = out_grads[f] + b * dim;
           for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) {
-            const float c = (ft.weights ? ft.weights[i] : 1.0f) * scale;
             float* __restrict row = g + static_cast<int64_t>(ft.ids[i]) * dim;
-            for (int64_t j = j0; j < hi; ++j) row[j] += c * src[j];
+            for (int64_t j = j0; j < hi; ++j) row[j] += c[i] * src[j];
           }
         }
       }
