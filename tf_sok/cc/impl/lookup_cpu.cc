@@ -56,24 +56,29 @@ Error CheckSplits(const std::vector<FeatureView<Id>>& features) {
   return Error();
 }
 
-// Per id of one feature: its weight times its row's combiner scale, and the
-// output-gradient row it reads.
+// Calls fn(i, coefficient) for each id i of row b: its weight times the row's combiner scale.
+template <typename Id, typename Fn>
+void ForEachCoefficient(const FeatureView<Id>& ft, int64_t b, Fn fn) {
+  float wsum = 0.0f, wsq = 0.0f;
+  for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) {
+    const float w = ft.weights ? ft.weights[i] : 1.0f;
+    wsum += w;
+    wsq += w * w;
+  }
+  const float scale = CombinerScale(ft.combiner, wsum, wsq);
+  for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) fn(i, (ft.weights ? ft.weights[i] : 1.0f) * scale);
+}
+
+// Per id of one feature: its coefficient and the output-gradient row it reads.
 template <typename Id>
 void ExpandFeature(const FeatureView<Id>& ft, const float* dout, int dim, int64_t b0, int64_t b1,
                    int64_t base, float* coef, const float** rows, int64_t* keys) {
   for (int64_t b = b0; b < b1; ++b) {
-    float wsum = 0.0f, wsq = 0.0f;
-    for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) {
-      const float w = ft.weights ? ft.weights[i] : 1.0f;
-      wsum += w;
-      wsq += w * w;
-    }
-    const float scale = CombinerScale(ft.combiner, wsum, wsq);
-    for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) {
-      coef[base + i] = (ft.weights ? ft.weights[i] : 1.0f) * scale;
+    ForEachCoefficient(ft, b, [&](int64_t i, float c) {
+      coef[base + i] = c;
       rows[base + i] = dout + b * dim;
       keys[base + i] = static_cast<int64_t>(ft.ids[i]);
-    }
+    });
   }
 }
 
@@ -279,16 +284,7 @@ struct CombineGrad<CpuDevice, Id> {
       base[f + 1] = base[f] + ft.num_ids;
       float* c = coef + base[f];
       d.parallel_for(ft.batch, 16, [&ft, c](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; ++b) {
-          float wsum = 0.0f, wsq = 0.0f;
-          for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) {
-            const float w = ft.weights ? ft.weights[i] : 1.0f;
-            wsum += w;
-            wsq += w * w;
-          }
-          const float scale = CombinerScale(ft.combiner, wsum, wsq);
-          for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) c[i] = (ft.weights ? ft.weights[i] : 1.0f) * scale;
-        }
+        for (int64_t b = b0; b < b1; ++b) ForEachCoefficient(ft, b, [c](int64_t i, float v) { c[i] = v; });
       });
     }
     // Each thread owns blocks of kColumns columns of every table: no two threads add to one
