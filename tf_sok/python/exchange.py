@@ -17,7 +17,7 @@ from typing import List, Sequence
 
 import tensorflow as tf
 
-from tf_sok.python.comm import Communicator
+from tf_sok.python.comm import Communicator, KeyRouting
 from tf_sok.python.ops import lookup_ops, route_ops
 from tf_sok.python.variable import TableMeta
 
@@ -129,16 +129,24 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
     N, F, T = comm.size, len(ids), len(metas)
     sig = signature(metas, feature_table, combiners, names)
     flat, feature_of = _flatten(ids)
-    with tf.control_dependencies(_check(comm, step, sig, metas, feature_table, ids, names, (flat, feature_of))):
-        flat = tf.identity(flat)
     counts = [tf.size(v) for v in ids]
-
-    # 1. the step's distinct rows (key = table << 40 | global row), bucketed by owning rank: one op
-    table_bits = tf.constant([t << _TABLE_SHIFT for t in feature_table], tf.int64)
-    keys = tf.bitwise.bitwise_or(tf.gather(table_bits, feature_of), flat)
     owners = [-1 if m.sharding.kind == "distributed" else m.sharding.owner for m in metas]
-    send_keys, send_splits, send_position = route_ops.route(keys, num_buckets=N, table_owner=owners)
-    recv_keys, recv_splits = comm.alltoall(send_keys, send_splits, name=f"tf_sok.keys.{step}.{sig}")
+
+    # 1. the step's distinct rows (key = table << 40 | global row), bucketed by owning rank, to their
+    # owners: one op where the backend offers it (NCCL), else a check, a routing op and an all-to-all
+    routed = comm.route_keys(flat, feature_of, KeyRouting(
+        step=step, signature=sig, feature_table=tuple(feature_table),
+        feature_rows=tuple(metas[t].rows for t in feature_table), table_owner=tuple(owners),
+        feature_names=tuple(names), table_names=tuple(metas[t].name for t in feature_table)))
+    if routed is not None:
+        send_keys, send_splits, send_position, recv_keys, recv_splits = routed
+    else:
+        with tf.control_dependencies(_check(comm, step, sig, metas, feature_table, ids, names, (flat, feature_of))):
+            flat = tf.identity(flat)
+        table_bits = tf.constant([t << _TABLE_SHIFT for t in feature_table], tf.int64)
+        keys = tf.bitwise.bitwise_or(tf.gather(table_bits, feature_of), flat)
+        send_keys, send_splits, send_position = route_ops.route(keys, num_buckets=N, table_owner=owners)
+        recv_keys, recv_splits = comm.alltoall(send_keys, send_splits, name=f"tf_sok.keys.{step}.{sig}")
     with tf.device("/cpu:0"):  # split sizes stay in host memory
         recv_splits = tf.cast(recv_splits, tf.int32)
 

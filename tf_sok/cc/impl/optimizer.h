@@ -155,10 +155,12 @@ struct TableUpdate {
 // they were. indices_unique: the caller promises each table's indices strictly
 // ascending (as the lookup gradient emits them), so no grouping is needed; a
 // broken promise fails the call the same way with kNotAscending.
+// report = false (indices tf_sok produced itself): a device does not wait to
+// learn the check's verdict; a bad index still stops every write.
 template <typename Device, typename Id>
 struct FusedSparseApply {
   Error operator()(const Device& d, const Hyper& h, const std::vector<TableUpdate<Id>>& tables,
-                   bool indices_unique);
+                   bool indices_unique, bool report = true);
 };
 
 // Copies bytes within device memory (used for copy-on-write of shared buffers).

@@ -75,7 +75,7 @@ Error CheckIndices(const TableUpdate<Id>& t, int32_t table, bool ascending) {
 template <typename Id>
 struct FusedSparseApply<CpuDevice, Id> {
   Error operator()(const CpuDevice& d, const Hyper& h, const std::vector<TableUpdate<Id>>& tables,
-                   bool indices_unique) {
+                   bool indices_unique, bool /*report: the CPU checks synchronously*/) {
     const int64_t T = static_cast<int64_t>(tables.size());
     for (int64_t t = 0; t < T; ++t) {
       Error e = CheckIndices(tables[t], static_cast<int32_t>(t), indices_unique);

@@ -60,6 +60,14 @@ struct Route {
                int32_t* splits, int64_t* position);
 };
 
+// GPU only (route_gpu.cu): Prepare's work without its check and its wait, for
+// a caller that reads the counts back together with its own (one wait in all).
+// The keys must be valid. *num_unique and counts[num_buckets] are device memory,
+// set once the stream reaches them (zeros when n = 0); the caller then fills
+// plan->num_unique and plan->splits before Finish.
+Error RouteOnStream(const GpuDevice& d, const int64_t* keys, int64_t n, const RouteSpec& spec, RoutePlan* plan,
+                    const int** num_unique, const int** counts);
+
 }  // namespace impl
 }  // namespace tf_sok
 

@@ -41,11 +41,13 @@ struct State {
 
 // Keys per bucket, counted before the op's one host wait so the splits come
 // back with the distinct count.
+// Keys naming no table (which Prepare's check reports) are not counted.
 __global__ void CountKernel(const long long* unique_keys, const int* num_unique, const Owners owner, int B,
-                            bool by_table, int* counts) {
+                            bool by_table, int num_tables, int* counts) {
   const int u = blockIdx.x * blockDim.x + threadIdx.x;
   if (u >= *num_unique) return;
   const long long key = unique_keys[u];
+  if (key < 0 || (key >> kTableShift) >= num_tables) return;
   int bucket;
   long long unused;
   BucketOf(key, B, by_table, by_table ? 0 : owner[key >> kTableShift], &bucket, &unused);
@@ -86,18 +88,25 @@ __global__ void PositionKernel(const int* offsets, const int* order, const int* 
 
 }  // namespace
 
-template <>
-Error Route<GpuDevice>::Prepare(const GpuDevice& d, const int64_t* keys, int64_t n, const RouteSpec& spec,
-                                RoutePlan* plan) {
+Error RouteOnStream(const GpuDevice& d, const int64_t* keys, int64_t n, const RouteSpec& spec, RoutePlan* plan,
+                    const int** num_unique, const int** counts) {
   plan->n = n;
   plan->num_unique = 0;
   plan->splits.assign(spec.num_buckets, 0);
-  if (n == 0) return Error();
   cudaStream_t s = StreamOf(d);
-  auto* err = gpu::NewError(d);
-  auto* counts = gpu::Alloc<int>(d, spec.num_buckets);
-  if (!err || !counts) return gpu::OutOfMemory();
+  auto* count = gpu::Alloc<int>(d, spec.num_buckets);
+  if (!count) return gpu::OutOfMemory();
+  cudaMemsetAsync(count, 0, sizeof(int) * spec.num_buckets, s);
+  *counts = count;
   auto state = std::make_shared<State>();
+  plan->state = state;
+  if (n == 0) {
+    auto* zero = gpu::Alloc<int>(d, 1);
+    if (!zero) return gpu::OutOfMemory();
+    cudaMemsetAsync(zero, 0, sizeof(int), s);
+    *num_unique = zero;
+    return Error();
+  }
   if (!spec.by_table && spec.num_tables <= kParamTables) {
     for (int t = 0; t < spec.num_tables; ++t) state->owner.inline_owner[t] = spec.table_owner[t];
   } else if (!spec.by_table) {
@@ -109,20 +118,38 @@ Error Route<GpuDevice>::Prepare(const GpuDevice& d, const int64_t* keys, int64_t
     state->owner.device = dev;
   }
   const auto* k = reinterpret_cast<const long long*>(keys);
-  CheckKeys<<<Blocks(n), kThreads, 0, s>>>(k, static_cast<int>(n), spec.num_tables, err);
   Error e = gpu::GroupByKey(d, k, static_cast<int>(n), kTableShift + gpu::BitsFor(spec.num_tables),
                             &state->groups);
   if (!e.ok()) return e;
-  cudaMemsetAsync(counts, 0, sizeof(int) * spec.num_buckets, s);
   CountKernel<<<Blocks(n), kThreads, 0, s>>>(state->groups.unique_keys, state->groups.num_unique, state->owner,
-                                             spec.num_buckets, spec.by_table, counts);
-  int num_unique = 0;
-  cudaMemcpyAsync(&num_unique, state->groups.num_unique, sizeof(int), cudaMemcpyDeviceToHost, s);
-  cudaMemcpyAsync(plan->splits.data(), counts, sizeof(int) * spec.num_buckets, cudaMemcpyDeviceToHost, s);
+                                             spec.num_buckets, spec.by_table, spec.num_tables, count);
+  *num_unique = state->groups.num_unique;
+  cudaError_t c = cudaGetLastError();
+  return c == cudaSuccess ? Error() : gpu::CudaFailure(c);
+}
+
+template <>
+Error Route<GpuDevice>::Prepare(const GpuDevice& d, const int64_t* keys, int64_t n, const RouteSpec& spec,
+                                RoutePlan* plan) {
+  if (n == 0) {
+    plan->n = 0;
+    plan->num_unique = 0;
+    plan->splits.assign(spec.num_buckets, 0);
+    return Error();
+  }
+  auto* err = gpu::NewError(d);
+  if (!err) return gpu::OutOfMemory();
+  CheckKeys<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(reinterpret_cast<const long long*>(keys),
+                                                     static_cast<int>(n), spec.num_tables, err);
+  const int *num_unique = nullptr, *counts = nullptr;
+  Error e = RouteOnStream(d, keys, n, spec, plan, &num_unique, &counts);
+  if (!e.ok()) return e;
+  int unique = 0;
+  cudaMemcpyAsync(&unique, num_unique, sizeof(int), cudaMemcpyDeviceToHost, StreamOf(d));
+  cudaMemcpyAsync(plan->splits.data(), counts, sizeof(int) * spec.num_buckets, cudaMemcpyDeviceToHost, StreamOf(d));
   e = gpu::Collect(d, err);  // waits for the stream: the one host wait of the op
   if (!e.ok()) return e;
-  plan->num_unique = num_unique;
-  plan->state = state;
+  plan->num_unique = unique;
   return Error();
 }
 

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "tf_sok/cc/impl/key_exchange.h"
 #include "tf_sok/cc/impl/nccl.h"
 #include "tf_sok/cc/kernels/kernel_util.h"
 
@@ -57,14 +58,19 @@ class InitOp : public tf::OpKernel {
   int size_ = 1;
 };
 
+// The size of communicator `key`, or an error if this process has none such.
+absl::Status SizeOf(int64_t key, int* size) {
+  *size = nccl::Size(key);
+  if (*size > 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat("tf_sok NCCL communicator ", key,
+                                                    " does not exist in this process; create it with "
+                                                    "sok.init(exchange=\"nccl\") on every rank first"));
+}
+
 // The communicator's size, checked against a splits vector.
 absl::Status CheckSplits(int64_t key, const tf::Tensor& splits, const char* what, int64_t* total) {
-  const int size = nccl::Size(key);
-  if (size < 0) {
-    return absl::FailedPreconditionError(absl::StrCat("tf_sok NCCL communicator ", key,
-                                                      " does not exist in this process; create it with "
-                                                      "sok.init(exchange=\"nccl\") on every rank first"));
-  }
+  int size = 0;
+  TF_RETURN_IF_ERROR(SizeOf(key, &size));
   if (splits.dims() != 1 || splits.NumElements() != size) {
     return absl::InvalidArgumentError(absl::StrCat("tf_sok NCCL all-to-all: ", what, " must have one entry per rank (",
                                                    size, "), got shape ", splits.shape().DebugString()));
@@ -161,10 +167,8 @@ class AllGatherOp : public tf::OpKernel {
     const tf::Tensor& input = ctx->input(0);
     OP_REQUIRES(ctx, input.dims() >= 1,
                 absl::InvalidArgumentError("tf_sok NCCL all-gather: the input must have at least one axis"));
-    const int size = nccl::Size(key_);
-    OP_REQUIRES(ctx, size > 0,
-                absl::FailedPreconditionError(absl::StrCat("tf_sok NCCL communicator ", key_,
-                                                           " does not exist in this process")));
+    int size = 0;
+    OP_REQUIRES_OK(ctx, SizeOf(key_, &size));
     tf::TensorShape shape = input.shape();
     shape.set_dim(0, input.dim_size(0) * size);
     tf::Tensor* output = nullptr;
@@ -177,6 +181,107 @@ class AllGatherOp : public tf::OpKernel {
 
  private:
   int64_t key_ = 0;
+};
+
+class RouteKeysOp : public tf::OpKernel {
+ public:
+  explicit RouteKeysOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("key", &key_));
+    OP_REQUIRES_OK(c, c->GetAttr("signature", &signature_));
+    OP_REQUIRES_OK(c, c->GetAttr("step", &step_));
+    OP_REQUIRES_OK(c, c->GetAttr("table_owner", &owner_));
+    OP_REQUIRES_OK(c, c->GetAttr("feature_names", &feature_names_));
+    OP_REQUIRES_OK(c, c->GetAttr("table_names", &table_names_));
+    OP_REQUIRES(c, table_names_.size() == feature_names_.size(),
+                absl::InvalidArgumentError("tf_sok NCCL key routing: one table name per feature"));
+  }
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    const tf::Tensor& ids = ctx->input(0);
+    const tf::Tensor& feature_of = ctx->input(1);
+    const tf::Tensor& features = ctx->input(2);
+    const int64_t n = ids.NumElements();
+    const int64_t F = static_cast<int64_t>(feature_names_.size());
+    OP_REQUIRES(ctx, ids.dims() == 1 && feature_of.shape() == ids.shape(),
+                absl::InvalidArgumentError(absl::StrCat("tf_sok NCCL key routing: ids ", ids.shape().DebugString(),
+                                                        " and feature_of ", feature_of.shape().DebugString(),
+                                                        " must be vectors of one length")));
+    OP_REQUIRES(ctx, features.dims() == 2 && features.dim_size(0) == F && features.dim_size(1) == 2,
+                absl::InvalidArgumentError(absl::StrCat("tf_sok NCCL key routing: features must be [", F,
+                                                        ", 2] (table, rows), got ", features.shape().DebugString())));
+    OP_REQUIRES(ctx, n < (int64_t{1} << 31),
+                absl::InvalidArgumentError("tf_sok NCCL key routing: at most 2^31 - 1 ids per step"));
+    int ranks = 0;
+    OP_REQUIRES_OK(ctx, SizeOf(key_, &ranks));
+    for (int32_t o : owner_) {
+      OP_REQUIRES(ctx, o >= -1 && o < ranks,
+                  absl::InvalidArgumentError(absl::StrCat("tf_sok NCCL key routing: table owner ", o,
+                                                          " is not a rank in [0, ", ranks, ")")));
+    }
+    TensorScratch scratch(ctx);
+    const auto d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
+    impl::key_exchange::Spec spec;
+    spec.comm = key_;
+    spec.signature = signature_;
+    spec.num_features = static_cast<int>(F);
+    spec.features = features.flat<int64_t>().data();
+    spec.route.num_buckets = ranks;
+    spec.route.num_tables = static_cast<int>(owner_.size());
+    spec.route.table_owner = owner_.data();
+    impl::key_exchange::Plan plan;
+    OP_REQUIRES_OK(ctx, Check(impl::key_exchange::Prepare(d, ids.flat<int64_t>().data(),
+                                                          feature_of.flat<int64_t>().data(), n, spec, &plan)));
+    OP_REQUIRES_OK(ctx, Verdict(plan));
+    int64_t sent = 0, received = 0;
+    for (int p = 0; p < plan.size; ++p) {
+      sent += plan.send_splits[p];
+      received += plan.recv_splits[p];
+    }
+    tf::Tensor *send_keys = nullptr, *send_splits = nullptr, *position = nullptr, *recv_keys = nullptr,
+               *recv_splits = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({sent}), &send_keys));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({plan.size}), &send_splits));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, ids.shape(), &position));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, tf::TensorShape({received}), &recv_keys));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, tf::TensorShape({plan.size}), &recv_splits));
+    for (int p = 0; p < plan.size; ++p) {
+      send_splits->flat<int32_t>()(p) = plan.send_splits[p];
+      recv_splits->flat<int32_t>()(p) = plan.recv_splits[p];
+    }
+    OP_REQUIRES_OK(ctx, Check(impl::key_exchange::Finish(d, plan, spec, send_keys->flat<int64_t>().data(),
+                                                         position->flat<int64_t>().data(),
+                                                         recv_keys->flat<int64_t>().data())));
+  }
+
+ private:
+  // The same error on every rank (every rank holds every rank's status).
+  absl::Status Verdict(const impl::key_exchange::Plan& plan) const {
+    std::string signatures;
+    bool same = true;
+    for (int p = 0; p < plan.size; ++p) {
+      same = same && plan.status[p].signature == signature_;
+      absl::StrAppend(&signatures, p ? " " : "", plan.status[p].signature);
+    }
+    if (!same) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tf_sok lookup: ranks disagree on lookup step ", step_,
+          " (different tables, features, combiners or order); signatures per rank: [", signatures, "]"));
+    }
+    for (int p = 0; p < plan.size; ++p) {
+      const impl::key_exchange::RankStatus& st = plan.status[p];
+      if (!st.found) continue;
+      const bool known = st.feature >= 0 && st.feature < static_cast<int64_t>(feature_names_.size());
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tf_sok lookup: feature '", known ? feature_names_[st.feature] : absl::StrCat("#", st.feature),
+          "' has id ", st.id, " on rank ", p, ", outside table '", known ? table_names_[st.feature] : "?", "' of ",
+          st.rows, " rows; ids must be in [0, ", st.rows, ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  int64_t key_ = 0, signature_ = 0, step_ = 0;
+  std::vector<int32_t> owner_;
+  std::vector<std::string> feature_names_, table_names_;
 };
 
 }  // namespace
@@ -203,6 +308,10 @@ REGISTER_KERNEL_BUILDER(Name("TfSokNcclInit").Device(tf::DEVICE_GPU).HostMemory(
 REGISTER_KERNEL_BUILDER(
     Name("TfSokNcclExchangeSplits").Device(tf::DEVICE_GPU).HostMemory("send_splits").HostMemory("recv_splits"),
     ExchangeSplitsOp);
+
+REGISTER_KERNEL_BUILDER(
+    Name("TfSokNcclRouteKeys").Device(tf::DEVICE_GPU).HostMemory("send_splits").HostMemory("recv_splits"),
+    RouteKeysOp);
 
 #define TF_SOK_REGISTER_COLLECTIVES(T)                                                          \
   REGISTER_KERNEL_BUILDER(Name("TfSokNcclAllToAll")                                             \

@@ -43,6 +43,7 @@ class SparseApplyOp : public tf::OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("num_slot_vars", &num_slot_vars_));
     OP_REQUIRES_OK(c, c->GetAttr("num_step_vars", &num_step_vars_));
     OP_REQUIRES_OK(c, c->GetAttr("indices_unique", &indices_unique_));
+    OP_REQUIRES_OK(c, c->GetAttr("checked", &checked_));
     OP_REQUIRES_OK(c, c->GetAttr("table_names", &tables_));
     h_.algorithm = ParseAlgorithm(algorithm_);
     OP_REQUIRES_OK(c, c->GetAttr("beta1", &h_.beta1));
@@ -128,7 +129,7 @@ class SparseApplyOp : public tf::OpKernel {
     }
     impl::Hyper h = h_;
     h.lr = lr.scalar<float>()();
-    impl::Error e = impl::FusedSparseApply<Device, Id>()(d, h, updates, indices_unique_);
+    impl::Error e = impl::FusedSparseApply<Device, Id>()(d, h, updates, indices_unique_, !checked_);
     if (e.ok()) return;
     const std::string what = e.group >= 0 && e.group < T ? What(e.group) : What(-1);
     if (e.kind == impl::ErrorKind::kIdOutOfRange) {
@@ -156,6 +157,7 @@ class SparseApplyOp : public tf::OpKernel {
   std::string algorithm_;
   int num_tables_ = 0, num_slot_vars_ = 0, num_step_vars_ = 0, slots_ = 0, steps_ = 0;
   bool indices_unique_ = false;
+  bool checked_ = false;
   std::vector<std::string> tables_;
 };
 

@@ -81,6 +81,48 @@ recv_splits must be what each rank sends here (TfSokNcclExchangeSplits gives
 it); both splits in host memory. Asynchronous on the GPU stream.
 )doc");
 
+REGISTER_OP("TfSokNcclRouteKeys")
+    .Input("ids: int64")
+    .Input("feature_of: int64")
+    .Input("features: int64")
+    .Output("send_keys: int64")
+    .Output("send_splits: int32")
+    .Output("position: int64")
+    .Output("recv_keys: int64")
+    .Output("recv_splits: int32")
+    .Attr("key: int")
+    .Attr("signature: int")
+    .Attr("step: int")
+    .Attr("table_owner: list(int)")
+    .Attr("feature_names: list(string)")
+    .Attr("table_names: list(string)")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle ids, unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &ids));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &unused));
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      c->set_output(2, ids);
+      c->set_output(3, c->Vector(c->UnknownDim()));
+      c->set_output(4, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The multi-rank lookup's first exchange with one wait on the GPU stream. ids:
+every feature's ids, concatenated; feature_of: the feature of each; features
+[F, 2]: the table and the row count of each feature (table_names names each
+feature's table). Every rank checks its ids, routes the distinct keys
+(table << 40 | row) to the ranks owning their rows (table_owner as in
+TfSokRoute) and all-gathers its counts per owner with its verdict; if the ranks'
+`signature`s differ or any rank has an id outside its table, every rank fails
+alike, naming the lookup step, the feature, the id, the rank and the table,
+before any key moves. Else the keys move by one all-to-all.
+send_keys, send_splits (host), position: as TfSokRoute's outputs. recv_keys,
+recv_splits (host): what each rank sends here, in rank order.
+)doc");
+
 REGISTER_OP("TfSokNcclAllGather")
     .Input("input: T")
     .Output("output: T")

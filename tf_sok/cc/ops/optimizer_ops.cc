@@ -17,6 +17,7 @@ REGISTER_OP("TfSokSparseApply")
     .Attr("Tid: {int32, int64}")
     .Attr("algorithm: {'sgd', 'momentum', 'adagrad', 'adam', 'ftrl', 'rmsprop'}")
     .Attr("indices_unique: bool = false")
+    .Attr("checked: bool = false")
     .Attr("beta1: float = 0.9")
     .Attr("beta2: float = 0.999")
     .Attr("epsilon: float = 1e-7")
@@ -53,6 +54,10 @@ outside [0, rows) of any table fails the call before anything is written.
 indices_unique: every table's indices are strictly ascending (as the lookup
 gradient emits them), so no grouping is done; if they are not, the call fails
 before anything is written.
+checked: the indices are a tf_sok lookup gradient's own rows (in range and
+strictly ascending by construction); a GPU does not wait on its stream to learn
+whether the check found a bad one. The check still runs: a bad index would make
+the call write nothing, never a wrong row.
 )doc");
 
 }  // namespace tf_sok

@@ -1,7 +1,8 @@
 """The interface every communication backend implements."""
 import abc
 import contextlib
-from typing import List
+import dataclasses
+from typing import List, Optional, Tuple
 
 import tensorflow as tf
 
@@ -9,6 +10,20 @@ import tensorflow as tf
 def check_reduction(op: str) -> None:
     if op not in ("sum", "mean"):
         raise ValueError(f"unknown reduction {op!r}: use 'sum' or 'mean'")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyRouting:
+    """What the lookup's first exchange needs to check and route its ids
+    (`Communicator.route_keys`). Per feature: its table, the table's global row
+    count and both names; per table: -1 (row-wise) or the rank owning it."""
+    step: int
+    signature: int
+    feature_table: Tuple[int, ...]
+    feature_rows: Tuple[int, ...]
+    table_owner: Tuple[int, ...]
+    feature_names: Tuple[str, ...]
+    table_names: Tuple[str, ...]
 
 
 class Communicator(abc.ABC):
@@ -46,6 +61,14 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def broadcast(self, tensor: tf.Tensor, root: int = 0, name: str = None) -> tf.Tensor:
         """Rank `root`'s value of `tensor` on every rank."""
+
+    def route_keys(self, ids: tf.Tensor, feature_of: tf.Tensor, routing: KeyRouting) -> Optional[tuple]:
+        """The lookup's first exchange as one step, where a backend can: checks every rank's
+        ids against their tables (the same error on every rank), routes the distinct keys
+        (table << 40 | row) to their owners and moves them. Returns (send_keys, send_splits,
+        position, recv_keys, recv_splits) as route_ops.route and alltoall would; None (the
+        default) leaves it to separate collectives."""
+        return None
 
     @property
     def local_ranks(self) -> List[int]:

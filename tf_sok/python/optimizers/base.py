@@ -138,8 +138,9 @@ class SparseOptimizer(tf.Module, abc.ABC):
                 slots = self.slots(var)
                 dense += [s.handle for s, spec in zip(slots, specs) if not spec.per_row]
                 steps += [s.handle for s, spec in zip(slots, specs) if spec.per_row]
+            own = all(_from_lookup_gradient(i) for i in all_indices)  # rows a tf_sok lookup gradient made
             optimizer_ops.sparse_apply(
                 [backing_variable(v).handle for v in tables], dense, steps, lr, all_indices, all_values,
                 algorithm=self.algorithm, table_names=[table_meta(v).name for v in tables],
-                indices_unique=all(_from_lookup_gradient(i) for i in all_indices), **self.hyper())
+                indices_unique=own, checked=own, **self.hyper())
         self.iterations.assign_add(1)
