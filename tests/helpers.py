@@ -39,7 +39,8 @@ def dense_grad(g, rows):
 
 def np_route(keys, num_buckets, table_owner, by_table=False):
     """NumPy reference of TfSokRoute: distinct keys bucket by bucket (ascending
-    inside), keys per bucket, and each input key's index in the output."""
+    inside), keys per bucket, each input key's index in the output, and per
+    bucket 0, 1, ..., its key count."""
     keys = np.asarray(keys, np.int64)
     uniq = np.unique(keys)
     table, row = uniq >> 40, uniq & ((1 << 40) - 1)
@@ -53,7 +54,9 @@ def np_route(keys, num_buckets, table_owner, by_table=False):
     order = np.argsort(bucket, kind="stable")
     place = np.empty(len(uniq), np.int64)
     place[order] = np.arange(len(uniq))
-    return out[order], np.bincount(bucket, minlength=num_buckets), place[np.searchsorted(uniq, keys)]
+    counts = np.bincount(bucket, minlength=num_buckets)
+    unit = np.concatenate([np.arange(c + 1) for c in counts]).astype(np.int64)
+    return out[order], counts, place[np.searchsorted(uniq, keys)], unit
 
 
 def random_route_keys(rng, n, num_tables, max_row):

@@ -60,39 +60,45 @@ def test_bad_sizes_raise_clear_errors(comm):
 
 
 @pytest.mark.parametrize("bad", [-1, 700, 10 ** 12])
-def test_fused_key_exchange_routes_like_the_separate_ops_and_names_bad_ids(comm, rng, bad):
-    """TfSokNcclRouteKeys (one rank) vs TfSokRoute on the CPU: the same distinct keys,
-    splits and positions; a bad id fails naming the feature, id, rank and table, and the
-    op runs again afterwards."""
+def test_exchange_plan_of_one_rank_matches_numpy_and_names_bad_ids(comm, rng, bad):
+    """TfSokNcclRouteKeys with one rank against NumPy: the owner side's rows table by
+    table, their unit row splits, the vectors to return per width group and each id's
+    slot among them; a bad id fails naming the feature, id, rank and table, and the op
+    runs again afterwards."""
     from tf_sok.python.comm import KeyRouting
-    from tf_sok.python.ops import route_ops
 
-    rows, feature_table = [5000, 700, 90000], [0, 1, 2, 0]
+    rows, feature_table, table_group = [5000, 700, 90000], [0, 1, 2, 0], [1, 0, 1]
     ids = [rng.integers(0, rows[t], int(rng.integers(1, 3000))).astype(np.int64) for t in feature_table]
     ids[2] = ids[2][:0]                                        # an empty feature
     routing = KeyRouting(step=3, signature=77, feature_table=tuple(feature_table),
                          feature_rows=tuple(rows[t] for t in feature_table), table_owner=(-1, 0, -1),
-                         feature_names=("a", "b", "c", "d"), table_names=tuple(f"t{t}" for t in feature_table))
-    flat = np.concatenate(ids)
-    feature_of = np.repeat(np.arange(4), [len(v) for v in ids]).astype(np.int64)
+                         table_group=tuple(table_group), num_groups=2, feature_names=("a", "b", "c", "d"),
+                         table_names=tuple(f"t{t}" for t in feature_table))
     with tf.device("/GPU:0"):
-        got = comm.route_keys(tf.constant(flat), tf.constant(feature_of), routing)
-    keys = (np.array(feature_table, np.int64)[feature_of] << 40) | flat
-    with tf.device("/CPU:0"):
-        want = route_ops.route(tf.constant(keys), num_buckets=1, table_owner=[-1, 0, -1])
-    send_keys, send_splits, position, recv_keys, recv_splits = [t.numpy() for t in got]
-    np.testing.assert_array_equal(send_keys, want[0].numpy())
-    np.testing.assert_array_equal(send_splits, want[1].numpy())
-    np.testing.assert_array_equal(position, want[2].numpy())
-    np.testing.assert_array_equal(recv_keys, send_keys)       # one rank: it sends itself everything
-    np.testing.assert_array_equal(recv_splits, send_splits)
+        plan = comm.route_keys([tf.constant(v) for v in ids], routing)
+    uniq = [np.unique(np.concatenate([ids[f] for f in range(4) if feature_table[f] == t] + [[]])).astype(np.int64)
+            for t in range(3)]
+    counts = np.array([len(u) for u in uniq])
+    np.testing.assert_array_equal(plan.table_counts.numpy(), counts)
+    np.testing.assert_array_equal(plan.table_rows.numpy(), np.concatenate(uniq))
+    np.testing.assert_array_equal(plan.unit_splits.numpy(), np.concatenate([np.arange(c + 1) for c in counts]))
+    for g in range(2):
+        total = sum(counts[t] for t in range(3) if table_group[t] == g)
+        # one rank returns everything to itself, in its group's tables' order
+        np.testing.assert_array_equal(plan.group_gather[g].numpy(), np.arange(total))
+        np.testing.assert_array_equal(plan.group_send[g].numpy(), [total])
+        np.testing.assert_array_equal(plan.group_recv[g].numpy(), [total])
+    start = {t: sum(counts[u] for u in range(t) if table_group[u] == table_group[t]) for t in range(3)}
+    want_slot = np.concatenate([start[feature_table[f]] + np.searchsorted(uniq[feature_table[f]], ids[f])
+                                for f in range(4)])
+    np.testing.assert_array_equal(plan.slot.numpy(), want_slot)
 
-    spoiled = flat.copy()
-    where = int(np.flatnonzero(feature_of == 1)[len(ids[1]) // 2])
-    spoiled[where] = bad
+    spoiled = [v.copy() for v in ids]
+    spoiled[1][len(ids[1]) // 2] = bad
+    spoiled[3][-1] = -5                                       # a later bad id: the first one is named
     with tf.device("/GPU:0"):
         with pytest.raises(tf.errors.InvalidArgumentError,
                            match=rf"feature 'b' has id {bad} on rank 0, outside table 't1' of 700 rows"):
-            comm.route_keys(tf.constant(spoiled), tf.constant(feature_of), routing)
-        again = comm.route_keys(tf.constant(flat), tf.constant(feature_of), routing)
-    np.testing.assert_array_equal(again[0].numpy(), send_keys)
+            comm.route_keys([tf.constant(v) for v in spoiled], routing)
+        again = comm.route_keys([tf.constant(v) for v in ids], routing)
+    np.testing.assert_array_equal(again.slot.numpy(), want_slot)

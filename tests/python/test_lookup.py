@@ -187,14 +187,23 @@ def test_combine_gradient_names_a_bad_id_and_checks_shapes():
         ops().tf_sok_fused_combine_grad(ids=[tf.constant([1, 2], tf.int64)], **args)
 
 
-def test_distinct_ids_lookup_gradient_is_the_output_gradient_and_promises_ascending_rows(rng):
+@pytest.mark.parametrize("mode", ["distinct_ids", "one_id_per_row"])
+def test_owner_side_lookup_gradient_is_the_output_gradient_and_says_what_its_rows_are(rng, mode):
+    """The exchange's owner-side lookups: each output row is one id's row and its
+    gradient is that output gradient as it is. distinct_ids (ascending ids) promises
+    ascending rows (the update skips grouping); one_id_per_row (ids repeat, any order)
+    promises rows in range only: the update sums the repeats itself (SGD vs NumPy)."""
     from tf_sok.python.ops import lookup_ops
-    from tf_sok.python.optimizers.base import _from_lookup_gradient
+    from tf_sok.python.optimizers.base import _lookup_rows
 
     values = [rng.standard_normal((40, 8)).astype(np.float32), rng.standard_normal((25, 4)).astype(np.float32)]
     tables = [sok.Variable(v, name=f"d{i}") for i, v in enumerate(values)]
-    ids = [np.sort(rng.choice(40, 11, replace=False)), np.sort(rng.choice(25, 6, replace=False))]
+    if mode == "distinct_ids":
+        ids = [np.sort(rng.choice(40, 11, replace=False)), np.sort(rng.choice(25, 6, replace=False))]
+    else:
+        ids = [rng.integers(0, 40, 30), rng.integers(0, 25, 17)]
     up = [rng.standard_normal((len(i), v.shape[1])).astype(np.float32) for i, v in zip(ids, values)]
+    opt = sok.optimizers.SGD(0.5)
 
     @tf.function
     def step():
@@ -205,10 +214,12 @@ def test_distinct_ids_lookup_gradient_is_the_output_gradient_and_promises_ascend
                 [t.handle for t in tables], [tf.constant(i) for i in ids],
                 [tf.range(len(i) + 1, dtype=tf.int64) for i in ids], [tf.zeros([0])] * 2, feature_table=[0, 1],
                 combiners=["sum"] * 2, weighted=[False] * 2, dims=[8, 4], feature_names=["a", "b"],
-                table_names=["d0", "d1"], checked=True, distinct_ids=True)
+                table_names=["d0", "d1"], checked=True, **{mode: True})
             loss = sum(tf.reduce_sum(o * u) for o, u in zip(outs, up))
         grads = tape.gradient(loss, tables)
-        assert all(_from_lookup_gradient(g.indices) for g in grads)   # traced: the promise is visible
+        want = "ascending" if mode == "distinct_ids" else "checked"
+        assert all(_lookup_rows(g.indices) == want for g in grads)   # traced: the promise is visible
+        opt.apply_gradients(zip(grads, tables))
         return outs, grads
 
     outs, grads = step()
@@ -216,7 +227,10 @@ def test_distinct_ids_lookup_gradient_is_the_output_gradient_and_promises_ascend
         np.testing.assert_array_equal(outs[t].numpy(), values[t][ids[t]])
         np.testing.assert_array_equal(grads[t].indices.numpy(), ids[t])
         np.testing.assert_array_equal(grads[t].values.numpy(), up[t])
-    with pytest.raises(ValueError, match="distinct_ids needs feature t to read table t"):
+        expect = values[t].copy()
+        np.add.at(expect, ids[t], -0.5 * up[t])
+        np.testing.assert_allclose(tables[t].numpy(), expect, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="distinct_ids and one_id_per_row need feature t to read table t"):
         lookup_ops.fused_lookup([tables[0].handle], [tf.constant(ids[0])], [tf.range(12, dtype=tf.int64)],
                                 [tf.zeros([0])], feature_table=[0], combiners=["mean"], weighted=[False], dims=[8],
-                                feature_names=["a"], table_names=["d0"], distinct_ids=True)
+                                feature_names=["a"], table_names=["d0"], **{mode: True})

@@ -1,13 +1,24 @@
 """The lookup across ranks: each distinct id of the step travels once, by
-all-to-all, to the rank owning its row; owners gather (once per distinct row)
-from their shards; vectors come back by all-to-all and are combined where the
-batch lives.
+all-to-all, to the rank owning its row; owners read the rows from their shards;
+vectors come back by all-to-all, one per width of embedding, and are combined
+where the batch lives.
+
+Two ways to get there, one result:
+- planned (a backend that offers `route_keys`: NCCL): one op checks the ids on
+  every rank, moves the keys and lays out the owner side, the return trip and
+  the combine, after the step's only wait on the GPU stream. Owners read one row
+  per key received (a row two ranks asked for is read twice, at most once per
+  rank), so nothing after that op is sized by data the host has not seen;
+- routed (Horovod's or tf.distribute's collectives, one process): a check, a
+  routing op, the keys' all-to-all, and a routing op on the owner side that
+  reads each distinct row once.
 
 Backward is TensorFlow's autodiff of the same graph: the all-to-all's gradient
 is the reverse all-to-all, so each owner receives the gradients of its rows and
-the fused lookup's gradient turns them into one `tf.IndexedSlices` of unique
-local rows per table. With sparse_grad_reduction="mean" the gradients reaching
-the owners are divided by the number of ranks.
+the owner-side lookup's gradient is them as they are, one `tf.IndexedSlices`
+per table (rows distinct and ascending when routed; repeated across senders
+when planned, which the update sums). With sparse_grad_reduction="mean" the
+gradients reaching the owners are divided by the number of ranks.
 
 Per-rank traffic depends on the per-rank batch (ids out, vectors back), not on
 the number of ranks.
@@ -49,19 +60,6 @@ def _gather_rows(rows, index):
             return tf.math.unsorted_segment_sum(tf.convert_to_tensor(dy), index, tf.shape(r)[0])  # int32: host
         return tf.gather(r, index), grad
     return gather(rows)
-
-
-def _one_id_per_row(counts, num: int):
-    """Row splits [0, 1, ..., counts[i]] of `num` lookups of one id per row, in a fixed
-    number of ops whatever `num`. The sizes stay on the host: size arithmetic placed on
-    a GPU would have to come back to the host for tf.range, a wait per lookup."""
-    with tf.device("/cpu:0"):
-        lengths = tf.cast(counts, tf.int64) + 1
-        ends = tf.cumsum(lengths)
-        starts = ends - lengths
-        total = tf.reduce_sum(lengths)
-    position = tf.range(total)
-    return tf.split(position - tf.gather(starts, tf.searchsorted(ends, position, side="right")), lengths, num=num)
 
 
 def _bucket_of_position(splits, n):
@@ -128,74 +126,114 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
     """The multi-rank lookup_sparse; see the module docstring."""
     N, F, T = comm.size, len(ids), len(metas)
     sig = signature(metas, feature_table, combiners, names)
-    flat, feature_of = _flatten(ids)
-    counts = [tf.size(v) for v in ids]
+    dims = sorted({m.dim for m in metas})          # one all-to-all of vectors per embedding width
+    group_of_table = [dims.index(m.dim) for m in metas]
     owners = [-1 if m.sharding.kind == "distributed" else m.sharding.owner for m in metas]
+    owner_side = dict(handles=handles, metas=metas, reduction=reduction, N=N, step=step, sig=sig, dims=dims)
 
-    # 1. the step's distinct rows (key = table << 40 | global row), bucketed by owning rank, to their
-    # owners: one op where the backend offers it (NCCL), else a check, a routing op and an all-to-all
-    routed = comm.route_keys(flat, feature_of, KeyRouting(
+    # 1-3: the distinct rows (key = table << 40 | global row) to their owners, the owners' lookups, the
+    # vectors back. One planning op where the backend offers it (NCCL: one wait for the whole step), else
+    # a check, routing on both sides and size arithmetic around the all-to-alls
+    plan = comm.route_keys(ids, KeyRouting(
         step=step, signature=sig, feature_table=tuple(feature_table),
         feature_rows=tuple(metas[t].rows for t in feature_table), table_owner=tuple(owners),
-        feature_names=tuple(names), table_names=tuple(metas[t].name for t in feature_table)))
-    if routed is not None:
-        send_keys, send_splits, send_position, recv_keys, recv_splits = routed
+        table_group=tuple(group_of_table), num_groups=len(dims), feature_names=tuple(names),
+        table_names=tuple(metas[t].name for t in feature_table)))
+    if plan is not None:
+        returned_by_dim, slot = _planned_exchange(comm, plan, **owner_side)
+        rows_of_feature = tf.split(slot, [tf.size(v) for v in ids], num=F)
     else:
-        with tf.control_dependencies(_check(comm, step, sig, metas, feature_table, ids, names, (flat, feature_of))):
-            flat = tf.identity(flat)
-        table_bits = tf.constant([t << _TABLE_SHIFT for t in feature_table], tf.int64)
-        keys = tf.bitwise.bitwise_or(tf.gather(table_bits, feature_of), flat)
-        send_keys, send_splits, send_position = route_ops.route(keys, num_buckets=N, table_owner=owners)
-        recv_keys, recv_splits = comm.alltoall(send_keys, send_splits, name=f"tf_sok.keys.{step}.{sig}")
+        returned_by_dim, rows_of_feature = _routed_exchange(comm, ids, feature_table, names, owners, **owner_side)
+
+    # 4. combine where the batch lives: one fused op pools every feature from the received vectors
+    # (positions tf_sok computed: no wait for errors; its gradient is dense, with no wait)
+    weighted = [w is not None for w in weights]
+    return lookup_ops.fused_combine(
+        returned_by_dim, rows_of_feature, splits,
+        [w if w is not None else tf.zeros([0], tf.float32) for w in weights],
+        feature_table=[group_of_table[feature_table[f]] for f in range(F)], combiners=combiners,
+        weighted=weighted, feature_names=names, table_names=[f"vectors of width {d}" for d in dims], checked=True)
+
+
+def _owner_lookup(handles, metas, rows, unit_splits, **modes):
+    """Each table's rows looked up one per output row (ids tf_sok checked: no wait)."""
+    T = len(metas)
+    return lookup_ops.fused_lookup(
+        handles, rows, unit_splits, [tf.zeros([0], tf.float32)] * T, feature_table=list(range(T)),
+        combiners=["sum"] * T, weighted=[False] * T, dims=[m.dim for m in metas],
+        feature_names=[f"{m.name} (owner side)" for m in metas], table_names=[m.name for m in metas], checked=True,
+        **modes)
+
+
+def _return_vectors(comm, rows, index, send, recv, reduction, N, name):
+    vectors = _gather_rows(rows, index)
+    if reduction == "mean":
+        vectors = _scale_gradient(vectors, 1.0 / N)
+    return comm.alltoall(vectors, send, name=name, recv_splits=recv)[0]
+
+
+def _planned_exchange(comm, plan, handles, metas, reduction, N, step, sig, dims):
+    """The owner side and the return trip from a backend's plan: sizes all on the host
+    already, nothing waits. Every key received is looked up (a row two ranks asked for
+    is read twice); its gradient rows repeat alike and the update sums them."""
+    T = len(metas)
+    # int32 sizes stay in host memory (TensorFlow keeps int32 on the host): nothing is copied
+    gathered = _owner_lookup(handles, metas, tf.split(plan.table_rows, plan.table_counts, num=T),
+                             tf.split(plan.unit_splits, plan.table_counts + 1, num=T), one_id_per_row=True)
+    returned = []
+    for g, dim in enumerate(dims):
+        group = [gathered[t] for t in range(T) if metas[t].dim == dim]
+        rows = group[0] if len(group) == 1 else tf.concat(group, 0)
+        returned.append(_return_vectors(comm, rows, plan.group_gather[g], plan.group_send[g], plan.group_recv[g],
+                                        reduction, N, f"tf_sok.vectors{dim}.{step}.{sig}"))
+    return returned, plan.slot
+
+
+def _routed_exchange(comm, ids, feature_table, names, owners, handles, metas, reduction, N, step, sig, dims):
+    """The same with separate collectives: a check, routing by owner, the keys' all-to-all,
+    routing by table on the owner side (one lookup per distinct row), the vectors back."""
+    F, T = len(ids), len(metas)
+    counts = [tf.size(v) for v in ids]
+    flat, feature_of = _flatten(ids)
+    with tf.control_dependencies(_check(comm, step, sig, metas, feature_table, ids, names, (flat, feature_of))):
+        flat = tf.identity(flat)
+    table_bits = tf.constant([t << _TABLE_SHIFT for t in feature_table], tf.int64)
+    keys = tf.bitwise.bitwise_or(tf.gather(table_bits, feature_of), flat)
+    send_keys, send_splits, send_position, _ = route_ops.route(keys, num_buckets=N, table_owner=owners)
+    recv_keys, recv_splits = comm.alltoall(send_keys, send_splits, name=f"tf_sok.keys.{step}.{sig}")
     with tf.device("/cpu:0"):  # split sizes stay in host memory
         recv_splits = tf.cast(recv_splits, tf.int32)
 
-    # 2. owners: the received keys deduplicated across senders and grouped by table (one op), then
-    # one fused lookup reads each requested row once. Its ids are checked and distinct: no wait for
-    # errors, and the tables' gradients are its output gradients as they are (no sort)
-    uniq, table_splits, uniq_of_recv = route_ops.route(recv_keys, num_buckets=T, table_owner=[0] * T,
-                                                       by_table=True)
-    per_table = tf.split(tf.bitwise.bitwise_and(uniq, _LOCAL_MASK), table_splits, num=T)
-    gathered = lookup_ops.fused_lookup(
-        handles, per_table, _one_id_per_row(table_splits, T),
-        [tf.zeros([0], tf.float32)] * T, feature_table=list(range(T)), combiners=["sum"] * T,
-        weighted=[False] * T, dims=[m.dim for m in metas], feature_names=[f"{m.name} (owner side)" for m in metas],
-        table_names=[m.name for m in metas], checked=True, distinct_ids=True)
+    # owners: the received keys deduplicated across senders and grouped by table (one op), then one
+    # fused lookup reads each requested row once; its rows are distinct and ascending per table, so
+    # the tables' gradients are its output gradients as they are (no sort). Each table's row splits
+    # [0, 1, ..., count] come from the route op, on the device
+    uniq, table_splits, uniq_of_recv, unit_splits = route_ops.route(recv_keys, num_buckets=T, table_owner=[0] * T,
+                                                                    by_table=True)
+    gathered = _owner_lookup(handles, metas, tf.split(tf.bitwise.bitwise_and(uniq, _LOCAL_MASK), table_splits, num=T),
+                             tf.split(unit_splits, table_splits + 1, num=T), distinct_ids=True)
 
-    # 3. vectors back in the order the keys came, one all-to-all per embedding width
-    dims = sorted({m.dim for m in metas})
+    # vectors back in the order the keys came, one all-to-all per embedding width
     returned_by_dim, slot_by_dim = [], []
     for dim in dims:
         group = [t for t in range(T) if metas[t].dim == dim]
         rows = tf.concat([gathered[t] for t in group], 0)      # the group's distinct keys, table by table
         if len(group) == T:
-            vectors, back_splits, slot = _gather_rows(rows, uniq_of_recv), recv_splits, send_position
+            index, back_splits, slot = uniq_of_recv, recv_splits, send_position
             coming = send_splits      # each owner returns one vector per key this rank sent it
         else:
             member = tf.constant([t in group for t in range(T)])
             in_group = tf.gather(member, tf.bitwise.right_shift(uniq, _TABLE_SHIFT))
             row_of_uniq = tf.cumsum(tf.cast(in_group, tf.int64)) - 1
             recv_in_group = tf.gather(in_group, uniq_of_recv)
-            vectors = _gather_rows(rows, tf.gather(row_of_uniq, tf.boolean_mask(uniq_of_recv, recv_in_group)))
+            index = tf.gather(row_of_uniq, tf.boolean_mask(uniq_of_recv, recv_in_group))
             src_rank = _bucket_of_position(recv_splits, tf.size(recv_keys, out_type=tf.int32))
             back_splits = tf.math.unsorted_segment_sum(tf.cast(recv_in_group, tf.int32), src_rank, N)
             sent_in_group = tf.gather(member, tf.bitwise.right_shift(send_keys, _TABLE_SHIFT))
             slot = tf.gather(tf.cumsum(tf.cast(sent_in_group, tf.int64)) - 1, send_position)
             owner_of_sent = _bucket_of_position(send_splits, tf.size(send_keys, out_type=tf.int32))
             coming = tf.math.unsorted_segment_sum(tf.cast(sent_in_group, tf.int32), owner_of_sent, N)
-        if reduction == "mean":
-            vectors = _scale_gradient(vectors, 1.0 / N)
-        returned, _ = comm.alltoall(vectors, back_splits, name=f"tf_sok.vectors{dim}.{step}.{sig}",
-                                    recv_splits=coming)
-        returned_by_dim.append(returned)
+        returned_by_dim.append(_return_vectors(comm, rows, index, back_splits, coming, reduction, N,
+                                               f"tf_sok.vectors{dim}.{step}.{sig}"))
         slot_by_dim.append(tf.split(slot, counts, num=F))      # per feature: its ids' returned rows
-
-    # 4. combine where the batch lives: one fused op pools every feature from the received vectors
-    # (positions tf_sok computed: no wait for errors; its gradient is dense, with no wait)
-    rows_of_feature = [slot_by_dim[dims.index(metas[feature_table[f]].dim)][f] for f in range(F)]
-    weighted = [w is not None for w in weights]
-    return lookup_ops.fused_combine(
-        returned_by_dim, rows_of_feature, splits,
-        [w if w is not None else tf.zeros([0], tf.float32) for w in weights],
-        feature_table=[dims.index(metas[feature_table[f]].dim) for f in range(F)], combiners=combiners,
-        weighted=weighted, feature_names=names, table_names=[f"vectors of width {d}" for d in dims], checked=True)
+    return returned_by_dim, [slot_by_dim[dims.index(metas[feature_table[f]].dim)][f] for f in range(F)]

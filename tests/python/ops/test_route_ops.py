@@ -23,10 +23,11 @@ def test_route_by_owner_matches_numpy(rng, num_ranks):
         owners = [-1, rng.integers(0, num_ranks), -1, num_ranks - 1]
         got = route(tf.constant(keys, tf.int64), num_buckets=num_ranks, table_owner=owners)
         want = np_route(keys, num_ranks, owners)
+        assert len(got) == len(want) == 4
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g.numpy(), w)
         # each rank receives keys of rows it holds; mapped back to global rows they are the input's
-        uniq, splits, position = (x.numpy() for x in got)
+        uniq, splits, position, _ = (x.numpy() for x in got)
         rank = np.repeat(np.arange(num_ranks), splits)
         table, row = uniq >> 40, uniq & ((1 << 40) - 1)
         owner = np.asarray(owners)[table]
@@ -41,6 +42,10 @@ def test_route_by_table_matches_numpy(rng):
     got = route(tf.constant(keys), num_buckets=5, table_owner=[0] * 5, by_table=True)
     for g, w in zip(got, np_route(keys, 5, None, by_table=True)):
         np.testing.assert_array_equal(g.numpy(), w)
+    # unit_splits split per table: the row splits of one key per row
+    uniq, splits, _, unit = got
+    for t, part in enumerate(tf.split(unit, splits + 1, num=5)):
+        np.testing.assert_array_equal(part.numpy(), np.arange(splits[t].numpy() + 1))
 
 
 def test_route_rejects_keys_of_unknown_tables_and_negative_keys():

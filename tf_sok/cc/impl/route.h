@@ -52,21 +52,29 @@ struct RoutePlan {
 // Prepare groups the keys (and checks each names one of num_tables tables:
 // kIdOutOfRange with item = position, value = key); then the caller allocates
 // the outputs and Finish fills them: unique_keys [num_unique], splits
-// [num_buckets] (keys per bucket; host memory on every device), position [n].
+// [num_buckets] (keys per bucket; host memory on every device), position [n],
+// and unless null unit_splits [num_unique + num_buckets]: bucket after bucket,
+// 0, 1, ..., its key count (the row splits of a lookup of one key per row).
 template <typename Device>
 struct Route {
   Error Prepare(const Device& d, const int64_t* keys, int64_t n, const RouteSpec& spec, RoutePlan* plan);
   Error Finish(const Device& d, const RoutePlan& plan, const RouteSpec& spec, int64_t* unique_keys,
-               int32_t* splits, int64_t* position);
+               int32_t* splits, int64_t* position, int64_t* unit_splits = nullptr);
 };
 
 // GPU only (route_gpu.cu): Prepare's work without its check and its wait, for
 // a caller that reads the counts back together with its own (one wait in all).
 // The keys must be valid. *num_unique and counts[num_buckets] are device memory,
-// set once the stream reaches them (zeros when n = 0); the caller then fills
-// plan->num_unique and plan->splits before Finish.
+// set once the stream reaches them (zeros when n = 0); so is, unless null,
+// bucket_table_counts[num_buckets * num_tables] (distinct keys per bucket and
+// table, zeroed by the caller). The caller then fills plan->num_unique and
+// plan->splits before Finish.
 Error RouteOnStream(const GpuDevice& d, const int64_t* keys, int64_t n, const RouteSpec& spec, RoutePlan* plan,
-                    const int** num_unique, const int** counts);
+                    const int** num_unique, const int** counts, int* bucket_table_counts = nullptr);
+
+// GPU only: unit_splits as Route::Finish writes them, from counts[num_buckets]
+// in device memory (total = sum of counts + num_buckets).
+Error UnitSplitsOnStream(const GpuDevice& d, const int* counts, int num_buckets, int64_t total, int64_t* unit_splits);
 
 }  // namespace impl
 }  // namespace tf_sok

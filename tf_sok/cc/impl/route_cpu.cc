@@ -30,7 +30,7 @@ Error Route<CpuDevice>::Prepare(const CpuDevice& d, const int64_t* keys, int64_t
 
 template <>
 Error Route<CpuDevice>::Finish(const CpuDevice& d, const RoutePlan& plan, const RouteSpec& spec,
-                               int64_t* unique_keys, int32_t* splits, int64_t* position) {
+                               int64_t* unique_keys, int32_t* splits, int64_t* position, int64_t* unit_splits) {
   const Groups& g = *static_cast<const Groups*>(plan.state.get());
   const int64_t U = g.size();
   const int B = spec.num_buckets;
@@ -53,6 +53,10 @@ Error Route<CpuDevice>::Finish(const CpuDevice& d, const RoutePlan& plan, const 
   for (int64_t u = 0; u < U; ++u) {
     place[u] = next[bucket[u]]++;
     unique_keys[place[u]] = out[u];
+  }
+  int64_t k = 0;
+  for (int b = 0; unit_splits && b < B; ++b) {
+    for (int32_t j = 0; j <= splits[b]; ++j) unit_splits[k++] = j;
   }
   d.parallel_for(U, 20, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u)

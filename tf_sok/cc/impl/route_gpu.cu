@@ -37,21 +37,24 @@ struct Owners {
 struct State {
   gpu::Groups groups;
   Owners owner;
+  int* counts = nullptr;  // [num_buckets], device: distinct keys per bucket
 };
 
 // Keys per bucket, counted before the op's one host wait so the splits come
 // back with the distinct count.
 // Keys naming no table (which Prepare's check reports) are not counted.
 __global__ void CountKernel(const long long* unique_keys, const int* num_unique, const Owners owner, int B,
-                            bool by_table, int num_tables, int* counts) {
+                            bool by_table, int num_tables, int* counts, int* bucket_table_counts) {
   const int u = blockIdx.x * blockDim.x + threadIdx.x;
   if (u >= *num_unique) return;
   const long long key = unique_keys[u];
-  if (key < 0 || (key >> kTableShift) >= num_tables) return;
+  const long long table = key >> kTableShift;
+  if (key < 0 || table >= num_tables) return;
   int bucket;
   long long unused;
-  BucketOf(key, B, by_table, by_table ? 0 : owner[key >> kTableShift], &bucket, &unused);
+  BucketOf(key, B, by_table, by_table ? 0 : owner[table], &bucket, &unused);
   atomicAdd(&counts[bucket], 1);
+  if (bucket_table_counts) atomicAdd(&bucket_table_counts[static_cast<long long>(bucket) * num_tables + table], 1);
 }
 
 __global__ void BucketKernel(const long long* unique_keys, int U, const Owners owner, int B, bool by_table,
@@ -73,6 +76,23 @@ __global__ void PlaceKernel(const int* by_bucket, const long long* out, int U, l
   place[u] = i;
 }
 
+// starts[b] = where bucket b's run 0, 1, ..., counts[b] begins in unit_splits
+// (B + 1 entries; B is small: ranks or tables).
+__global__ void UnitStartsKernel(const int* counts, int B, long long* starts) {
+  long long at = 0;
+  for (int b = 0; b < B; ++b) {
+    starts[b] = at;
+    at += counts[b] + 1;
+  }
+  starts[B] = at;
+}
+
+__global__ void UnitSplitsKernel(const long long* starts, int B, long long total, long long* unit_splits) {
+  const long long k = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (k >= total) return;
+  unit_splits[k] = k - starts[gpu::SegmentOf(starts, B, k)];
+}
+
 // Sorted position j belongs to the group u with offsets[u] <= j < offsets[u + 1].
 __global__ void PositionKernel(const int* offsets, const int* order, const int* place, int U, int n,
                                long long* position) {
@@ -89,7 +109,7 @@ __global__ void PositionKernel(const int* offsets, const int* order, const int* 
 }  // namespace
 
 Error RouteOnStream(const GpuDevice& d, const int64_t* keys, int64_t n, const RouteSpec& spec, RoutePlan* plan,
-                    const int** num_unique, const int** counts) {
+                    const int** num_unique, const int** counts, int* bucket_table_counts) {
   plan->n = n;
   plan->num_unique = 0;
   plan->splits.assign(spec.num_buckets, 0);
@@ -99,6 +119,7 @@ Error RouteOnStream(const GpuDevice& d, const int64_t* keys, int64_t n, const Ro
   cudaMemsetAsync(count, 0, sizeof(int) * spec.num_buckets, s);
   *counts = count;
   auto state = std::make_shared<State>();
+  state->counts = count;
   plan->state = state;
   if (n == 0) {
     auto* zero = gpu::Alloc<int>(d, 1);
@@ -122,8 +143,22 @@ Error RouteOnStream(const GpuDevice& d, const int64_t* keys, int64_t n, const Ro
                             &state->groups);
   if (!e.ok()) return e;
   CountKernel<<<Blocks(n), kThreads, 0, s>>>(state->groups.unique_keys, state->groups.num_unique, state->owner,
-                                             spec.num_buckets, spec.by_table, spec.num_tables, count);
+                                             spec.num_buckets, spec.by_table, spec.num_tables, count,
+                                             bucket_table_counts);
   *num_unique = state->groups.num_unique;
+  cudaError_t c = cudaGetLastError();
+  return c == cudaSuccess ? Error() : gpu::CudaFailure(c);
+}
+
+Error UnitSplitsOnStream(const GpuDevice& d, const int* counts, int num_buckets, int64_t total, int64_t* unit_splits) {
+  auto* starts = gpu::Alloc<long long>(d, num_buckets + 1);
+  if (!starts) return gpu::OutOfMemory();
+  cudaStream_t s = StreamOf(d);
+  UnitStartsKernel<<<1, 1, 0, s>>>(counts, num_buckets, starts);
+  if (total > 0) {
+    UnitSplitsKernel<<<Blocks(total), kThreads, 0, s>>>(starts, num_buckets, total,
+                                                        reinterpret_cast<long long*>(unit_splits));
+  }
   cudaError_t c = cudaGetLastError();
   return c == cudaSuccess ? Error() : gpu::CudaFailure(c);
 }
@@ -155,11 +190,17 @@ Error Route<GpuDevice>::Prepare(const GpuDevice& d, const int64_t* keys, int64_t
 
 template <>
 Error Route<GpuDevice>::Finish(const GpuDevice& d, const RoutePlan& plan, const RouteSpec& spec,
-                               int64_t* unique_keys, int32_t* splits, int64_t* position) {
+                               int64_t* unique_keys, int32_t* splits, int64_t* position, int64_t* unit_splits) {
   cudaStream_t s = StreamOf(d);
   const int B = spec.num_buckets;
   for (int b = 0; b < B; ++b) splits[b] = plan.splits[b];  // host memory, counted in Prepare
   const int U = static_cast<int>(plan.num_unique);
+  if (unit_splits && U == 0) {
+    cudaMemsetAsync(unit_splits, 0, sizeof(int64_t) * B, s);  // every bucket: [0]
+  } else if (unit_splits) {
+    Error e = UnitSplitsOnStream(d, static_cast<const State*>(plan.state.get())->counts, B, U + B, unit_splits);
+    if (!e.ok()) return e;
+  }
   if (U == 0) return Error();
   const State& st = *static_cast<const State*>(plan.state.get());
   const gpu::Groups& g = st.groups;

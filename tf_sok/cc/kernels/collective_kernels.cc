@@ -189,26 +189,48 @@ class RouteKeysOp : public tf::OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("key", &key_));
     OP_REQUIRES_OK(c, c->GetAttr("signature", &signature_));
     OP_REQUIRES_OK(c, c->GetAttr("step", &step_));
+    OP_REQUIRES_OK(c, c->GetAttr("num_groups", &num_groups_));
+    OP_REQUIRES_OK(c, c->GetAttr("feature_table", &feature_table_));
+    OP_REQUIRES_OK(c, c->GetAttr("feature_rows", &feature_rows_));
     OP_REQUIRES_OK(c, c->GetAttr("table_owner", &owner_));
+    OP_REQUIRES_OK(c, c->GetAttr("table_group", &table_group_));
     OP_REQUIRES_OK(c, c->GetAttr("feature_names", &feature_names_));
     OP_REQUIRES_OK(c, c->GetAttr("table_names", &table_names_));
-    OP_REQUIRES(c, table_names_.size() == feature_names_.size(),
-                absl::InvalidArgumentError("tf_sok NCCL key routing: one table name per feature"));
+    const size_t F = static_cast<size_t>(c->num_inputs());
+    OP_REQUIRES(c, feature_table_.size() == F && feature_rows_.size() == F && feature_names_.size() == F &&
+                       table_names_.size() == F,
+                absl::InvalidArgumentError(absl::StrCat("tf_sok NCCL key routing: ", F, " features need ", F,
+                                                        " tables, row counts, feature and table names each")));
+    for (int32_t t : feature_table_) {
+      OP_REQUIRES(c, t >= 0 && t < static_cast<int32_t>(owner_.size()),
+                  absl::InvalidArgumentError(absl::StrCat("tf_sok NCCL key routing: feature table ", t,
+                                                          " is not one of the ", owner_.size(), " tables")));
+    }
+    OP_REQUIRES(c, table_group_.size() == owner_.size(),
+                absl::InvalidArgumentError("tf_sok NCCL key routing: one width group per table"));
+    for (int32_t g : table_group_) {
+      OP_REQUIRES(c, g >= 0 && g < num_groups_,
+                  absl::InvalidArgumentError(absl::StrCat("tf_sok NCCL key routing: width group ", g,
+                                                          " is not in [0, ", num_groups_, ")")));
+    }
   }
 
   void Compute(tf::OpKernelContext* ctx) override {
-    const tf::Tensor& ids = ctx->input(0);
-    const tf::Tensor& feature_of = ctx->input(1);
-    const tf::Tensor& features = ctx->input(2);
-    const int64_t n = ids.NumElements();
-    const int64_t F = static_cast<int64_t>(feature_names_.size());
-    OP_REQUIRES(ctx, ids.dims() == 1 && feature_of.shape() == ids.shape(),
-                absl::InvalidArgumentError(absl::StrCat("tf_sok NCCL key routing: ids ", ids.shape().DebugString(),
-                                                        " and feature_of ", feature_of.shape().DebugString(),
-                                                        " must be vectors of one length")));
-    OP_REQUIRES(ctx, features.dims() == 2 && features.dim_size(0) == F && features.dim_size(1) == 2,
-                absl::InvalidArgumentError(absl::StrCat("tf_sok NCCL key routing: features must be [", F,
-                                                        ", 2] (table, rows), got ", features.shape().DebugString())));
+    const int F = ctx->num_inputs();
+    const int T = static_cast<int>(owner_.size()), G = num_groups_;
+    std::vector<const int64_t*> ids(F);
+    std::vector<int64_t> sizes(F);
+    int64_t n = 0;
+    for (int f = 0; f < F; ++f) {
+      const tf::Tensor& t = ctx->input(f);
+      OP_REQUIRES(ctx, t.dims() == 1,
+                  absl::InvalidArgumentError(absl::StrCat("tf_sok NCCL key routing: ids of feature '",
+                                                          feature_names_[f], "' must be a vector, got ",
+                                                          t.shape().DebugString())));
+      ids[f] = t.flat<int64_t>().data();
+      sizes[f] = t.NumElements();
+      n += sizes[f];
+    }
     OP_REQUIRES(ctx, n < (int64_t{1} << 31),
                 absl::InvalidArgumentError("tf_sok NCCL key routing: at most 2^31 - 1 ids per step"));
     int ranks = 0;
@@ -218,39 +240,54 @@ class RouteKeysOp : public tf::OpKernel {
                   absl::InvalidArgumentError(absl::StrCat("tf_sok NCCL key routing: table owner ", o,
                                                           " is not a rank in [0, ", ranks, ")")));
     }
+    tf::AllocatorAttributes pinned;  // page-locked: copied to the device without a wait
+    pinned.set_on_host(true);
+    pinned.set_gpu_compatible(true);
+    tf::Tensor staging;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_INT64, tf::TensorShape({impl::key_exchange::StagingSize(F, T)}),
+                                           &staging, pinned));
     TensorScratch scratch(ctx);
     const auto d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
     impl::key_exchange::Spec spec;
     spec.comm = key_;
     spec.signature = signature_;
-    spec.num_features = static_cast<int>(F);
-    spec.features = features.flat<int64_t>().data();
+    spec.num_features = F;
+    spec.ids = ids.data();
+    spec.sizes = sizes.data();
+    spec.feature_table = feature_table_.data();
+    spec.feature_rows = feature_rows_.data();
+    spec.table_group = table_group_.data();
+    spec.num_groups = G;
+    spec.staging = staging.flat<int64_t>().data();
     spec.route.num_buckets = ranks;
-    spec.route.num_tables = static_cast<int>(owner_.size());
+    spec.route.num_tables = T;
     spec.route.table_owner = owner_.data();
     impl::key_exchange::Plan plan;
-    OP_REQUIRES_OK(ctx, Check(impl::key_exchange::Prepare(d, ids.flat<int64_t>().data(),
-                                                          feature_of.flat<int64_t>().data(), n, spec, &plan)));
+    OP_REQUIRES_OK(ctx, Check(impl::key_exchange::Prepare(d, spec, &plan)));
     OP_REQUIRES_OK(ctx, Verdict(plan));
-    int64_t sent = 0, received = 0;
-    for (int p = 0; p < plan.size; ++p) {
-      sent += plan.send_splits[p];
-      received += plan.recv_splits[p];
+    const int64_t R = plan.received;
+    tf::Tensor *rows = nullptr, *counts = nullptr, *unit = nullptr, *gather = nullptr, *totals = nullptr,
+               *slot = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({R}), &rows));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({T}), &counts));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, tf::TensorShape({R + T}), &unit));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, tf::TensorShape({R}), &gather));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, tf::TensorShape({G}), &totals));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(5, tf::TensorShape({n}), &slot));
+    for (int t = 0; t < T; ++t) counts->flat<int32_t>()(t) = plan.table_counts[t];
+    for (int g = 0; g < G; ++g) {
+      totals->flat<int32_t>()(g) = plan.group_totals[g];
+      tf::Tensor *send = nullptr, *recv = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(6 + g, tf::TensorShape({plan.size}), &send));
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(6 + G + g, tf::TensorShape({plan.size}), &recv));
+      for (int p = 0; p < plan.size; ++p) {
+        send->flat<int32_t>()(p) = plan.group_send[g][p];
+        recv->flat<int32_t>()(p) = plan.group_recv[g][p];
+      }
     }
-    tf::Tensor *send_keys = nullptr, *send_splits = nullptr, *position = nullptr, *recv_keys = nullptr,
-               *recv_splits = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({sent}), &send_keys));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({plan.size}), &send_splits));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, ids.shape(), &position));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, tf::TensorShape({received}), &recv_keys));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, tf::TensorShape({plan.size}), &recv_splits));
-    for (int p = 0; p < plan.size; ++p) {
-      send_splits->flat<int32_t>()(p) = plan.send_splits[p];
-      recv_splits->flat<int32_t>()(p) = plan.recv_splits[p];
-    }
-    OP_REQUIRES_OK(ctx, Check(impl::key_exchange::Finish(d, plan, spec, send_keys->flat<int64_t>().data(),
-                                                         position->flat<int64_t>().data(),
-                                                         recv_keys->flat<int64_t>().data())));
+    OP_REQUIRES_OK(ctx, Check(impl::key_exchange::Finish(d, plan, spec, rows->flat<int64_t>().data(),
+                                                         unit->flat<int64_t>().data(), gather->flat<int64_t>().data(),
+                                                         slot->flat<int64_t>().data())));
   }
 
  private:
@@ -280,7 +317,9 @@ class RouteKeysOp : public tf::OpKernel {
   }
 
   int64_t key_ = 0, signature_ = 0, step_ = 0;
-  std::vector<int32_t> owner_;
+  int num_groups_ = 1;
+  std::vector<int32_t> feature_table_, owner_, table_group_;
+  std::vector<int64_t> feature_rows_;
   std::vector<std::string> feature_names_, table_names_;
 };
 
@@ -310,7 +349,8 @@ REGISTER_KERNEL_BUILDER(
     ExchangeSplitsOp);
 
 REGISTER_KERNEL_BUILDER(
-    Name("TfSokNcclRouteKeys").Device(tf::DEVICE_GPU).HostMemory("send_splits").HostMemory("recv_splits"),
+    Name("TfSokNcclRouteKeys").Device(tf::DEVICE_GPU).HostMemory("table_counts").HostMemory("group_totals")
+        .HostMemory("group_send").HostMemory("group_recv"),
     RouteKeysOp);
 
 #define TF_SOK_REGISTER_COLLECTIVES(T)                                                          \

@@ -43,12 +43,13 @@ class RouteOp : public tf::OpKernel {
     impl::RoutePlan plan;
     impl::Error e = route.Prepare(d, keys.flat<int64_t>().data(), keys.NumElements(), spec, &plan);
     OP_REQUIRES_OK(ctx, Explain(e, spec.num_tables));
-    tf::Tensor *unique = nullptr, *splits = nullptr, *position = nullptr;
+    tf::Tensor *unique = nullptr, *splits = nullptr, *position = nullptr, *unit = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({plan.num_unique}), &unique));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({num_buckets_}), &splits));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, keys.shape(), &position));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, tf::TensorShape({plan.num_unique + num_buckets_}), &unit));
     e = route.Finish(d, plan, spec, unique->flat<int64_t>().data(), splits->flat<int32_t>().data(),
-                     position->flat<int64_t>().data());
+                     position->flat<int64_t>().data(), unit->flat<int64_t>().data());
     OP_REQUIRES_OK(ctx, Explain(e, spec.num_tables));
   }
 

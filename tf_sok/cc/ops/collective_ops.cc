@@ -1,5 +1,7 @@
 // NCCL collectives of the multi-rank lookup: registration and shape functions
 // only. Kernels exist in CUDA builds (NCCL moves GPU memory only).
+#include <vector>
+
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
@@ -82,45 +84,63 @@ it); both splits in host memory. Asynchronous on the GPU stream.
 )doc");
 
 REGISTER_OP("TfSokNcclRouteKeys")
-    .Input("ids: int64")
-    .Input("feature_of: int64")
-    .Input("features: int64")
-    .Output("send_keys: int64")
-    .Output("send_splits: int32")
-    .Output("position: int64")
-    .Output("recv_keys: int64")
-    .Output("recv_splits: int32")
+    .Input("ids: num_features * int64")
+    .Output("table_rows: int64")
+    .Output("table_counts: int32")
+    .Output("unit_splits: int64")
+    .Output("group_gather: int64")
+    .Output("group_totals: int32")
+    .Output("slot: int64")
+    .Output("group_send: num_groups * int32")
+    .Output("group_recv: num_groups * int32")
+    .Attr("num_features: int >= 1")
+    .Attr("num_groups: int >= 1")
     .Attr("key: int")
     .Attr("signature: int")
     .Attr("step: int")
+    .Attr("feature_table: list(int)")
+    .Attr("feature_rows: list(int)")
     .Attr("table_owner: list(int)")
+    .Attr("table_group: list(int)")
     .Attr("feature_names: list(string)")
     .Attr("table_names: list(string)")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle ids, unused;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &ids));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &unused));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &unused));
+      ShapeHandle unused;
+      int F = 0, G = 0;
+      std::vector<int> owner;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_features", &F));
+      TF_RETURN_IF_ERROR(c->GetAttr("num_groups", &G));
+      TF_RETURN_IF_ERROR(c->GetAttr("table_owner", &owner));
+      for (int f = 0; f < F; ++f) TF_RETURN_IF_ERROR(c->WithRank(c->input(f), 1, &unused));
       c->set_output(0, c->Vector(c->UnknownDim()));
-      c->set_output(1, c->Vector(c->UnknownDim()));
-      c->set_output(2, ids);
+      c->set_output(1, c->Vector(static_cast<int64_t>(owner.size())));
+      c->set_output(2, c->Vector(c->UnknownDim()));
       c->set_output(3, c->Vector(c->UnknownDim()));
-      c->set_output(4, c->Vector(c->UnknownDim()));
+      c->set_output(4, c->Vector(G));
+      c->set_output(5, c->Vector(c->UnknownDim()));
+      for (int o = 6; o < 6 + 2 * G; ++o) c->set_output(o, c->Vector(c->UnknownDim()));
       return absl::OkStatus();
     })
     .Doc(R"doc(
-The multi-rank lookup's first exchange with one wait on the GPU stream. ids:
-every feature's ids, concatenated; feature_of: the feature of each; features
-[F, 2]: the table and the row count of each feature (table_names names each
-feature's table). Every rank checks its ids, routes the distinct keys
-(table << 40 | row) to the ranks owning their rows (table_owner as in
-TfSokRoute) and all-gathers its counts per owner with its verdict; if the ranks'
-`signature`s differ or any rank has an id outside its table, every rank fails
-alike, naming the lookup step, the feature, the id, the rank and the table,
-before any key moves. Else the keys move by one all-to-all.
-send_keys, send_splits (host), position: as TfSokRoute's outputs. recv_keys,
-recv_splits (host): what each rank sends here, in rank order.
+The multi-rank lookup's exchange plan, with one wait on the GPU stream. ids:
+each feature's ids; feature f reads table feature_table[f] of feature_rows[f]
+rows (named table_names[f]); table t is owned as table_owner[t] says (-1:
+row-wise, row r on rank r % ranks as row r / ranks) and its vectors have width
+group table_group[t]. Every rank checks its ids, routes the distinct keys
+(table << 40 | row) to their owners and all-gathers its counts per owner and
+table with its verdict; if the ranks' `signature`s differ or any rank has an id
+outside its table, every rank fails alike, naming the lookup step, the
+feature, the id, the rank and the table, before any key moves. Else the keys
+move by one all-to-all and the op lays out, on this rank as an owner:
+table_rows (local rows of the keys received, table by table; sizes
+table_counts, host), unit_splits (table by table 0, 1, ..., its count: one row
+per key), group_gather (group after group, sizes group_totals (host): the
+vectors to return, in the all-to-all's order, as rows of the group's tables'
+lookups concatenated in table order), group_send[g] (host: how many of them go
+to each rank); and as a sender: group_recv[g] (host: how many vectors of group
+g each rank returns here) and slot (for each id, its vector's row among those
+of its group).
 )doc");
 
 REGISTER_OP("TfSokNcclAllGather")

@@ -62,6 +62,7 @@ REGISTER_OP("TfSokFusedLookup")
     .Input("tables: num_tables * resource")
     TF_SOK_POOLED_FORWARD
     .Attr("distinct_ids: bool = false")
+    .Attr("one_id_per_row: bool = false")
     .Doc(R"doc(
 Looks up every feature's ragged ids in its table and combines each row
 (sum, mean or sqrtn, optionally weighted) into one [batch, dim] output per
@@ -72,6 +73,8 @@ checked: the ids were produced (and checked) by tf_sok itself; a GPU does not
 distinct_ids: feature t reads table t, one id per row, summed, unweighted, and
   its ids are strictly ascending; the gradient is then the output gradients as
   the rows of those ids (no sort).
+one_id_per_row: as distinct_ids, but the ids may repeat and come in any order:
+  the gradient's rows repeat alike (the update sums them).
 )doc");
 
 REGISTER_OP("TfSokFusedCombine")

@@ -9,6 +9,7 @@ REGISTER_OP("TfSokRoute")
     .Output("unique_keys: int64")
     .Output("bucket_splits: int32")
     .Output("position: int64")
+    .Output("unit_splits: int64")
     .Attr("num_buckets: int >= 1")
     .Attr("table_owner: list(int)")
     .Attr("by_table: bool = false")
@@ -20,6 +21,7 @@ REGISTER_OP("TfSokRoute")
       c->set_output(0, c->Vector(c->UnknownDim()));
       c->set_output(1, c->Vector(num_buckets));
       c->set_output(2, keys);
+      c->set_output(3, c->Vector(c->UnknownDim()));
       return absl::OkStatus();
     })
     .Doc(R"doc(
@@ -33,6 +35,8 @@ unique_keys: the distinct keys, bucket after bucket, ascending inside a bucket.
 bucket_splits: how many distinct keys each bucket got; in host memory on every
   device, so the all-to-all that follows reads its sizes without a device round trip.
 position: for every input key, the index of its key in unique_keys.
+unit_splits: bucket after bucket, 0, 1, ..., the bucket's key count: split by
+  bucket_splits + 1, the row splits of a lookup of each bucket's keys one per row.
 )doc");
 
 }  // namespace tf_sok

@@ -1,5 +1,5 @@
 """Communication between ranks behind one interface."""
-from tf_sok.python.comm.base import Communicator, KeyRouting
+from tf_sok.python.comm.base import Communicator, KeyRouting, RoutedKeys
 from tf_sok.python.comm.single import SingleProcess
 
 __all__ = ["Communicator", "SingleProcess", "HorovodCommunicator", "StrategyCommunicator", "NcclCommunicator"]

@@ -14,16 +14,38 @@ def check_reduction(op: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class KeyRouting:
-    """What the lookup's first exchange needs to check and route its ids
-    (`Communicator.route_keys`). Per feature: its table, the table's global row
-    count and both names; per table: -1 (row-wise) or the rank owning it."""
+    """What the lookup's exchange needs to check and route its ids and to plan
+    the rest (`Communicator.route_keys`). Per feature: its table, the table's
+    global row count and both names; per table: -1 (row-wise) or the rank owning
+    it, and its width group (tables of one embedding width share an all-to-all)."""
     step: int
     signature: int
     feature_table: Tuple[int, ...]
     feature_rows: Tuple[int, ...]
     table_owner: Tuple[int, ...]
+    table_group: Tuple[int, ...]
+    num_groups: int
     feature_names: Tuple[str, ...]
     table_names: Tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutedKeys:
+    """The exchange's plan made in one step by a backend (`Communicator.route_keys`).
+    As an owner: `table_rows` split by `table_counts` (host) are the local rows each
+    table looks up (one per key received, repeats across senders kept), with row
+    splits `unit_splits` split by table_counts + 1; per width group g,
+    `group_gather[g]` picks the vectors to return from the group's tables' lookups
+    concatenated in table order, `group_send[g]` (host) of them to each rank. As a
+    sender: `group_recv[g]` (host) vectors come back from each rank, and `slot` (one
+    per id, the features' ids concatenated) is each id's row among its group's."""
+    table_rows: tf.Tensor
+    table_counts: tf.Tensor
+    unit_splits: tf.Tensor
+    group_gather: List[tf.Tensor]
+    group_send: List[tf.Tensor]
+    group_recv: List[tf.Tensor]
+    slot: tf.Tensor
 
 
 class Communicator(abc.ABC):
@@ -62,12 +84,12 @@ class Communicator(abc.ABC):
     def broadcast(self, tensor: tf.Tensor, root: int = 0, name: str = None) -> tf.Tensor:
         """Rank `root`'s value of `tensor` on every rank."""
 
-    def route_keys(self, ids: tf.Tensor, feature_of: tf.Tensor, routing: KeyRouting) -> Optional[tuple]:
-        """The lookup's first exchange as one step, where a backend can: checks every rank's
-        ids against their tables (the same error on every rank), routes the distinct keys
-        (table << 40 | row) to their owners and moves them. Returns (send_keys, send_splits,
-        position, recv_keys, recv_splits) as route_ops.route and alltoall would; None (the
-        default) leaves it to separate collectives."""
+    def route_keys(self, ids: List[tf.Tensor], routing: KeyRouting) -> Optional[RoutedKeys]:
+        """The lookup's exchange planned in one step, where a backend can: checks every
+        rank's ids (one int64 vector per feature) against their tables (the same error on
+        every rank), moves the distinct keys (table << 40 | row) to their owners and lays
+        out what the rest of the step needs without waiting again. None (the default)
+        leaves it to separate collectives."""
         return None
 
     @property

@@ -21,7 +21,7 @@ from typing import Dict, Tuple
 
 import tensorflow as tf
 
-from tf_sok.python.comm.base import Communicator, KeyRouting
+from tf_sok.python.comm.base import Communicator, KeyRouting, RoutedKeys
 from tf_sok.python.ops import collective_ops
 
 _log = logging.getLogger("tf_sok")
@@ -118,7 +118,7 @@ class NcclCommunicator(Communicator):
         last = getattr(graph, attr, None)
         with tf.control_dependencies([last] if last is not None else []):
             out = make()
-        setattr(graph, attr, (out[0] if isinstance(out, (list, tuple)) else out).op)
+        setattr(graph, attr, (out[0] if isinstance(out, (list, tuple)) else out).op)   # one op either way
         return out
 
     def _move(self, x, send, recv):
@@ -144,16 +144,22 @@ class NcclCommunicator(Communicator):
                 recv = self._ordered(lambda: collective_ops.exchange_splits(send, key=self._key))
             return self._move(tf.convert_to_tensor(tensor), send, recv), recv
 
-    def route_keys(self, ids, feature_of, routing: KeyRouting):
+    def route_keys(self, ids, routing: KeyRouting) -> RoutedKeys:
         """One op on the stream, one wait (TfSokNcclRouteKeys): the id check, the routing,
-        every rank's counts and verdict by one all-gather, the keys by one all-to-all."""
+        every rank's counts and verdict by one all-gather, the keys by one all-to-all, and
+        the layout of the owner side, the return trip and the combine."""
+        ids = [tf.convert_to_tensor(v) for v in ids]
+        G = routing.num_groups
         with tf.device(self._device):
-            features = tf.constant(list(zip(routing.feature_table, routing.feature_rows)), tf.int64,
-                                   shape=[len(routing.feature_table), 2])
-            return tuple(self._ordered(lambda: collective_ops.route_keys(
-                ids, feature_of, features, key=self._key, signature=routing.signature, step=routing.step,
-                table_owner=routing.table_owner, feature_names=routing.feature_names,
-                table_names=routing.table_names)))
+            out = self._ordered(lambda: collective_ops.route_keys(
+                ids, key=self._key, signature=routing.signature, step=routing.step,
+                feature_table=routing.feature_table, feature_rows=routing.feature_rows,
+                table_owner=routing.table_owner, table_group=routing.table_group, num_groups=G,
+                feature_names=routing.feature_names, table_names=routing.table_names))
+            gather = [out.group_gather] if G == 1 else tf.split(out.group_gather, out.group_totals, num=G)
+        return RoutedKeys(table_rows=out.table_rows, table_counts=out.table_counts, unit_splits=out.unit_splits,
+                          group_gather=gather, group_send=list(out.group_send), group_recv=list(out.group_recv),
+                          slot=out.slot)
 
     def allgather(self, tensor, name=None):
         tensor = tf.convert_to_tensor(tensor)

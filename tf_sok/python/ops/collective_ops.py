@@ -52,13 +52,14 @@ def allgather(x: tf.Tensor, *, key: int) -> tf.Tensor:
     return ops().tf_sok_nccl_all_gather(input=x, key=key)
 
 
-def route_keys(ids: tf.Tensor, feature_of: tf.Tensor, features: tf.Tensor, *, key: int, signature: int, step: int,
-               table_owner, feature_names, table_names):
-    """The lookup's first exchange in one op (check, routing, counts, keys; one wait):
-    (send_keys, send_splits, position, recv_keys, recv_splits); see TfSokNcclRouteKeys."""
+def route_keys(ids, *, key: int, signature: int, step: int, feature_table, feature_rows, table_owner, table_group,
+               num_groups: int, feature_names, table_names):
+    """The lookup's exchange plan in one op (check, routing, counts, keys, layout; one
+    wait) for each feature's int64 ids; see TfSokNcclRouteKeys for the outputs."""
     return ops().tf_sok_nccl_route_keys(
-        ids=ids, feature_of=feature_of, features=features, key=key, signature=signature, step=step,
-        table_owner=list(table_owner), feature_names=list(feature_names), table_names=list(table_names))
+        ids=list(ids), key=key, signature=signature, step=step, feature_table=list(feature_table),
+        feature_rows=list(feature_rows), table_owner=list(table_owner), table_group=list(table_group),
+        num_groups=num_groups, feature_names=list(feature_names), table_names=list(table_names))
 
 
 for _op in ("TfSokNcclUniqueId", "TfSokNcclInit", "TfSokNcclExchangeSplits", "TfSokNcclAllToAll",

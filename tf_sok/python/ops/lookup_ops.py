@@ -11,17 +11,20 @@ from tf_sok.python.ops.loader import ops
 def fused_lookup(handles: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], row_splits: Sequence[tf.Tensor],
                  weights: Sequence[tf.Tensor], *, feature_table: Sequence[int], combiners: Sequence[str],
                  weighted: Sequence[bool], dims: Sequence[int], feature_names: Sequence[str],
-                 table_names: Sequence[str], checked: bool = False, distinct_ids: bool = False) -> List[tf.Tensor]:
-    """One [batch_f, dim] output per feature; see TfSokFusedLookup. `checked` and
-    `distinct_ids` are for ids tf_sok produced itself (the exchange path's owner side)."""
-    if distinct_ids and (list(feature_table) != list(range(len(handles))) or set(combiners) != {"sum"}
-                         or any(weighted)):
-        raise ValueError("fused_lookup: distinct_ids needs feature t to read table t, summed and unweighted")
+                 table_names: Sequence[str], checked: bool = False, distinct_ids: bool = False,
+                 one_id_per_row: bool = False) -> List[tf.Tensor]:
+    """One [batch_f, dim] output per feature; see TfSokFusedLookup. `checked`,
+    `distinct_ids` and `one_id_per_row` are for ids tf_sok produced itself (the
+    exchange path's owner side)."""
+    if (distinct_ids or one_id_per_row) and (list(feature_table) != list(range(len(handles)))
+                                             or set(combiners) != {"sum"} or any(weighted)):
+        raise ValueError("fused_lookup: distinct_ids and one_id_per_row need feature t to read table t, summed "
+                         "and unweighted")
     return ops().tf_sok_fused_lookup(
         tables=list(handles), ids=list(ids), row_splits=list(row_splits), weights=list(weights),
         feature_table=list(feature_table), combiners=list(combiners), weighted=list(weighted),
         dims=list(dims), feature_names=list(feature_names), table_names=list(table_names), checked=checked,
-        distinct_ids=distinct_ids)
+        distinct_ids=distinct_ids, one_id_per_row=one_id_per_row)
 
 
 def fused_combine(params: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], row_splits: Sequence[tf.Tensor],
@@ -38,6 +41,7 @@ def fused_combine(params: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], row_spl
 
 
 ASCENDING_ROWS = "tf_sok_ascending_rows"   # names indices that are strictly ascending by construction
+CHECKED_ROWS = "tf_sok_checked_rows"       # names indices in range by construction (repeats possible)
 
 
 def _inputs_and_grads(op, out_grads):
@@ -65,8 +69,9 @@ def _fused_lookup_grad(op, *out_grads):
     """Per table an IndexedSlices of the unique rows read."""
     tables, ids, splits, weights, grads, attrs = _inputs_and_grads(op, out_grads)
     shape = [resource_variable_ops.variable_shape(h, out_type=tf.int64) for h in tables]
-    if op.get_attr("distinct_ids"):   # each output row is the gradient of its one, distinct id
-        rows = [tf.identity(tf.cast(i, tf.int64), name=ASCENDING_ROWS) for i in ids]
+    if op.get_attr("distinct_ids") or op.get_attr("one_id_per_row"):  # each output row: the gradient of its id
+        name = ASCENDING_ROWS if op.get_attr("distinct_ids") else CHECKED_ROWS
+        rows = [tf.identity(tf.cast(i, tf.int64), name=name) for i in ids]
         return [tf.IndexedSlices(g, r, dense_shape=s) for g, r, s in zip(grads, rows, shape)] + [None] * (3 * len(ids))
     indices, values = ops().tf_sok_fused_lookup_grad(
         ids=ids, row_splits=splits, weights=weights, output_grads=grads, num_tables=len(tables), **attrs)

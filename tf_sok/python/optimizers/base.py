@@ -25,17 +25,27 @@ def _tf_slot(name, shape, initial_value, like):
         return tf.Variable(tf.fill(shape, tf.constant(initial_value, tf.float32)), trainable=False, name=name)
 
 
-def _from_lookup_gradient(indices) -> bool:
-    """True when `indices` are exactly a lookup gradient's output (unique and
-    ascending by construction). Only a graph knows where a tensor came from;
-    eagerly the op sorts, which is always correct. The update op checks the
-    promise (a broken one is an error, never a wrong update)."""
+def _lookup_rows(indices) -> str:
+    """What a lookup gradient promises about `indices`: "ascending" (unique and
+    ascending: the fused lookup's gradient, or the exchange's owner side over
+    distinct rows), "checked" (in range, repeats possible: the exchange's owner
+    side over every key received) or "" (nothing known). Only a graph knows where
+    a tensor came from; eagerly the op sorts and checks, which is always correct.
+    The update op checks the ascending promise (a broken one is an error, never a
+    wrong update); for checked rows it only skips a GPU's wait for the verdict."""
     try:
         op = indices.op
     except AttributeError:
-        return False
-    return op.type == "TfSokFusedLookupGrad" or (
-        op.type == "Identity" and op.name.rsplit("/", 1)[-1].startswith(lookup_ops.ASCENDING_ROWS))
+        return ""
+    if op.type == "TfSokFusedLookupGrad":
+        return "ascending"
+    if op.type == "Identity":
+        name = op.name.rsplit("/", 1)[-1]
+        if name.startswith(lookup_ops.ASCENDING_ROWS):
+            return "ascending"
+        if name.startswith(lookup_ops.CHECKED_ROWS):
+            return "checked"
+    return ""
 
 
 class SparseOptimizer(tf.Module, abc.ABC):
@@ -138,9 +148,9 @@ class SparseOptimizer(tf.Module, abc.ABC):
                 slots = self.slots(var)
                 dense += [s.handle for s, spec in zip(slots, specs) if not spec.per_row]
                 steps += [s.handle for s, spec in zip(slots, specs) if spec.per_row]
-            own = all(_from_lookup_gradient(i) for i in all_indices)  # rows a tf_sok lookup gradient made
+            kinds = [_lookup_rows(i) for i in all_indices]   # rows a tf_sok lookup gradient made
             optimizer_ops.sparse_apply(
                 [backing_variable(v).handle for v in tables], dense, steps, lr, all_indices, all_values,
                 algorithm=self.algorithm, table_names=[table_meta(v).name for v in tables],
-                indices_unique=own, checked=own, **self.hyper())
+                indices_unique=all(k == "ascending" for k in kinds), checked=all(kinds), **self.hyper())
         self.iterations.assign_add(1)
