@@ -307,13 +307,16 @@ def test_exchange_path_on_gpu_equals_cpu(rng):
         return [o.numpy() for o in outs], [dense_grad(g, s[0]) for g, s in zip(grads, shapes)]
 
     cpu_out, cpu_g = run("/CPU:0")
-    # the NCCL backend with one rank: its first exchange is one op (TfSokNcclRouteKeys)
+    # float32 sums in other orders differ by a few ulps of the summed magnitudes (hot Zipf rows)
+    mass = _abs_mass(values, feature_table, [to_ragged(lens, ids) for lens, ids in feats], None, combiners, upstream)
+    # the NCCL backend with one rank: the exchange planned by one op (TfSokNcclRouteKeys)
     for comm in (None, _one_rank_nccl()):
         gpu_out, gpu_g = run("/GPU:0", comm)
         for c, g in zip(cpu_out, gpu_out):
             np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-5)
-        for c, g in zip(cpu_g, gpu_g):
-            np.testing.assert_allclose(g, c, rtol=1e-4, atol=1e-4)
+        for t, (c, g) in enumerate(zip(cpu_g, gpu_g)):
+            diff = np.abs(g - c)
+            assert (diff <= 1e-5 * mass[t] + 1e-5).all(), f"table {t}: max diff {diff.max()}"
 
 
 def _one_rank_nccl():

@@ -29,7 +29,7 @@ from typing import List, Sequence
 import tensorflow as tf
 
 from tf_sok.python.comm import Communicator, KeyRouting
-from tf_sok.python.ops import lookup_ops, route_ops
+from tf_sok.python.ops import array_ops, lookup_ops, route_ops
 from tf_sok.python.variable import TableMeta
 
 _TABLE_SHIFT = route_ops.TABLE_SHIFT    # key = table << 40 | row
@@ -141,7 +141,7 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
         table_names=tuple(metas[t].name for t in feature_table)))
     if plan is not None:
         returned_by_dim, slot = _planned_exchange(comm, plan, **owner_side)
-        rows_of_feature = tf.split(slot, [tf.size(v) for v in ids], num=F)
+        rows_of_feature = array_ops.split(slot, [tf.size(v) for v in ids], num=F)
     else:
         returned_by_dim, rows_of_feature = _routed_exchange(comm, ids, feature_table, names, owners, **owner_side)
 
@@ -178,8 +178,8 @@ def _planned_exchange(comm, plan, handles, metas, reduction, N, step, sig, dims)
     is read twice); its gradient rows repeat alike and the update sums them."""
     T = len(metas)
     # int32 sizes stay in host memory (TensorFlow keeps int32 on the host): nothing is copied
-    gathered = _owner_lookup(handles, metas, tf.split(plan.table_rows, plan.table_counts, num=T),
-                             tf.split(plan.unit_splits, plan.table_counts + 1, num=T), one_id_per_row=True)
+    gathered = _owner_lookup(handles, metas, array_ops.split(plan.table_rows, plan.table_counts, num=T),
+                             array_ops.split(plan.unit_splits, plan.table_counts + 1, num=T), one_id_per_row=True)
     returned = []
     for g, dim in enumerate(dims):
         group = [gathered[t] for t in range(T) if metas[t].dim == dim]
@@ -210,8 +210,9 @@ def _routed_exchange(comm, ids, feature_table, names, owners, handles, metas, re
     # [0, 1, ..., count] come from the route op, on the device
     uniq, table_splits, uniq_of_recv, unit_splits = route_ops.route(recv_keys, num_buckets=T, table_owner=[0] * T,
                                                                     by_table=True)
-    gathered = _owner_lookup(handles, metas, tf.split(tf.bitwise.bitwise_and(uniq, _LOCAL_MASK), table_splits, num=T),
-                             tf.split(unit_splits, table_splits + 1, num=T), distinct_ids=True)
+    gathered = _owner_lookup(handles, metas,
+                             array_ops.split(tf.bitwise.bitwise_and(uniq, _LOCAL_MASK), table_splits, num=T),
+                             array_ops.split(unit_splits, table_splits + 1, num=T), distinct_ids=True)
 
     # vectors back in the order the keys came, one all-to-all per embedding width
     returned_by_dim, slot_by_dim = [], []
@@ -235,5 +236,5 @@ def _routed_exchange(comm, ids, feature_table, names, owners, handles, metas, re
             coming = tf.math.unsorted_segment_sum(tf.cast(sent_in_group, tf.int32), owner_of_sent, N)
         returned_by_dim.append(_return_vectors(comm, rows, index, back_splits, coming, reduction, N,
                                                f"tf_sok.vectors{dim}.{step}.{sig}"))
-        slot_by_dim.append(tf.split(slot, counts, num=F))      # per feature: its ids' returned rows
+        slot_by_dim.append(array_ops.split(slot, counts, num=F))      # per feature: its ids' returned rows
     return returned_by_dim, [slot_by_dim[dims.index(metas[feature_table[f]].dim)][f] for f in range(F)]

@@ -22,7 +22,7 @@ from typing import Dict, Tuple
 import tensorflow as tf
 
 from tf_sok.python.comm.base import Communicator, KeyRouting, RoutedKeys
-from tf_sok.python.ops import collective_ops
+from tf_sok.python.ops import array_ops, collective_ops
 
 _log = logging.getLogger("tf_sok")
 _keys = itertools.count(1)
@@ -156,7 +156,7 @@ class NcclCommunicator(Communicator):
                 feature_table=routing.feature_table, feature_rows=routing.feature_rows,
                 table_owner=routing.table_owner, table_group=routing.table_group, num_groups=G,
                 feature_names=routing.feature_names, table_names=routing.table_names))
-            gather = [out.group_gather] if G == 1 else tf.split(out.group_gather, out.group_totals, num=G)
+            gather = [out.group_gather] if G == 1 else array_ops.split(out.group_gather, out.group_totals, num=G)
         return RoutedKeys(table_rows=out.table_rows, table_counts=out.table_counts, unit_splits=out.unit_splits,
                           group_gather=gather, group_send=list(out.group_send), group_recv=list(out.group_recv),
                           slot=out.slot)

@@ -28,6 +28,7 @@ from tensorflow.python.ops import resource_variable_ops
 
 from tf_sok.python.comm.base import Communicator, check_reduction
 from tf_sok.python.context_errors import replica_context_required
+from tf_sok.python.ops import array_ops
 
 _MIRRORED, _MULTI_WORKER = "MirroredStrategy", "MultiWorkerMirroredStrategy"
 
@@ -156,7 +157,7 @@ class StrategyCommunicator(Communicator):
             parts = []
             for s in range(n):
                 with tf.device(devices[s]):
-                    parts.append(tf.split(xs[s], ss[s], num=n))
+                    parts.append(array_ops.split(xs[s], ss[s], num=n))
             ys, rs = [], []
             for d in range(n):
                 with tf.device(devices[d]):
