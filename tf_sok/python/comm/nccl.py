@@ -17,7 +17,7 @@ run in program order anyway.
 import itertools
 import logging
 import os
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import tensorflow as tf
 
@@ -25,6 +25,7 @@ from tf_sok.python.comm.base import Communicator, KeyRouting, RoutedKeys
 from tf_sok.python.ops import array_ops, collective_ops
 
 _log = logging.getLogger("tf_sok")
+MAX_WIDTHS = 64  # embedding widths one planned exchange handles (kMaxGroups in key_exchange_gpu.cu)
 _keys = itertools.count(1)
 # (bootstrap type, rank, size) -> (communicator key, NCCL version): one NCCL communicator each
 _joined: Dict[Tuple, Tuple[int, str]] = {}
@@ -144,12 +145,15 @@ class NcclCommunicator(Communicator):
                 recv = self._ordered(lambda: collective_ops.exchange_splits(send, key=self._key))
             return self._move(tf.convert_to_tensor(tensor), send, recv), recv
 
-    def route_keys(self, ids, routing: KeyRouting) -> RoutedKeys:
+    def route_keys(self, ids, routing: KeyRouting) -> Optional[RoutedKeys]:
         """One op on the stream, one wait (TfSokNcclRouteKeys): the id check, the routing,
         every rank's counts and verdict by one all-gather, the keys by one all-to-all, and
-        the layout of the owner side, the return trip and the combine."""
-        ids = [tf.convert_to_tensor(v) for v in ids]
+        the layout of the owner side, the return trip and the combine. None (the routed
+        path) for more than MAX_WIDTHS embedding widths in one lookup."""
         G = routing.num_groups
+        if G > MAX_WIDTHS:   # the op's layout keeps per-width counters in fixed arrays
+            return None
+        ids = [tf.convert_to_tensor(v) for v in ids]
         with tf.device(self._device):
             out = self._ordered(lambda: collective_ops.route_keys(
                 ids, key=self._key, signature=routing.signature, step=routing.step,
