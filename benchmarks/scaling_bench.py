@@ -5,7 +5,10 @@ all-to-all against the all-gather alternative, measured side by side in one run.
     python benchmarks/scaling_bench.py [--ranks 1 2] [--batch 4096] [--exchange nccl framework]
 
 "vs N=1" is the job's samples/s (all ranks) over the one-rank job's: N for
-perfect weak scaling. With --exchange nccl framework the lookup's data moves by
+perfect weak scaling. Two timings of the same step: "ms/step", the median of
+steps each waited for (the host's share of a step is exposed), and "pipelined",
+a run of steps issued back to back with one wait at the end, as a training loop
+runs them (the host prepares a step while the device works on the previous one). With --exchange nccl framework the lookup's data moves by
 tf_sok's NCCL ops, then by Horovod's collectives (before/after in one run).
 
 The step: fused lookup of 8 features over 8 distributed tables, backward, lazy
@@ -54,7 +57,7 @@ def worker(a):
         tf.config.set_visible_devices(gpus[hvd.local_rank() % len(gpus)], "GPU")
 
     import tf_sok as sok
-    from lookup_bench import make_batch, sok_path, time_step
+    from lookup_bench import make_batch, pipelined_time, sok_path, time_step
 
     ctx = sok.init(sparse_grad_reduction="mean", exchange=a.exchange[0])
     n, rank = ctx.num_ranks, ctx.rank
@@ -66,6 +69,7 @@ def worker(a):
 
     step = sok_path(tables, opt, "mean")
     seconds = time_step(step, batches, a.warmup, a.iters)
+    pipelined = pipelined_time(step, batches, a.iters)
     alltoall, allgather = exchange_bytes(batches[0], n, rank, a.dim, a.batch)
     prof = []
     if a.profile:  # every rank runs the steps; rank 0 profiles its own
@@ -79,7 +83,7 @@ def worker(a):
                 run(i)
     if rank == 0:
         device = f"one GPU per rank ({len(gpus)} visible)" if gpus else f"{os.cpu_count()} CPU cores shared by all ranks"
-        print(json.dumps({"ranks": n, "device": device, "ms": 1e3 * seconds, "batch": a.batch,
+        print(json.dumps({"ranks": n, "device": device, "ms": 1e3 * seconds, "pipelined_ms": 1e3 * pipelined, "batch": a.batch,
                           "communicator": type(ctx.communicator).__name__,
                           "profile": prof,
                           "alltoall_bytes": alltoall, "allgather_bytes": allgather}), flush=True)
@@ -117,14 +121,18 @@ def driver(a):
     print(f"{a.tables} distributed tables x {a.rows:,} rows, dim {a.dim}, per-rank batch {a.batch}, sok Adam; "
           f"{rows[-1]['device']}")
     print(f"{'exchange':>9s} {'ranks':>5s} {'communicator':>20s} {'ms/step':>9s} {'samples/s':>12s} "
-          f"{'vs N=1':>7s} {'all-to-all B/rank':>18s} {'all-gather B/rank':>18s} {'ratio':>6s}")
+          f"{'vs N=1':>7s} {'pipelined':>9s} {'samples/s':>12s} {'vs N=1':>7s} {'all-to-all B/rank':>18s} "
+          f"{'all-gather B/rank':>18s} {'ratio':>6s}")
     for r in rows:
         one = next(x for x in rows if x["ranks"] == a.ranks[0] and x["exchange"] == r["exchange"])
         sps = r["ranks"] * r["batch"] / r["ms"] * 1e3          # the job's samples/s, all ranks together
         base = one["ranks"] * one["batch"] / one["ms"] * 1e3
+        pps = r["ranks"] * r["batch"] / r["pipelined_ms"] * 1e3
+        pbase = one["ranks"] * one["batch"] / one["pipelined_ms"] * 1e3
         ratio = r["allgather_bytes"] / r["alltoall_bytes"] if r["alltoall_bytes"] else float("nan")
         print(f"{r['exchange']:>9s} {r['ranks']:5d} {r['communicator']:>20s} {r['ms']:9.2f} {sps:12,.0f} "
-              f"{sps / base:7.2f} {r['alltoall_bytes']:18,d} {r['allgather_bytes']:18,d} {ratio:6.2f}")
+              f"{sps / base:7.2f} {r['pipelined_ms']:9.2f} {pps:12,.0f} {pps / pbase:7.2f} "
+              f"{r['alltoall_bytes']:18,d} {r['allgather_bytes']:18,d} {ratio:6.2f}")
     for r in rows:
         if r["profile"]:
             print(f"\nprofile of rank 0, exchange {r['exchange']}, N={r['ranks']} (TensorFlow profiler, per step):\n"

@@ -2,6 +2,7 @@
 // host wait for the distinct count and the keys per bucket (the splits output
 // lives in host memory), then a stable radix sort of the distinct keys by
 // bucket. Same function as route_cpu.cc.
+#include <algorithm>
 #include <vector>
 
 #include "tf_sok/cc/impl/gpu_util.cuh"
@@ -40,21 +41,47 @@ struct State {
   int* counts = nullptr;  // [num_buckets], device: distinct keys per bucket
 };
 
-// Keys per bucket, counted before the op's one host wait so the splits come
-// back with the distinct count.
-// Keys naming no table (which Prepare's check reports) are not counted.
+// Keys per bucket (and per bucket x table), counted before the op's one host
+// wait so the splits come back with the distinct count. Keys naming no table
+// (which Prepare's check reports) are not counted. A few counters take every
+// key, so each block counts in shared memory (kShared) over a grid-stride loop
+// and adds its totals once; kSharedBins bounds that, beyond it global atomics.
+constexpr int kSharedBins = 8192;
+constexpr int kCountBlocks = 1024;
+
+template <bool kShared>
 __global__ void CountKernel(const long long* unique_keys, const int* num_unique, const Owners owner, int B,
                             bool by_table, int num_tables, int* counts, int* bucket_table_counts) {
-  const int u = blockIdx.x * blockDim.x + threadIdx.x;
-  if (u >= *num_unique) return;
-  const long long key = unique_keys[u];
-  const long long table = key >> kTableShift;
-  if (key < 0 || table >= num_tables) return;
-  int bucket;
-  long long unused;
-  BucketOf(key, B, by_table, by_table ? 0 : owner[table], &bucket, &unused);
-  atomicAdd(&counts[bucket], 1);
-  if (bucket_table_counts) atomicAdd(&bucket_table_counts[static_cast<long long>(bucket) * num_tables + table], 1);
+  extern __shared__ int hist[];  // [B] per bucket, then [B * num_tables] per bucket x table
+  const int bins = B + (bucket_table_counts ? B * num_tables : 0);
+  if (kShared) {
+    for (int i = threadIdx.x; i < bins; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+  }
+  const int U = *num_unique;
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < U; u += gridDim.x * blockDim.x) {
+    const long long key = unique_keys[u];
+    const long long table = key >> kTableShift;
+    if (key < 0 || table >= num_tables) continue;
+    int bucket;
+    long long unused;
+    BucketOf(key, B, by_table, by_table ? 0 : owner[table], &bucket, &unused);
+    const long long cell = static_cast<long long>(bucket) * num_tables + table;
+    if (kShared) {
+      atomicAdd(&hist[bucket], 1);
+      if (bucket_table_counts) atomicAdd(&hist[B + cell], 1);
+    } else {
+      atomicAdd(&counts[bucket], 1);
+      if (bucket_table_counts) atomicAdd(&bucket_table_counts[cell], 1);
+    }
+  }
+  if (kShared) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < bins; i += blockDim.x) {
+      if (hist[i] == 0) continue;
+      atomicAdd(i < B ? &counts[i] : &bucket_table_counts[i - B], hist[i]);
+    }
+  }
 }
 
 __global__ void BucketKernel(const long long* unique_keys, int U, const Owners owner, int B, bool by_table,
@@ -142,9 +169,17 @@ Error RouteOnStream(const GpuDevice& d, const int64_t* keys, int64_t n, const Ro
   Error e = gpu::GroupByKey(d, k, static_cast<int>(n), kTableShift + gpu::BitsFor(spec.num_tables),
                             &state->groups);
   if (!e.ok()) return e;
-  CountKernel<<<Blocks(n), kThreads, 0, s>>>(state->groups.unique_keys, state->groups.num_unique, state->owner,
-                                             spec.num_buckets, spec.by_table, spec.num_tables, count,
-                                             bucket_table_counts);
+  const long long bins = spec.num_buckets + (bucket_table_counts ? 1LL * spec.num_buckets * spec.num_tables : 0);
+  const int blocks = std::min(Blocks(n), kCountBlocks);
+  if (bins <= kSharedBins) {
+    CountKernel<true><<<blocks, kThreads, sizeof(int) * bins, s>>>(
+        state->groups.unique_keys, state->groups.num_unique, state->owner, spec.num_buckets, spec.by_table,
+        spec.num_tables, count, bucket_table_counts);
+  } else {
+    CountKernel<false><<<blocks, kThreads, 0, s>>>(state->groups.unique_keys, state->groups.num_unique,
+                                                   state->owner, spec.num_buckets, spec.by_table, spec.num_tables,
+                                                   count, bucket_table_counts);
+  }
   *num_unique = state->groups.num_unique;
   cudaError_t c = cudaGetLastError();
   return c == cudaSuccess ? Error() : gpu::CudaFailure(c);
