@@ -81,22 +81,3 @@ def test_exchange_option_is_checked_and_nccl_needs_a_gpu():
     with pytest.raises(RuntimeError, match=r"exchange='nccl' is unavailable on 1 of 1 rank\(s\); on this rank: "
                                            r"(this process sees no GPU|the tf_sok op library was built without CUDA)"):
         sok.init(exchange="nccl")
-
-
-def test_permuted_rows_gradient_is_the_inverse_permutation():
-    """The planned exchange returns each received key's row once: its gather's
-    gradient is a gather by the inverse permutation, equal to tf.gather's own."""
-    rng = np.random.default_rng(secrets.randbits(31))
-    rows = tf.constant(rng.standard_normal((37, 5)).astype(np.float32))
-    index = tf.constant(rng.permutation(37).astype(np.int64))
-    upstream = tf.constant(rng.standard_normal((37, 5)).astype(np.float32))
-    with tf.GradientTape(persistent=True) as tape:
-        tape.watch(rows)
-        ours = exchange._permute_rows(rows, index)
-        ref = tf.gather(rows, index)
-    np.testing.assert_array_equal(ours.numpy(), rows.numpy()[index.numpy()])
-    want = np.zeros((37, 5), np.float32)
-    want[index.numpy()] = upstream.numpy()
-    np.testing.assert_array_equal(tape.gradient(ours, rows, upstream).numpy(), want)
-    np.testing.assert_array_equal(tape.gradient(ours, rows, upstream).numpy(),
-                                  tf.convert_to_tensor(tape.gradient(ref, rows, upstream)).numpy())

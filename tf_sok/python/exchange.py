@@ -62,20 +62,6 @@ def _gather_rows(rows, index):
     return gather(rows)
 
 
-def _permute_rows(rows, index):
-    """tf.gather(rows, index) for an index that names every row exactly once (a
-    permutation): the gradient is a gather by the inverse permutation, with no
-    zero fill and no atomic adds, unlike the segment sum a gather needs in general."""
-    @tf.custom_gradient
-    def permute(r):
-        def grad(dy):
-            n = tf.size(index, out_type=index.dtype)
-            inverse = tf.scatter_nd(index[:, None], tf.range(n, dtype=index.dtype), n[None])
-            return tf.gather(tf.convert_to_tensor(dy), inverse)
-        return tf.gather(r, index), grad
-    return permute(rows)
-
-
 def _bucket_of_position(splits, n):
     """For positions 0..n-1 of rows laid out bucket after bucket (splits[b] rows in
     bucket b), the bucket of each: a sorted search, no device-to-host wait."""
@@ -179,8 +165,8 @@ def _owner_lookup(handles, metas, rows, unit_splits, **modes):
         **modes)
 
 
-def _return_vectors(comm, rows, index, send, recv, reduction, N, name, permutation=False):
-    vectors = _permute_rows(rows, index) if permutation else _gather_rows(rows, index)
+def _return_vectors(comm, rows, index, send, recv, reduction, N, name):
+    vectors = _gather_rows(rows, index)
     if reduction == "mean":
         vectors = _scale_gradient(vectors, 1.0 / N)
     return comm.alltoall(vectors, send, name=name, recv_splits=recv)[0]
@@ -189,8 +175,7 @@ def _return_vectors(comm, rows, index, send, recv, reduction, N, name, permutati
 def _planned_exchange(comm, plan, handles, metas, reduction, N, step, sig, dims):
     """The owner side and the return trip from a backend's plan: sizes all on the host
     already, nothing waits. Every key received is looked up (a row two ranks asked for
-    is read twice); its gradient rows repeat alike and the update sums them. Each
-    key received is returned once, so the return order is a permutation of the rows."""
+    is read twice); its gradient rows repeat alike and the update sums them."""
     T = len(metas)
     # int32 sizes stay in host memory (TensorFlow keeps int32 on the host): nothing is copied
     gathered = _owner_lookup(handles, metas, array_ops.split(plan.table_rows, plan.table_counts, num=T),
@@ -200,7 +185,7 @@ def _planned_exchange(comm, plan, handles, metas, reduction, N, step, sig, dims)
         group = [gathered[t] for t in range(T) if metas[t].dim == dim]
         rows = group[0] if len(group) == 1 else tf.concat(group, 0)
         returned.append(_return_vectors(comm, rows, plan.group_gather[g], plan.group_send[g], plan.group_recv[g],
-                                        reduction, N, f"tf_sok.vectors{dim}.{step}.{sig}", permutation=True))
+                                        reduction, N, f"tf_sok.vectors{dim}.{step}.{sig}"))
     return returned, plan.slot
 
 
