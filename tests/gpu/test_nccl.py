@@ -62,7 +62,8 @@ def test_bad_sizes_raise_clear_errors(comm):
 @pytest.mark.parametrize("bad", [-1, 700, 10 ** 12])
 def test_exchange_plan_of_one_rank_matches_numpy_and_names_bad_ids(comm, rng, bad):
     """TfSokNcclRouteKeys with one rank against NumPy: the owner side's rows table by
-    table, their unit row splits, the vectors to return per width group and each id's
+    table, their unit row splits, the vectors to return per width group (and the
+    inverse of that permutation; at N > 1 tests/horovod's gradients depend on it) and each id's
     slot among them; a bad id fails naming the feature, id, rank and table, and the op
     runs again afterwards."""
     from tf_sok.python.comm import KeyRouting
@@ -86,6 +87,7 @@ def test_exchange_plan_of_one_rank_matches_numpy_and_names_bad_ids(comm, rng, ba
         total = sum(counts[t] for t in range(3) if table_group[t] == g)
         # one rank returns everything to itself, in its group's tables' order
         np.testing.assert_array_equal(plan.group_gather[g].numpy(), np.arange(total))
+        np.testing.assert_array_equal(plan.group_scatter[g].numpy(), np.arange(total))   # its inverse
         np.testing.assert_array_equal(plan.group_send[g].numpy(), [total])
         np.testing.assert_array_equal(plan.group_recv[g].numpy(), [total])
     start = {t: sum(counts[u] for u in range(t) if table_group[u] == table_group[t]) for t in range(3)}

@@ -62,6 +62,16 @@ def _gather_rows(rows, index):
     return gather(rows)
 
 
+def _permute_rows(rows, index, inverse):
+    """tf.gather(rows, index) for an index naming every row once (a permutation, whose
+    inverse the caller has): the gradient gathers by the inverse, with no zero fill
+    and no atomic adds, unlike the segment sum a gather needs in general."""
+    @tf.custom_gradient
+    def permute(r):
+        return tf.gather(r, index), lambda dy: tf.gather(tf.convert_to_tensor(dy), inverse)
+    return permute(rows)
+
+
 def _bucket_of_position(splits, n):
     """For positions 0..n-1 of rows laid out bucket after bucket (splits[b] rows in
     bucket b), the bucket of each: a sorted search, no device-to-host wait."""
@@ -165,8 +175,10 @@ def _owner_lookup(handles, metas, rows, unit_splits, **modes):
         **modes)
 
 
-def _return_vectors(comm, rows, index, send, recv, reduction, N, name):
-    vectors = _gather_rows(rows, index)
+def _return_vectors(comm, rows, index, send, recv, reduction, N, name, inverse=None):
+    """The vectors rows[index] to the ranks that asked (send[p] to rank p); `inverse`:
+    index is a permutation and this its inverse."""
+    vectors = _gather_rows(rows, index) if inverse is None else _permute_rows(rows, index, inverse)
     if reduction == "mean":
         vectors = _scale_gradient(vectors, 1.0 / N)
     return comm.alltoall(vectors, send, name=name, recv_splits=recv)[0]
@@ -175,7 +187,8 @@ def _return_vectors(comm, rows, index, send, recv, reduction, N, name):
 def _planned_exchange(comm, plan, handles, metas, reduction, N, step, sig, dims):
     """The owner side and the return trip from a backend's plan: sizes all on the host
     already, nothing waits. Every key received is looked up (a row two ranks asked for
-    is read twice); its gradient rows repeat alike and the update sums them."""
+    is read twice); its gradient rows repeat alike and the update sums them. Each key received is
+    returned once, so the return trip permutes the rows (its gradient: the inverse)."""
     T = len(metas)
     # int32 sizes stay in host memory (TensorFlow keeps int32 on the host): nothing is copied
     gathered = _owner_lookup(handles, metas, array_ops.split(plan.table_rows, plan.table_counts, num=T),
@@ -185,7 +198,8 @@ def _planned_exchange(comm, plan, handles, metas, reduction, N, step, sig, dims)
         group = [gathered[t] for t in range(T) if metas[t].dim == dim]
         rows = group[0] if len(group) == 1 else tf.concat(group, 0)
         returned.append(_return_vectors(comm, rows, plan.group_gather[g], plan.group_send[g], plan.group_recv[g],
-                                        reduction, N, f"tf_sok.vectors{dim}.{step}.{sig}"))
+                                        reduction, N, f"tf_sok.vectors{dim}.{step}.{sig}",
+                                        inverse=plan.group_scatter[g]))
     return returned, plan.slot
 
 

@@ -75,10 +75,13 @@ std::string Prepare(const GpuDevice& d, const Spec& spec, Plan* plan);
 //   group_gather [received]: group after group (sizes group_totals), the vectors
 //     this rank returns, in the order of the all-to-all (by receiver, then table,
 //     then key), as rows of the group's tables' lookups concatenated in table order;
+//   group_scatter [received]: group after group, the inverse of group_gather's
+//     permutation of the group: for each row of the group's lookups, its place
+//     among the vectors returned (the return trip's gradient gathers by it);
 //   slot [n]: for each id, the row of its vector among those its width group's
 //     all-to-all brings back.
 std::string Finish(const GpuDevice& d, const Plan& plan, const Spec& spec, int64_t* table_rows, int64_t* unit_splits,
-                   int64_t* group_gather, int64_t* slot);
+                   int64_t* group_gather, int64_t* group_scatter, int64_t* slot);
 
 }  // namespace key_exchange
 }  // namespace impl

@@ -66,6 +66,7 @@ struct Layout {
   long long* recv_row;    // [N*T]: its place in table_rows
   long long* recv_ret;    // [N*T]: its place in group_gather
   long long* recv_val;    // [N*T]: its row among its group's tables' lookups, concatenated
+  long long* recv_goff;   // [N*T]: where its group starts in group_gather
   long long* send_start;  // [N*T + 1]: the block's first key among the sent
   long long* send_ret;    // [N*T]: its place among the vectors its group's all-to-all brings back
   int* table_count;       // [T]: keys received per table
@@ -95,7 +96,8 @@ __global__ void LayoutKernel(const long long* every, int W, int N, int T, int G,
     group_rows[group[t]] += c;
     at += c;
   }
-  for (int g = 0; g < G; ++g) ret_at[g] = g ? ret_at[g - 1] + group_rows[g - 1] : 0;
+  long long group_at[kMaxGroups];
+  for (int g = 0; g < G; ++g) group_at[g] = ret_at[g] = g ? ret_at[g - 1] + group_rows[g - 1] : 0;
   at = 0;
   for (int s = 0; s < N; ++s) {
     for (int t = 0; t < T; ++t) {
@@ -105,6 +107,7 @@ __global__ void LayoutKernel(const long long* every, int W, int N, int T, int G,
       L.recv_row[k] = L.table_start[t] + L.sender_acc[t];
       L.recv_val[k] = L.in_group[t] + L.sender_acc[t];
       L.recv_ret[k] = ret_at[group[t]];
+      L.recv_goff[k] = group_at[group[t]];
       ret_at[group[t]] += c;
       L.sender_acc[t] += c;
       at += c;
@@ -125,13 +128,15 @@ __global__ void LayoutKernel(const long long* every, int W, int N, int T, int G,
 }
 
 __global__ void PlaceReceivedKernel(const long long* recv_keys, long long R, int blocks, const Layout L,
-                                    long long* table_rows, long long* group_gather) {
+                                    long long* table_rows, long long* group_gather,
+                                    long long* group_scatter) {
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= R) return;
   const int b = gpu::SegmentOf(L.recv_start, blocks, i);
   const long long j = i - L.recv_start[b];
   table_rows[L.recv_row[b] + j] = recv_keys[i] & kRowMask;
   group_gather[L.recv_ret[b] + j] = L.recv_val[b] + j;
+  group_scatter[L.recv_goff[b] + L.recv_val[b] + j] = L.recv_ret[b] + j - L.recv_goff[b];  // the inverse
 }
 
 __global__ void SlotKernel(const long long* position, int n, int blocks, const Layout L, long long* slot) {
@@ -263,7 +268,7 @@ std::string Prepare(const GpuDevice& d, const Spec& spec, Plan* plan) {
 }
 
 std::string Finish(const GpuDevice& d, const Plan& plan, const Spec& spec, int64_t* table_rows, int64_t* unit_splits,
-                   int64_t* group_gather, int64_t* slot) {
+                   int64_t* group_gather, int64_t* group_scatter, int64_t* slot) {
   const char* what = "tf_sok key exchange";
   const int N = plan.size, T = spec.route.num_tables;
   const int64_t U = plan.route.num_unique, R = plan.received, n = plan.n;
@@ -277,13 +282,14 @@ std::string Finish(const GpuDevice& d, const Plan& plan, const Spec& spec, int64
   L.recv_row = gpu::Alloc<long long>(d, N * T);
   L.recv_ret = gpu::Alloc<long long>(d, N * T);
   L.recv_val = gpu::Alloc<long long>(d, N * T);
+  L.recv_goff = gpu::Alloc<long long>(d, N * T);
   L.send_start = gpu::Alloc<long long>(d, N * T + 1);
   L.send_ret = gpu::Alloc<long long>(d, N * T);
   L.table_count = gpu::Alloc<int>(d, T);
   L.table_start = gpu::Alloc<long long>(d, T);
   L.in_group = gpu::Alloc<long long>(d, T);
   L.sender_acc = gpu::Alloc<long long>(d, T);
-  if (!send_keys || !position || !recv_keys || !L.recv_start || !L.recv_row || !L.recv_ret || !L.recv_val ||
+  if (!send_keys || !position || !recv_keys || !L.recv_start || !L.recv_row || !L.recv_ret || !L.recv_val || !L.recv_goff ||
       !L.send_start || !L.send_ret || !L.table_count || !L.table_start || !L.in_group || !L.sender_acc) {
     return std::string(what) + ": out of GPU scratch memory";
   }
@@ -303,7 +309,8 @@ std::string Finish(const GpuDevice& d, const Plan& plan, const Spec& spec, int64
   if (R > 0) {
     PlaceReceivedKernel<<<Blocks(R), kThreads, 0, s>>>(recv_keys, R, N * T, L,
                                                         reinterpret_cast<long long*>(table_rows),
-                                                        reinterpret_cast<long long*>(group_gather));
+                                                        reinterpret_cast<long long*>(group_gather),
+                                                        reinterpret_cast<long long*>(group_scatter));
   }
   if (n > 0) {
     SlotKernel<<<Blocks(n), kThreads, 0, s>>>(position, static_cast<int>(n), N * T, L,

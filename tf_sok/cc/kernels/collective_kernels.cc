@@ -274,6 +274,8 @@ class RouteKeysOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, tf::TensorShape({R}), &gather));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(4, tf::TensorShape({G}), &totals));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(5, tf::TensorShape({n}), &slot));
+    tf::Tensor* scatter = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(6 + 2 * G, tf::TensorShape({R}), &scatter));
     for (int t = 0; t < T; ++t) counts->flat<int32_t>()(t) = plan.table_counts[t];
     for (int g = 0; g < G; ++g) {
       totals->flat<int32_t>()(g) = plan.group_totals[g];
@@ -287,6 +289,7 @@ class RouteKeysOp : public tf::OpKernel {
     }
     OP_REQUIRES_OK(ctx, Check(impl::key_exchange::Finish(d, plan, spec, rows->flat<int64_t>().data(),
                                                          unit->flat<int64_t>().data(), gather->flat<int64_t>().data(),
+                                                         scatter->flat<int64_t>().data(),
                                                          slot->flat<int64_t>().data())));
   }
 

@@ -93,6 +93,7 @@ REGISTER_OP("TfSokNcclRouteKeys")
     .Output("slot: int64")
     .Output("group_send: num_groups * int32")
     .Output("group_recv: num_groups * int32")
+    .Output("group_scatter: int64")
     .Attr("num_features: int >= 1")
     .Attr("num_groups: int >= 1")
     .Attr("key: int")
@@ -119,7 +120,7 @@ REGISTER_OP("TfSokNcclRouteKeys")
       c->set_output(3, c->Vector(c->UnknownDim()));
       c->set_output(4, c->Vector(G));
       c->set_output(5, c->Vector(c->UnknownDim()));
-      for (int o = 6; o < 6 + 2 * G; ++o) c->set_output(o, c->Vector(c->UnknownDim()));
+      for (int o = 6; o < 7 + 2 * G; ++o) c->set_output(o, c->Vector(c->UnknownDim()));
       return absl::OkStatus();
     })
     .Doc(R"doc(
@@ -140,7 +141,8 @@ vectors to return, in the all-to-all's order, as rows of the group's tables'
 lookups concatenated in table order), group_send[g] (host: how many of them go
 to each rank); and as a sender: group_recv[g] (host: how many vectors of group
 g each rank returns here) and slot (for each id, its vector's row among those
-of its group).
+of its group). group_scatter: group_gather's inverse within each group (for each
+row of the group's lookups, its place among the vectors returned).
 )doc");
 
 REGISTER_OP("TfSokNcclAllGather")

@@ -36,13 +36,15 @@ class RoutedKeys:
     table looks up (one per key received, repeats across senders kept), with row
     splits `unit_splits` split by table_counts + 1; per width group g,
     `group_gather[g]` picks the vectors to return from the group's tables' lookups
-    concatenated in table order, `group_send[g]` (host) of them to each rank. As a
+    concatenated in table order (each row once: a permutation, whose inverse is
+    `group_scatter[g]`), `group_send[g]` (host) of them to each rank. As a
     sender: `group_recv[g]` (host) vectors come back from each rank, and `slot` (one
     per id, the features' ids concatenated) is each id's row among its group's."""
     table_rows: tf.Tensor
     table_counts: tf.Tensor
     unit_splits: tf.Tensor
     group_gather: List[tf.Tensor]
+    group_scatter: List[tf.Tensor]
     group_send: List[tf.Tensor]
     group_recv: List[tf.Tensor]
     slot: tf.Tensor

@@ -160,10 +160,12 @@ class NcclCommunicator(Communicator):
                 feature_table=routing.feature_table, feature_rows=routing.feature_rows,
                 table_owner=routing.table_owner, table_group=routing.table_group, num_groups=G,
                 feature_names=routing.feature_names, table_names=routing.table_names))
-            gather = [out.group_gather] if G == 1 else array_ops.split(out.group_gather, out.group_totals, num=G)
+            gather, scatter = ([out.group_gather], [out.group_scatter]) if G == 1 else \
+                (array_ops.split(out.group_gather, out.group_totals, num=G),
+                 array_ops.split(out.group_scatter, out.group_totals, num=G))
         return RoutedKeys(table_rows=out.table_rows, table_counts=out.table_counts, unit_splits=out.unit_splits,
-                          group_gather=gather, group_send=list(out.group_send), group_recv=list(out.group_recv),
-                          slot=out.slot)
+                          group_gather=gather, group_scatter=scatter, group_send=list(out.group_send),
+                          group_recv=list(out.group_recv), slot=out.slot)
 
     def allgather(self, tensor, name=None):
         tensor = tf.convert_to_tensor(tensor)
