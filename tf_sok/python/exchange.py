@@ -187,8 +187,9 @@ def _return_vectors(comm, rows, index, send, recv, reduction, N, name, inverse=N
 def _planned_exchange(comm, plan, handles, metas, reduction, N, step, sig, dims):
     """The owner side and the return trip from a backend's plan: sizes all on the host
     already, nothing waits. Every key received is looked up (a row two ranks asked for
-    is read twice); its gradient rows repeat alike and the update sums them. Each key received is
-    returned once, so the return trip permutes the rows (its gradient: the inverse)."""
+    is read twice); its gradient rows repeat alike and the update sums them. Each key
+    received is returned once, so the return trip permutes the rows (its gradient:
+    the inverse permutation, which the plan carries)."""
     T = len(metas)
     # int32 sizes stay in host memory (TensorFlow keeps int32 on the host): nothing is copied
     gathered = _owner_lookup(handles, metas, array_ops.split(plan.table_rows, plan.table_counts, num=T),
