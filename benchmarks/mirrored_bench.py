@@ -3,13 +3,17 @@ R = 1, 2, ... replicas (GPUs when present, else logical CPU devices), with a
 fixed per-replica batch (weak scaling), next to the same step on one device
 without a strategy; one process per R, side by side in one run.
 
-    python benchmarks/mirrored_bench.py [--replicas 1 2] [--batch 4096] [--profile 30]
+    python benchmarks/mirrored_bench.py [--replicas 1 2] [--batch 4096] [--exchange nccl framework] [--profile 30]
 
 The step: fused lookup of 8 features over 8 distributed tables (ids and vectors
 exchanged between replicas), backward, lazy Adam on each replica's shards, and
 a dense layer whose gradient the strategy all-reduces. Also the bytes replica 0 sends per step
 by all-to-all against the all-gather alternative (counted from the step's ids, as in
-scaling_bench.py).
+scaling_bench.py). "ms/step" is the median of steps each waited for, "pipelined" the
+mean of steps issued back to back with one wait at the end (as model.fit runs them).
+--exchange (sok.init(exchange=...)): "nccl" moves the lookup's data by tf_sok's NCCL
+ops (one GPU per replica), "framework" by the strategy's copies; several: each
+measured at R > 1.
 """
 import argparse
 import json
@@ -36,13 +40,13 @@ def worker(a):
     import keras
 
     import tf_sok as sok
-    from lookup_bench import make_batch, time_step
+    from lookup_bench import make_batch, pipelined_time, time_step
 
     strategy = tf.distribute.MirroredStrategy(devices) if not a.plain else tf.distribute.get_strategy()
     R = len(devices) if not a.plain else 1
     init = keras.initializers.RandomUniform(-0.05, 0.05)
     with strategy.scope():
-        sok.init()
+        comm = type(sok.init(exchange=a.exchange[0]).communicator).__name__
         tables = [sok.Variable(shape=[a.rows, a.dim], initializer=init, name=f"t{i}") for i in range(a.tables)]
         dense = tf.Variable(tf.random.normal([a.tables * a.dim, 1], stddev=0.05))
         opt = sok.optimizers.Adam(1e-3)
@@ -71,12 +75,14 @@ def worker(a):
                 return one_replica(b[rid])
             steps.append(tf.function(lambda run=run: strategy.reduce("SUM", strategy.run(run), axis=None)))
     seconds = time_step(lambda i: steps[int(i)](), list(range(len(steps))), a.warmup, a.iters)
+    pipelined = pipelined_time(lambda i: steps[int(i)](), list(range(len(steps))), a.iters)
     sent, gathered = exchange_bytes(batches[0][0], R, 0, a.dim, a.batch) if R > 1 else (0, 0)
     prof = []
     if a.profile:
         from profile_step import profile
         prof = profile(lambda i: float(steps[i % len(steps)]()), top=a.profile)
     print(json.dumps({"profile": prof, "replicas": R, "plain": a.plain, "ms": 1e3 * seconds, "batch": a.batch,
+                      "pipelined_ms": 1e3 * pipelined, "communicator": comm,
                       "alltoall_bytes": sent, "allgather_bytes": gathered,
                       "device": f"{len(gpus)} GPU(s)" if gpus else f"{os.cpu_count()} CPU cores (logical devices)"}),
           flush=True)
@@ -84,28 +90,33 @@ def worker(a):
 
 def driver(a):
     rows = []
-    runs = [(1, True)] + [(r, False) for r in a.replicas]
-    for r, plain in runs:
-        cmd = [sys.executable, __file__, "--worker", str(r), *step_args(a), "--profile", str(a.profile)] + \
-            (["--plain"] if plain else [])
-        rows.append(run_worker(cmd, f"R={r}"))
+    runs = [(1, True, "auto")] + [(r, False, e) for r in a.replicas for e in (a.exchange if r > 1 else ["auto"])]
+    for r, plain, exchange in runs:
+        cmd = [sys.executable, __file__, "--worker", str(r), *step_args(a), "--profile", str(a.profile),
+               "--exchange", exchange] + (["--plain"] if plain else [])
+        rows.append(run_worker(cmd, f"R={r} exchange={exchange}"))
     print(f"{a.tables} distributed tables x {a.rows:,} rows, dim {a.dim}, per-replica batch {a.batch}, sok Adam "
           f"+ dense SGD; {rows[-1]['device']}")
-    print(f"{'run':>22s} {'ms/step':>9s} {'samples/s':>12s} {'vs 1 replica':>13s} {'all-to-all B/replica':>21s} "
-          f"{'all-gather B/replica':>21s}")
-    base = None
+    print(f"{'run':>23s} {'communicator':>20s} {'ms/step':>9s} {'samples/s':>12s} {'vs 1':>6s} {'pipelined':>9s} "
+          f"{'samples/s':>12s} {'vs 1':>6s} {'all-to-all B/replica':>21s} {'all-gather B/replica':>21s}")
+    one = next(r for r in rows if not r["plain"] and r["replicas"] == 1) if 1 in a.replicas else None
+
+    def label(r):
+        return "one device, no strategy" if r["plain"] else f"Mirrored, {r['replicas']} replica(s)"
     for r in rows:
         sps = r["replicas"] * r["batch"] / r["ms"] * 1e3
-        label = "one device, no strategy" if r["plain"] else f"Mirrored, {r['replicas']} replica(s)"
-        if not r["plain"] and base is None:
-            base = sps
-        ratio = f"{sps / base:13.2f}" if base and not r["plain"] else f"{'':>13s}"
-        print(f"{label:>22s} {r['ms']:9.2f} {sps:12,.0f} {ratio} {r['alltoall_bytes']:21,d} "
-              f"{r['allgather_bytes']:21,d}")
+        pps = r["replicas"] * r["batch"] / r["pipelined_ms"] * 1e3
+        if one and not r["plain"]:
+            ratio = f"{sps / (one['batch'] / one['ms'] * 1e3):6.2f}"
+            pratio = f"{pps / (one['batch'] / one['pipelined_ms'] * 1e3):6.2f}"
+        else:
+            ratio = pratio = f"{'':>6s}"
+        print(f"{label(r):>23s} {r['communicator']:>20s} {r['ms']:9.2f} {sps:12,.0f} {ratio} "
+              f"{r['pipelined_ms']:9.2f} {pps:12,.0f} {pratio} {r['alltoall_bytes']:21,d} {r['allgather_bytes']:21,d}")
     for r in rows:
         if r["profile"]:
-            label = "one device, no strategy" if r["plain"] else f"Mirrored, {r['replicas']} replica(s)"
-            print(f"\nprofile, {label} (TensorFlow profiler, per step):\n" + "\n".join(r["profile"]))
+            print(f"\nprofile, {label(r)}, {r['communicator']} (TensorFlow profiler, per step):\n" +
+                  "\n".join(r["profile"]))
 
 
 if __name__ == "__main__":
@@ -113,6 +124,9 @@ if __name__ == "__main__":
     p.add_argument("--worker", type=int, default=0)
     p.add_argument("--plain", action="store_true")
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--exchange", nargs="+", default=["auto"], choices=["auto", "nccl", "framework"],
+                   help="how the lookup's data travels between replicas (sok.init(exchange=...)); several: each "
+                        "measured in turn")
     p.add_argument("--profile", type=int, default=0, metavar="TOP",
                    help="also profile 10 steps of each run and print its TOP ops and kernels")
     add_step_args(p)

@@ -17,8 +17,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MIRRORED_SCENARIOS = ["lookups", "training", "fit"]
 
 
-def _env(gpu=False):
+def _env(gpu=False, exchange="auto"):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               TF_SOK_TEST_DISTRIBUTE_EXCHANGE=exchange,
                TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
     if gpu:
@@ -38,9 +39,9 @@ def _load(outdir, scenarios, tasks):
     return res
 
 
-def run_mirrored(n, scenarios, seed, outdir, gpu=False):
+def run_mirrored(n, scenarios, seed, outdir, gpu=False, exchange="auto"):
     cmd = [sys.executable, "-m", "tests.distribute.worker", "mirrored", str(n), str(outdir), str(seed), *scenarios]
-    p = subprocess.run(cmd, cwd=ROOT, env=_env(gpu), capture_output=True, text=True, timeout=900)
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(gpu, exchange), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     return _load(outdir, scenarios, 1)
 
@@ -153,7 +154,7 @@ def test_mirrored_misuse_raises_clear_errors(tmp_path):
     assert "supports tf.distribute.MirroredStrategy and MultiWorkerMirroredStrategy; got OneDeviceStrategy" in \
         str(res["errors:unsupported"])
     assert "sok.init() was called outside it" in str(res["errors:init_outside"])
-    assert "exchange='nccl' needs one rank per process (Horovod)" in str(res["errors:nccl"])
+    assert "exchange='nccl' is unavailable on 2 of 2 rank(s)" in str(res["errors:nccl"])
     assert "create tables inside that strategy's scope()" in str(res["errors:create_outside"])
     assert "Call them inside strategy.run" in str(res["errors:cross_replica"])
     for mode in ("eager", "function"):
@@ -174,12 +175,20 @@ def test_multiworker_lookups_training_and_fit_equal_one_device(multiworker):
 
 
 @pytest.mark.gpu
-def test_mirrored_over_two_gpus_equals_one_device(tmp_path):
-    """Two GPUs (nvidia-h200-x2), or two logical GPUs on one."""
-    if not tf.config.list_physical_devices("GPU"):
+@pytest.mark.parametrize("exchange", ["framework", "nccl"])
+def test_mirrored_over_two_gpus_equals_one_device(tmp_path, exchange):
+    """Two GPUs (nvidia-h200-x2), or two logical GPUs on one (the strategy's exchange only:
+    NCCL needs a physical GPU per replica). The lookups run eagerly too, where the NCCL
+    communicator hands the data to the strategy's collectives."""
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    if not gpus:
         pytest.skip("no GPU visible to TensorFlow")
+    if exchange == "nccl" and gpus < 2:
+        pytest.skip(f"the NCCL exchange needs one GPU per replica; {gpus} visible")
     seed = secrets.randbits(31)
-    res = run_mirrored(2, MIRRORED_SCENARIOS, seed, tmp_path, gpu=True)
+    res = run_mirrored(2, MIRRORED_SCENARIOS, seed, tmp_path, gpu=True, exchange=exchange)
+    expected = {"framework": "StrategyCommunicator", "nccl": "NcclCommunicator"}[exchange]
+    assert all(str(res[f"{s}:communicator"]) == expected for s in MIRRORED_SCENARIOS), res["lookups:communicator"]
     check_lookups(2, seed, res, ("eager", "function"))
     check_training(2, seed, res, "training", cases.OPTIMIZERS)
     check_fit(2, seed, res)

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 KIND, N = sys.argv[1], int(sys.argv[2])
 GPU = os.environ.get("TF_SOK_TEST_DISTRIBUTE_GPU") == "1"
+EXCHANGE = os.environ.get("TF_SOK_TEST_DISTRIBUTE_EXCHANGE", "auto")  # sok.init(exchange=...)
 if KIND == "mirrored":
     if GPU:
         gpus = tf.config.list_physical_devices("GPU")
@@ -45,6 +46,14 @@ from tf_sok.python.comm.strategy import StrategyCommunicator  # noqa: E402
 from tests.horovod import cases, model  # noqa: E402
 
 
+def init(res, **kwargs):
+    """sok.init under the strategy with the exchange asked for; records which communicator ran."""
+    ctx = sok.init(exchange=EXCHANGE, **kwargs)
+    assert ctx.num_ranks == N
+    res["communicator"] = type(ctx.communicator).__name__
+    return ctx
+
+
 def rank():
     return sok.context().communicator.rank
 
@@ -59,8 +68,9 @@ def lookups(seed, res):
     """Outputs and table gradients of each replica's batch, both reductions."""
     for reduction in ("sum", "mean"):
         with STRATEGY.scope():
-            ctx = sok.init(sparse_grad_reduction=reduction)
-            assert isinstance(ctx.communicator, StrategyCommunicator) and ctx.num_ranks == N
+            ctx = init(res, sparse_grad_reduction=reduction)
+            comm = ctx.communicator
+            assert isinstance(getattr(comm, "bootstrap", comm), StrategyCommunicator), comm
             tables = model.make_tables(seed, N)
             assert all(isinstance(t, sok.ReplicaTable) for t in tables.values())
 
@@ -96,7 +106,7 @@ def training(seed, res, optimizers=None):
     for i, opt_name in enumerate(optimizers or cases.OPTIMIZERS):
         cls, kwargs = cases.OPTIMIZERS[opt_name]
         with STRATEGY.scope():
-            sok.init()
+            init(res)
             tables = model.make_tables(seed, N)
             dense_w = tf.Variable(model.dense_init(seed))
             sparse_opt = getattr(sok.optimizers, cls)(**kwargs)
@@ -134,7 +144,7 @@ def fit(seed, res):
     """model.fit with sok layers + sok.keras.Optimizer on per-replica batches;
     then a checkpoint restored into a fresh model under the same strategy."""
     with STRATEGY.scope():
-        sok.init()
+        init(res)
         mdl = model.compile_keras_model(model.KerasModel(N))
     batches = model.keras_batches(seed, N, cases.STEPS)
     mdl.test_on_batch(*batches[0][0])  # builds the model and the optimizer
@@ -191,7 +201,7 @@ def errors(seed, res):
             res["init_outside"] = str(e)
         try:
             sok.init(exchange="nccl")
-        except ValueError as e:
+        except RuntimeError as e:  # NcclUnavailable: no GPU per replica here
             res["nccl"] = str(e)
         sok.init()
         table = sok.Variable(np.random.default_rng(seed).standard_normal((10, 4)).astype(np.float32), name="ta")

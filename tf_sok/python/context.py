@@ -76,14 +76,15 @@ def _with_exchange(comm: Communicator, exchange: str) -> Communicator:
         return comm
     if exchange == "nccl":
         return NcclCommunicator(comm)
-    # auto: NCCL where every rank can use it (Horovod ranks with a GPU each, decided by all ranks
-    # together: a rank that chose alone could leave the others waiting), the communicator's own
-    # collectives elsewhere
-    if isinstance(comm, HorovodCommunicator) and comm.size > 1 and collective_ops.available():
+    # auto: NCCL where every rank can use it — Horovod ranks with a GPU each (decided by all ranks
+    # together: a rank that chose alone could leave the others waiting) or a MirroredStrategy's replicas
+    # on GPUs of their own — the communicator's own collectives elsewhere
+    mirrored = getattr(comm, "kind", None) == "MirroredStrategy"
+    if (isinstance(comm, HorovodCommunicator) or mirrored) and comm.size > 1 and collective_ops.available():
         try:
             return NcclCommunicator(comm)
         except NcclUnavailable as e:  # every rank lands here alike
-            _log.info("tf_sok: the lookup's data moves by Horovod's collectives: %s", e)
+            _log.info("tf_sok: the lookup's data moves by the %s's collectives: %s", type(comm).__name__, e)
     return comm
 
 
@@ -101,7 +102,7 @@ def init(communicator: Optional[Communicator] = None, *, sparse_grad_reduction: 
         like Horovod's dense gradients). Equal in a single process.
       exchange: how the lookup's ids and vectors travel between ranks:
         "nccl" (tf_sok's own NCCL ops on the GPU stream; Horovod ranks with a
-        GPU each), "framework" (the communicator's collectives: Horovod's ops,
+        GPU each, or MirroredStrategy replicas on one GPU each), "framework" (the communicator's collectives: Horovod's ops,
         tf.distribute's copies and collectives) or "auto" (default; "nccl"
         where it applies). The TF_SOK_EXCHANGE environment variable sets the
         default.

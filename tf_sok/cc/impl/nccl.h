@@ -37,6 +37,15 @@ std::string Init(int64_t key, const char id[kUniqueIdBytes], int rank, int size,
 // or -1 if it does not exist.
 int Size(int64_t key, int* rank = nullptr);
 
+// True once this process holds communicators on more than one GPU (several
+// ranks in one process, as under MirroredStrategy): then a rank's op that
+// waits on its stream may be waiting for a peer whose op TensorFlow has yet
+// to launch, possibly from the very thread that waits.
+bool SeveralDevicesInProcess();
+
+// Makes the GPU of `stream` current on the calling thread; "" or why not.
+std::string MakeStreamDeviceCurrent(const GpuDevice& d);
+
 // send_counts[p] (host) -> what each rank p sends here (host). Waits for the stream.
 std::string ExchangeCounts(int64_t key, const GpuDevice& d, const int32_t* send_counts, int32_t* recv_counts);
 

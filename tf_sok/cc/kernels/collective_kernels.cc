@@ -349,12 +349,12 @@ REGISTER_KERNEL_BUILDER(Name("TfSokNcclUniqueId").Device(tf::DEVICE_CPU), Unique
 REGISTER_KERNEL_BUILDER(Name("TfSokNcclInit").Device(tf::DEVICE_GPU).HostMemory("id").HostMemory("version"), InitOp);
 REGISTER_KERNEL_BUILDER(
     Name("TfSokNcclExchangeSplits").Device(tf::DEVICE_GPU).HostMemory("send_splits").HostMemory("recv_splits"),
-    ExchangeSplitsOp);
+    Detached<ExchangeSplitsOp>);
 
 REGISTER_KERNEL_BUILDER(
     Name("TfSokNcclRouteKeys").Device(tf::DEVICE_GPU).HostMemory("table_counts").HostMemory("group_totals")
         .HostMemory("group_send").HostMemory("group_recv"),
-    RouteKeysOp);
+    Detached<RouteKeysOp>);
 
 #define TF_SOK_REGISTER_COLLECTIVES(T)                                                          \
   REGISTER_KERNEL_BUILDER(Name("TfSokNcclAllToAll")                                             \
@@ -362,9 +362,9 @@ REGISTER_KERNEL_BUILDER(
                               .TypeConstraint<T>("T")                                           \
                               .HostMemory("send_splits")                                        \
                               .HostMemory("recv_splits"),                                       \
-                          AllToAllOp);                                                          \
+                          Detached<AllToAllOp>);                                        \
   REGISTER_KERNEL_BUILDER(Name("TfSokNcclAllGather").Device(tf::DEVICE_GPU).TypeConstraint<T>("T"), \
-                          AllGatherOp);
+                          Detached<AllGatherOp>);
 TF_SOK_REGISTER_COLLECTIVES(float)
 TF_SOK_REGISTER_COLLECTIVES(double)
 TF_SOK_REGISTER_COLLECTIVES(Eigen::half)

@@ -13,6 +13,9 @@
 #include "tf_sok/cc/impl/common.h"
 
 #if TF_SOK_WITH_CUDA
+#include <thread>
+
+#include "tf_sok/cc/impl/nccl.h"
 #include "xla/stream_executor/stream.h"
 #endif
 
@@ -64,6 +67,40 @@ inline impl::GpuDevice MakeDevice<impl::GpuDevice>(tf::OpKernelContext* ctx,
   d.scratch = scratch;
   return d;
 }
+#endif
+
+#if TF_SOK_WITH_CUDA
+// A GPU kernel whose Compute waits (on its stream, or for the peer ranks of a
+// collective), as an asynchronous kernel. With one GPU per process it runs where
+// TensorFlow calls it. With several GPUs in the process (ranks of one NCCL
+// exchange under MirroredStrategy) it runs on a thread of its own, so that its
+// wait never holds a thread TensorFlow could need to launch a peer rank's part.
+template <typename Kernel>
+class Detached : public tf::AsyncOpKernel {
+ public:
+  explicit Detached(tf::OpKernelConstruction* c) : tf::AsyncOpKernel(c), kernel_(c) {}
+
+  void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
+    if (!impl::nccl::SeveralDevicesInProcess()) {
+      kernel_.Compute(ctx);
+      done();
+      return;
+    }
+    std::thread([this, ctx, done = std::move(done)]() {
+      impl::GpuDevice d = MakeDevice<impl::GpuDevice>(ctx, nullptr);
+      const std::string why = impl::nccl::MakeStreamDeviceCurrent(d);
+      if (why.empty()) {
+        kernel_.Compute(ctx);
+      } else {
+        ctx->SetStatus(absl::InternalError(why));
+      }
+      done();
+    }).detach();
+  }
+
+ private:
+  Kernel kernel_;
+};
 #endif
 
 // Looks up the variable behind resource input `input` and checks it holds an

@@ -284,6 +284,18 @@ class FusedLookupGradOp : public tf::OpKernel {
   LookupAttrs attrs_;
 };
 
+// The gradient waits on the stream for its sizes: on a GPU, a Detached kernel.
+template <typename Device, typename Id>
+struct GradKernel {
+  using type = FusedLookupGradOp<Device, Id>;
+};
+#if TF_SOK_WITH_CUDA
+template <typename Id>
+struct GradKernel<impl::GpuDevice, Id> {
+  using type = Detached<FusedLookupGradOp<impl::GpuDevice, Id>>;
+};
+#endif
+
 #define TF_SOK_REGISTER_LOOKUP(DEV, DEVICE, ID)                        \
   REGISTER_KERNEL_BUILDER(                                                           \
       Name("TfSokFusedLookup").Device(DEV).TypeConstraint<ID>("Tid"),                \
@@ -293,7 +305,7 @@ class FusedLookupGradOp : public tf::OpKernel {
       FusedLookupOp<DEVICE, ID, false>);                                             \
   REGISTER_KERNEL_BUILDER(                                                           \
       Name("TfSokFusedLookupGrad").Device(DEV).TypeConstraint<ID>("Tid"),            \
-      FusedLookupGradOp<DEVICE, ID>);                                                \
+      GradKernel<DEVICE, ID>::type);                                                \
   REGISTER_KERNEL_BUILDER(                                                           \
       Name("TfSokFusedCombineGrad").Device(DEV).TypeConstraint<ID>("Tid"),           \
       FusedCombineGradOp<DEVICE, ID>);
