@@ -167,6 +167,22 @@ def test_mirrored_misuse_raises_clear_errors(tmp_path):
     np.testing.assert_allclose(res["errors:ok"], np.stack([full[1] + full[2], full[3]]), rtol=1e-6)
 
 
+def test_mirrored_nccl_collectives_are_per_replica_and_independent(tmp_path):
+    """The NCCL exchange's graph under MirroredStrategy (traced on CPU devices): each
+    replica's collectives run on its own device and communicator, and none waits for
+    another replica's — tf.function would otherwise chain them in tracing order (replica
+    0's step, then replica 1's), a hang once replica 0's collectives wait for replica 1."""
+    n = 2
+    res = run_mirrored(n, ["nccl_graph"], secrets.randbits(31), tmp_path)
+    ops = sorted(k for k in res if k.count("/") == 0 and k.startswith("nccl_graph:op"))
+    info = np.stack([res[k] for k in ops])                          # [replica, key, foreign deps]
+    kinds = [str(res[k + "/type"]) for k in ops]
+    assert "TfSokNcclRouteKeys" in kinds and "TfSokNcclAllToAll" in kinds, kinds
+    np.testing.assert_array_equal(info[:, 1], 100 + info[:, 0])    # its replica's communicator
+    np.testing.assert_array_equal(np.bincount(info[:, 0], minlength=n), [len(ops) // n] * n)
+    np.testing.assert_array_equal(info[:, 2], 0)                     # no other replica's collective upstream
+
+
 def test_multiworker_lookups_training_and_fit_equal_one_device(multiworker):
     n, seed, res = multiworker
     check_lookups(n, seed, res, ("function",))

@@ -230,6 +230,47 @@ def errors(seed, res):
     res["table_after"] = np.concatenate([s.numpy() for s in table.shards])
 
 
+def nccl_graph(seed, res):
+    """The NCCL exchange's step under MirroredStrategy, traced only (no GPU needed): a
+    communicator with the real wiring but no NCCL behind it. For every NCCL op: the
+    replica of its device, its communicator key, and how many NCCL ops of other replicas
+    it depends on (through data or control inputs, transitively)."""
+    from tf_sok.python.comm.nccl import NcclCommunicator
+
+    with STRATEGY.scope():
+        ctx = sok.init(exchange="framework")
+        comm = object.__new__(NcclCommunicator)
+        comm.__dict__.update(_boot=ctx.communicator, _device=None, _per_replica=True,
+                             _keys={r: 100 + r for r in range(N)}, version="traced only")
+        ctx.communicator = comm
+        tables = model.make_tables(seed, N)
+
+    def run():
+        feats, upstream, _ = cases.rank_batch(seed, 0, rank())
+        with tf.GradientTape() as tape:
+            outs = model.lookup(tables, feats)
+            loss = tf.add_n([tf.reduce_sum(o * upstream[n]) for o, (n, _, _, _) in zip(outs, cases.FEATURES)])
+        return tape.gradient(loss, list(tables.values()))
+
+    graph = tf.function(lambda: STRATEGY.run(run)).get_concrete_function().graph
+    replica_of = {d: r for r, d in enumerate(STRATEGY.extended.worker_devices)}
+    nccl = [op for op in graph.get_operations() if op.type.startswith("TfSokNccl")]
+    for i, op in enumerate(nccl):
+        mine = replica_of[tf.DeviceSpec.from_string(op.device).to_string()]
+        seen, stack, foreign = set(), list(op.inputs) + list(op.control_inputs), 0
+        while stack:
+            x = stack.pop()
+            up = x if isinstance(x, tf.Operation) else x.op
+            if up.name in seen:
+                continue
+            seen.add(up.name)
+            if up.type.startswith("TfSokNccl") and replica_of[tf.DeviceSpec.from_string(up.device).to_string()] != mine:
+                foreign += 1
+            stack.extend(list(up.inputs) + list(up.control_inputs))
+        res[f"op{i}"] = np.array([mine, op.get_attr("key"), foreign])
+        res[f"op{i}/type"] = op.type
+
+
 if __name__ == "__main__":
     OUTDIR, SEED = sys.argv[3], int(sys.argv[4])
     for scenario in sys.argv[5:]:
