@@ -39,7 +39,8 @@ from tf_sok.python.ops import array_ops, collective_ops
 _log = logging.getLogger("tf_sok")
 MAX_WIDTHS = 64  # embedding widths one planned exchange handles (kMaxGroups in key_exchange_gpu.cu)
 _keys = itertools.count(1)
-# (bootstrap type, ranks here, size) -> ({rank: communicator key}, NCCL version): one NCCL communicator each
+# (bootstrap type, ranks here, size, their GPUs) -> ({rank: communicator key}, NCCL version): one NCCL
+# communicator per rank
 _joined: Dict[Tuple, Tuple[Dict[int, int], str]] = {}
 
 
@@ -141,7 +142,8 @@ class NcclCommunicator(Communicator):
             raise ValueError(f"exchange='nccl' under tf.distribute needs MirroredStrategy (one process); under "
                              f"{getattr(bootstrap, 'kind', type(bootstrap).__name__)} use exchange='framework'")
         ranks = tuple(bootstrap.local_ranks) if self._per_replica else (bootstrap.rank,)
-        joined = (type(bootstrap).__name__, ranks, bootstrap.size)
+        devices = tuple(bootstrap.device(r) for r in ranks) if self._per_replica else (device,)
+        joined = (type(bootstrap).__name__, ranks, bootstrap.size, devices)
         if joined in _joined:
             self._keys, self.version = _joined[joined]
             return
