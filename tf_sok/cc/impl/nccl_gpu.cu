@@ -1,6 +1,7 @@
 // NCCL collectives for the multi-rank lookup; see nccl.h.
 #include <dlfcn.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -126,12 +127,23 @@ std::map<std::string, std::shared_ptr<LocalRanks>>& LocalRanksById() {
   return *r;
 }
 
+// Set once this process holds communicators on two GPUs or more (see SeveralDevicesInProcess).
+std::atomic<bool> several_devices{false};
+
 std::string Failed(const Api* api, const char* what, int r) {
   return std::string("NCCL ") + what + " failed: " + api->get_error_string(r);
 }
 
 std::string CudaFailed(const char* what, cudaError_t c) {
   return std::string(what) + " failed: " + cudaGetErrorString(c);
+}
+
+// The device of d's stream, made current on the calling thread.
+std::string CurrentFromStream(const GpuDevice& d, int* device) {
+  cudaError_t c = cudaStreamGetDevice(gpu::StreamOf(d), device);
+  if (c != cudaSuccess) return CudaFailed("cudaStreamGetDevice", c);
+  c = cudaSetDevice(*device);
+  return c == cudaSuccess ? "" : CudaFailed("cudaSetDevice", c);
 }
 
 // The communicator `key`, checked against the device of d's stream; makes that device current.
@@ -149,14 +161,10 @@ std::string Use(int64_t key, const GpuDevice& d, const Api** api, Comm* comm) {
     *comm = it->second;
   }
   int device = -1;
-  cudaError_t c = cudaStreamGetDevice(gpu::StreamOf(d), &device);
-  if (c != cudaSuccess) return CudaFailed("cudaStreamGetDevice", c);
-  if (device != comm->device) {
-    return "tf_sok NCCL communicator " + std::to_string(key) + " was created on GPU " + std::to_string(comm->device) +
-           " but this op runs on GPU " + std::to_string(device);
-  }
-  c = cudaSetDevice(device);
-  return c == cudaSuccess ? "" : CudaFailed("cudaSetDevice", c);
+  why = CurrentFromStream(d, &device);
+  if (!why.empty() || device == comm->device) return why;
+  return "tf_sok NCCL communicator " + std::to_string(key) + " was created on GPU " + std::to_string(comm->device) +
+         " but this op runs on GPU " + std::to_string(device);
 }
 
 // ncclGroupStart .. body .. ncclGroupEnd, ending the group even when the body fails.
@@ -209,12 +217,10 @@ std::string Init(int64_t key, const char id[kUniqueIdBytes], int rank, int size,
   Comm comm;
   comm.rank = rank;
   comm.size = size;
-  cudaError_t c = cudaStreamGetDevice(gpu::StreamOf(d), &comm.device);
-  if (c != cudaSuccess) return CudaFailed("cudaStreamGetDevice", c);
-  c = cudaSetDevice(comm.device);
-  if (c != cudaSuccess) return CudaFailed("cudaSetDevice", c);
+  why = CurrentFromStream(d, &comm.device);
+  if (!why.empty()) return why;
   // work already queued on the stream may be an earlier communicator's: let it finish first
-  c = cudaStreamSynchronize(gpu::StreamOf(d));
+  cudaError_t c = cudaStreamSynchronize(gpu::StreamOf(d));
   if (c != cudaSuccess) return CudaFailed("cudaStreamSynchronize", c);
   {
     std::lock_guard<std::mutex> l(registry_mu);
@@ -228,6 +234,9 @@ std::string Init(int64_t key, const char id[kUniqueIdBytes], int rank, int size,
   int r = api->comm_init_rank(&comm.handle, size, u, rank);
   if (r != kSuccess) return Failed(api, "ncclCommInitRank", r);
   std::lock_guard<std::mutex> l(registry_mu);
+  for (const auto& kv : Registry()) {
+    if (kv.second.device != comm.device) several_devices.store(true, std::memory_order_relaxed);
+  }
   Registry()[key] = comm;
   return "";
 }
@@ -240,22 +249,11 @@ int Size(int64_t key, int* rank) {
   return it->second.size;
 }
 
-bool SeveralDevicesInProcess() {
-  std::lock_guard<std::mutex> l(registry_mu);
-  int first = -1;
-  for (const auto& kv : Registry()) {
-    if (first < 0) first = kv.second.device;
-    if (kv.second.device != first) return true;
-  }
-  return false;
-}
+bool SeveralDevicesInProcess() { return several_devices.load(std::memory_order_relaxed); }
 
 std::string MakeStreamDeviceCurrent(const GpuDevice& d) {
   int device = -1;
-  cudaError_t c = cudaStreamGetDevice(gpu::StreamOf(d), &device);
-  if (c != cudaSuccess) return CudaFailed("cudaStreamGetDevice", c);
-  c = cudaSetDevice(device);
-  return c == cudaSuccess ? "" : CudaFailed("cudaSetDevice", c);
+  return CurrentFromStream(d, &device);
 }
 
 std::string ExchangeCounts(int64_t key, const GpuDevice& d, const int32_t* send_counts, int32_t* recv_counts) {

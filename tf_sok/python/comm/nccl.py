@@ -90,10 +90,7 @@ def _agree_available(bootstrap: Communicator) -> None:
 
 
 def _replica_devices_problem(strategy_comm) -> Optional[str]:
-    """Why the replicas of a tf.distribute strategy cannot be NCCL ranks, or None."""
-    if getattr(strategy_comm, "kind", None) != "MirroredStrategy":
-        return (f"NCCL ranks under tf.distribute need MirroredStrategy (one process); this is "
-                f"{getattr(strategy_comm, 'kind', type(strategy_comm).__name__)}")
+    """Why the replicas of a MirroredStrategy cannot be NCCL ranks, or None."""
     devices = [tf.DeviceSpec.from_string(strategy_comm.device(r)) for r in strategy_comm.local_ranks]
     if any((d.device_type or "").upper() != "GPU" for d in devices):
         return "the strategy's replicas are not one GPU each: " + ", ".join(d.to_string() for d in devices)
@@ -156,12 +153,12 @@ class NcclCommunicator(Communicator):
         if self._per_replica:
             with tf.init_scope():
                 keys = {r: next(_keys) for r in ranks}
-                version = _join_in_threads(collective_ops.unique_id(), keys,
-                                           {r: bootstrap.device(r) for r in ranks}, bootstrap.size)
+                version = _join_in_threads(collective_ops.unique_id(), keys, dict(zip(ranks, devices)),
+                                           bootstrap.size)
             self._keys, self.version = keys, version
             _joined[joined] = (keys, version)
             _log.info("tf_sok NCCL exchange: ranks %s of %d on %s, NCCL %s", list(ranks), self.size,
-                      [bootstrap.device(r) for r in ranks], version)
+                      list(devices), version)
             return
         with tf.init_scope():
             with tf.device(device):
