@@ -114,6 +114,70 @@ class TestBadInput:
             sok.lookup_sparse([table], [tf.ragged.constant([[-3]], dtype=tf.int64)])
         np.testing.assert_array_equal(table.numpy(), table_np)
 
+    def test_check_op_turns_a_status_record_into_the_named_error(self, rng):
+        """TfSokLookupCheck reads a lookup's status as a GPU lookup leaves it (the
+        first error, recorded on the device) and raises the same error as the CPU."""
+        from tf_sok.python.ops.loader import ops
+
+        names, tables, feature_table = ["age", "clicks", "ads"], ["users", "items"], [0, 1, 1]
+        kw = dict(feature_names=names, table_names=tables, feature_table=feature_table)
+        f, pos = int(rng.integers(0, 3)), int(rng.integers(0, 10**6))
+        bad, rows = int(rng.integers(10**6, 10**12)), int(rng.integers(1, 10**6))
+        word0 = lambda kind, group: kind | (group << 32)  # int32 kind, int32 feature (little-endian)
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"feature '{names[f]}' has id {bad} \(at position {pos}\) outside table "
+                                 rf"'{tables[feature_table[f]]}' of {rows} rows; ids must be in \[0, {rows}\)"):
+            ops().tf_sok_lookup_check(tf.constant([word0(1, f), pos, bad, rows], tf.int64), **kw)
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"row_splits of feature '{names[f]}' are invalid at index {pos} \(value {bad}\)"):
+            ops().tf_sok_lookup_check(tf.constant([word0(2, f), pos, bad, 0], tf.int64), **kw)
+        with pytest.raises(tf.errors.InternalError, match="names feature 7, which the op does not have"):
+            ops().tf_sok_lookup_check(tf.constant([word0(1, 7), pos, bad, rows], tf.int64), **kw)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="status must be a lookup's int64 status output"):
+            ops().tf_sok_lookup_check(tf.zeros([3], tf.int64), **kw)
+        ops().tf_sok_lookup_check(tf.zeros([4], tf.int64), **kw)  # all zeros: no error
+
+    def test_bad_id_fails_a_traced_training_step_and_its_gradient_waits_for_the_check(self, rng):
+        """In a tf.function the lookup's check is queued after it, off tf.function's
+        chain of resource-less stateful ops, and the lookup gradient depends on it,
+        so no gradient or update of a step with a bad id runs (on a GPU the lookup
+        itself does not wait for the verdict)."""
+        table_np = _tables(rng, [(50, 8)])[0]
+        table = sok.Variable(table_np, name="users")
+        opt = sok.optimizers.Adam(0.05)
+
+        @tf.function
+        def step(ids):
+            tf.print("step", output_stream="file:///dev/null")  # a stateful op touching no resource
+            with tf.GradientTape() as tape:
+                out = sok.lookup_sparse([table], [ids], feature_names=["clicks"], combiners="sum")[0]
+                loss = tf.reduce_sum(out * out)
+            opt.apply_gradients(zip(tape.gradient(loss, [table]), [table]))
+            return loss
+
+        lens, ids = random_ragged(rng, 16, 50, 3)
+        good = to_ragged(lens, ids)
+        loss = step(good)
+        np.testing.assert_allclose(loss.numpy(), np.sum(np_lookup(table_np, lens, ids, None, "sum") ** 2),
+                                   rtol=1e-5)
+        after = table.numpy()
+        assert not np.array_equal(after, table_np)
+        slots = [s.numpy() for s in opt.slots(table)]
+        bad_ids = ids.copy()
+        bad_ids[-1] = 50 + int(rng.integers(0, 1000))
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"feature 'clicks' has id {bad_ids[-1]} .*table 'users' of 50 rows"):
+            step(to_ragged(lens, bad_ids))
+        np.testing.assert_array_equal(table.numpy(), after)
+        for s, before in zip(opt.slots(table), slots):
+            np.testing.assert_array_equal(s.numpy(), before)
+        graph = step.get_concrete_function(good).graph
+        checks = [op for op in graph.get_operations() if op.type == "TfSokLookupCheck"]
+        grads = [op for op in graph.get_operations() if op.type == "TfSokFusedLookupGrad"]
+        assert len(checks) == 1 and len(grads) == 1
+        assert checks[0] in grads[0].control_inputs
+        assert not any(op.type == "PrintV2" for op in checks[0].control_inputs)
+
     def test_bad_row_splits(self, rng):
         from tf_sok.python.ops import lookup_ops
 

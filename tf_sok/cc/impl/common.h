@@ -62,6 +62,28 @@ struct Error {
   bool ok() const { return kind == ErrorKind::kOk; }
 };
 
+// An Error as kernels on a device record it (the first writer wins), laid out
+// as kErrorRecordWords int64 words so that it can travel as a tensor: a GPU
+// lookup hands it on as its status output instead of waiting for it.
+struct ErrorRecord {
+  int32_t kind;
+  int32_t group;
+  int64_t item;
+  int64_t value;
+  int64_t limit;  // kIdOutOfRange: the rows of the id's table
+};
+constexpr int kErrorRecordWords = 4;
+static_assert(sizeof(ErrorRecord) == kErrorRecordWords * sizeof(int64_t), "ErrorRecord layout");
+
+inline Error FromRecord(const ErrorRecord& r) {
+  Error e;
+  e.kind = static_cast<ErrorKind>(r.kind);
+  e.group = r.group;
+  e.item = r.item;
+  e.value = r.value;
+  return e;
+}
+
 }  // namespace impl
 }  // namespace tf_sok
 

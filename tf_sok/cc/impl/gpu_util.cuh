@@ -16,19 +16,15 @@ namespace gpu {
 inline cudaStream_t StreamOf(const GpuDevice& d) { return static_cast<cudaStream_t>(d.stream); }
 
 // Device-side error record; the first writer wins.
-struct DeviceError {
-  int kind;
-  int group;
-  long long item;
-  long long value;
-};
+using DeviceError = ErrorRecord;
 
 __device__ __forceinline__ void Raise(DeviceError* e, ErrorKind kind, int group, long long item,
-                                      long long value) {
+                                      long long value, long long limit = 0) {
   if (atomicCAS(&e->kind, 0, static_cast<int>(kind)) == 0) {
     e->group = group;
     e->item = item;
     e->value = value;
+    e->limit = limit;
   }
 }
 
@@ -56,12 +52,7 @@ inline Error Collect(const GpuDevice& d, const DeviceError* dev) {
   cudaMemcpyAsync(&host, dev, sizeof(host), cudaMemcpyDeviceToHost, StreamOf(d));
   cudaError_t c = cudaStreamSynchronize(StreamOf(d));
   if (c != cudaSuccess) return CudaFailure(c);
-  Error e;
-  e.kind = static_cast<ErrorKind>(host.kind);
-  e.group = host.group;
-  e.item = host.item;
-  e.value = host.value;
-  return e;
+  return FromRecord(host);
 }
 
 inline DeviceError* NewError(const GpuDevice& d) {

@@ -33,16 +33,21 @@ struct FeatureView {
 };
 
 // Forward: outputs[f] is [features[f].batch, tables[table].dim].
-// Validates splits and ids first; on error nothing meaningful is written.
-// report = false (ids tf_sok produced itself, already checked): a device does
-// not wait to learn whether the kernels saw a bad id; bad ids are still never
-// read (they contribute nothing), and the CPU reports them regardless.
+// Validates splits and ids; bad ids contribute nothing to their row. The CPU
+// returns the first error. A GPU never waits on its stream for it: its kernels
+// record the first error in `record` (device memory, zeroed here; nullptr: not
+// recorded, for ids tf_sok produced and checked itself), which the caller
+// reads later (see CopyRecordToHost) and the functor returns only launch errors.
 template <typename Device, typename Id>
 struct FusedLookup {
   Error operator()(const Device& d, const std::vector<TableView>& tables,
                    const std::vector<FeatureView<Id>>& features,
-                   const std::vector<float*>& outputs, bool report = true);
+                   const std::vector<float*>& outputs, ErrorRecord* record);
 };
+
+// GPU: copies a recorded error to host memory (pinned, for an asynchronous
+// copy) in stream order; the caller learns when it has arrived from the stream.
+Error CopyRecordToHost(const GpuDevice& d, const ErrorRecord* device_record, ErrorRecord* host);
 
 // The dense gradient of the forward pooling with respect to the rows it read:
 // grads[t] ([tables[t].rows, tables[t].dim], zeroed here) gets every id's

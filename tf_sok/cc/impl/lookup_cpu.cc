@@ -88,7 +88,7 @@ template <typename Id>
 struct FusedLookup<CpuDevice, Id> {
   Error operator()(const CpuDevice& d, const std::vector<TableView>& tables,
                    const std::vector<FeatureView<Id>>& features,
-                   const std::vector<float*>& outputs, bool /*report: the CPU always does*/) {
+                   const std::vector<float*>& outputs, ErrorRecord* /*the CPU returns errors*/) {
     Error e = CheckSplits(features);
     if (!e.ok()) return e;
     for (const auto& t : tables) AdviseHugePages(t.data, sizeof(float) * static_cast<size_t>(t.rows) * t.dim);

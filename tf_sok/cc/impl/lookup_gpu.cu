@@ -113,7 +113,7 @@ __global__ void ForwardKernel(const Batch<Id> b, int group, DeviceError* err) {
       wsum += w;
       wsq += w * w;
       if (id < 0 || id >= b.table_rows[f]) {
-        Raise(err, ErrorKind::kIdOutOfRange, b.feature_index[f], i, id);
+        Raise(err, ErrorKind::kIdOutOfRange, b.feature_index[f], i, id, b.table_rows[f]);
         continue;
       }
       V::Fma(acc, w, V::Load(table + id * dim + j0));
@@ -276,10 +276,11 @@ template <typename Id>
 struct FusedLookup<GpuDevice, Id> {
   Error operator()(const GpuDevice& d, const std::vector<TableView>& tables,
                    const std::vector<FeatureView<Id>>& features,
-                   const std::vector<float*>& outputs, bool report) {
+                   const std::vector<float*>& outputs, ErrorRecord* record) {
     using namespace gpu;
-    DeviceError* err = NewError(d);
+    DeviceError* err = record ? record : NewError(d);
     if (!err) return OutOfMemory();
+    if (record) cudaMemsetAsync(record, 0, sizeof(ErrorRecord), StreamOf(d));
     for (size_t first = 0; first < features.size(); first += kChunk) {
       const size_t count = std::min<size_t>(kChunk, features.size() - first);
       Batch<Id> b = MakeBatch(features, first, count);
@@ -304,10 +305,15 @@ struct FusedLookup<GpuDevice, Id> {
       }
     }
     cudaError_t c = cudaGetLastError();
-    if (c != cudaSuccess) return CudaFailure(c);
-    return report ? Collect(d, err) : Error();
+    return c == cudaSuccess ? Error() : CudaFailure(c);
   }
 };
+
+Error CopyRecordToHost(const GpuDevice& d, const ErrorRecord* device_record, ErrorRecord* host) {
+  cudaError_t c = cudaMemcpyAsync(host, device_record, sizeof(ErrorRecord), cudaMemcpyDeviceToHost,
+                                  gpu::StreamOf(d));
+  return c == cudaSuccess ? Error() : gpu::CudaFailure(c);
+}
 
 // The grouping of one group of up to kChunk tables (all of a step's ids of
 // those tables sorted together).

@@ -1,21 +1,38 @@
 // Kernels of TfSokFusedLookup / TfSokFusedLookupGrad: read attributes, check
 // shapes, allocate outputs, call the impl functor, explain its errors.
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "tensorflow/core/framework/device.h"
 #include "tf_sok/cc/impl/lookup.h"
 #include "tf_sok/cc/kernels/kernel_util.h"
 
 namespace tf_sok {
 namespace {
 
+// What an error message names: each feature, the table it reads, each table.
+struct LookupNames {
+  std::vector<int> feature_table;
+  std::vector<std::string> feature_names, table_names;
+
+  // Fills names left empty with "#index".
+  void Complete(int num_features, int num_tables) {
+    if (feature_names.size() < static_cast<size_t>(num_features)) feature_names.resize(num_features);
+    if (table_names.size() < static_cast<size_t>(num_tables)) table_names.resize(num_tables);
+    for (int f = 0; f < num_features; ++f)
+      if (feature_names[f].empty()) feature_names[f] = absl::StrCat("#", f);
+    for (int t = 0; t < num_tables; ++t)
+      if (table_names[t].empty()) table_names[t] = absl::StrCat("#", t);
+  }
+};
+
 // Attributes shared by the forward and backward kernels.
-struct LookupAttrs {
+struct LookupAttrs : LookupNames {
   int num_tables = 0, num_features = 0;
-  std::vector<int> feature_table, dims;
+  std::vector<int> dims;
   std::vector<impl::Combiner> combiners;
   std::vector<bool> weighted;
-  std::vector<std::string> feature_names, table_names;
 
   absl::Status Read(tf::OpKernelConstruction* c, bool with_names) {
     std::vector<std::string> comb;
@@ -47,12 +64,7 @@ struct LookupAttrs {
                           : comb[f] == "mean" ? impl::Combiner::kMean
                                               : impl::Combiner::kSqrtn);
     }
-    if (feature_names.size() < static_cast<size_t>(num_features)) feature_names.resize(num_features);
-    if (table_names.size() < static_cast<size_t>(num_tables)) table_names.resize(num_tables);
-    for (int f = 0; f < num_features; ++f)
-      if (feature_names[f].empty()) feature_names[f] = absl::StrCat("#", f);
-    for (int t = 0; t < num_tables; ++t)
-      if (table_names[t].empty()) table_names[t] = absl::StrCat("#", t);
+    Complete(num_features, num_tables);
     return absl::OkStatus();
   }
 
@@ -103,8 +115,14 @@ absl::Status OutputGrad(tf::OpKernelContext* ctx, int input, int f, int64_t batc
   return absl::OkStatus();
 }
 
-absl::Status Explain(const LookupAttrs& a, const impl::Error& e,
-                     const std::vector<impl::TableView>& tables) {
+// `rows`: the rows of the table of the feature with a bad id.
+absl::Status Explain(const LookupNames& a, const impl::Error& e, int64_t rows) {
+  const bool named = e.group >= 0 && e.group < static_cast<int>(a.feature_names.size()) &&
+                     e.group < static_cast<int>(a.feature_table.size());
+  if (!named && (e.kind == impl::ErrorKind::kIdOutOfRange || e.kind == impl::ErrorKind::kBadSplits)) {
+    return absl::InternalError(absl::StrCat("tf_sok lookup: error kind ", static_cast<int>(e.kind),
+                                            " names feature ", e.group, ", which the op does not have"));
+  }
   switch (e.kind) {
     case impl::ErrorKind::kOk:
       return absl::OkStatus();
@@ -112,8 +130,8 @@ absl::Status Explain(const LookupAttrs& a, const impl::Error& e,
       const int t = a.feature_table[e.group];
       return absl::InvalidArgumentError(absl::StrCat(
           "tf_sok lookup: feature '", a.feature_names[e.group], "' has id ", e.value,
-          " (at position ", e.item, ") outside table '", a.table_names[t], "' of ",
-          tables[t].rows, " rows; ids must be in [0, ", tables[t].rows, ")"));
+          " (at position ", e.item, ") outside table '", a.table_names.at(t), "' of ",
+          rows, " rows; ids must be in [0, ", rows, ")"));
     }
     case impl::ErrorKind::kBadSplits:
       return absl::InvalidArgumentError(absl::StrCat(
@@ -124,8 +142,16 @@ absl::Status Explain(const LookupAttrs& a, const impl::Error& e,
       return absl::ResourceExhaustedError("tf_sok lookup: out of scratch memory");
     case impl::ErrorKind::kCudaError:
       return absl::InternalError(absl::StrCat("tf_sok lookup: CUDA error ", e.value));
+    default:
+      break;
   }
-  return absl::UnknownError("tf_sok lookup: unknown error");
+  return absl::UnknownError(absl::StrCat("tf_sok lookup: unknown error kind ", static_cast<int>(e.kind)));
+}
+
+absl::Status Explain(const LookupAttrs& a, const impl::Error& e,
+                     const std::vector<impl::TableView>& tables) {
+  const bool id = e.kind == impl::ErrorKind::kIdOutOfRange && e.group >= 0 && e.group < a.num_features;
+  return Explain(static_cast<const LookupNames&>(a), e, id ? tables[a.feature_table[e.group]].rows : 0);
 }
 
 // Table t's current value: a variable's buffer (TfSokFusedLookup) or a plain
@@ -181,10 +207,15 @@ class FusedLookupOp : public tf::OpKernel {
                               &out));
       outputs[f] = out->flat<float>().data();
     }
+    tf::Tensor* status = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(attrs_.num_features,
+                                             tf::TensorShape({impl::kErrorRecordWords}), &status));
+    auto* record = reinterpret_cast<impl::ErrorRecord*>(status->flat<int64_t>().data());
+    if (std::is_same<Device, impl::CpuDevice>::value) *record = impl::ErrorRecord{};
     TensorScratch scratch(ctx);
     const Device d = MakeDevice<Device>(ctx, &scratch);
-    OP_REQUIRES_OK(ctx, Explain(attrs_, impl::FusedLookup<Device, Id>()(d, tables, features,
-                                                                        outputs, !checked_),
+    OP_REQUIRES_OK(ctx, Explain(attrs_, impl::FusedLookup<Device, Id>()(d, tables, features, outputs,
+                                                                        checked_ ? nullptr : record),
                                 tables));
   }
 
@@ -284,6 +315,92 @@ class FusedLookupGradOp : public tf::OpKernel {
   LookupAttrs attrs_;
 };
 
+// TfSokLookupCheck: turns a lookup's status into its error.
+absl::Status ReadNames(tf::OpKernelConstruction* c, LookupNames* names) {
+  TF_RETURN_IF_ERROR(c->GetAttr("feature_names", &names->feature_names));
+  TF_RETURN_IF_ERROR(c->GetAttr("table_names", &names->table_names));
+  TF_RETURN_IF_ERROR(c->GetAttr("feature_table", &names->feature_table));
+  for (int t : names->feature_table) {
+    if (t < 0 || t >= static_cast<int>(names->table_names.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("tf_sok lookup check: feature_table entry ", t,
+                                                     " but ", names->table_names.size(), " table names"));
+    }
+  }
+  names->Complete(static_cast<int>(names->feature_table.size()),
+                  static_cast<int>(names->table_names.size()));
+  return absl::OkStatus();
+}
+
+absl::Status StatusInput(tf::OpKernelContext* ctx) {
+  const tf::Tensor& s = ctx->input(0);
+  if (s.dtype() != tf::DT_INT64 || s.NumElements() != impl::kErrorRecordWords) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tf_sok lookup check: status must be a lookup's int64 status output of ",
+        impl::kErrorRecordWords, " words; got ", s.shape().DebugString()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExplainRecord(const LookupNames& names, const impl::ErrorRecord& r) {
+  return Explain(names, impl::FromRecord(r), r.limit);
+}
+
+class LookupCheckOp : public tf::OpKernel {
+ public:
+  explicit LookupCheckOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
+    OP_REQUIRES_OK(c, ReadNames(c, &names_));
+  }
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    OP_REQUIRES_OK(ctx, StatusInput(ctx));
+    OP_REQUIRES_OK(ctx, ExplainRecord(names_, *reinterpret_cast<const impl::ErrorRecord*>(
+                                                  ctx->input(0).flat<int64_t>().data())));
+  }
+
+ private:
+  LookupNames names_;
+};
+
+#if TF_SOK_WITH_CUDA
+// Copies the record to pinned host memory in stream order and completes from
+// TensorFlow's event manager once the stream has reached it: the launching
+// thread goes on queueing the ops after the lookup.
+class LookupCheckGpuOp : public tf::AsyncOpKernel {
+ public:
+  explicit LookupCheckGpuOp(tf::OpKernelConstruction* c) : tf::AsyncOpKernel(c) {
+    OP_REQUIRES_OK(c, ReadNames(c, &names_));
+  }
+
+  void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
+    OP_REQUIRES_OK_ASYNC(ctx, StatusInput(ctx), done);
+    tf::AllocatorAttributes pinned;
+    pinned.set_on_host(true);
+    pinned.set_gpu_compatible(true);
+    tf::Tensor host;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_temp(tf::DT_INT64, tf::TensorShape({impl::kErrorRecordWords}),
+                                                 &host, pinned),
+                         done);
+    auto* record = reinterpret_cast<impl::ErrorRecord*>(host.flat<int64_t>().data());
+    const impl::Error copied = impl::CopyRecordToHost(
+        MakeDevice<impl::GpuDevice>(ctx, nullptr),
+        reinterpret_cast<const impl::ErrorRecord*>(ctx->input(0).flat<int64_t>().data()), record);
+    OP_REQUIRES_ASYNC(ctx, copied.ok(),
+                      absl::InternalError(absl::StrCat("tf_sok lookup check: CUDA error ", copied.value)),
+                      done);
+    tf::DeviceContext* dc = ctx->op_device_context();
+    const absl::Status queued = dc->ThenExecute(static_cast<tf::Device*>(ctx->device()), dc->stream(), [this, ctx, host, done]() {
+      ctx->SetStatus(ExplainRecord(names_, *reinterpret_cast<const impl::ErrorRecord*>(
+                                               host.flat<int64_t>().data())));
+      done();
+    });
+    OP_REQUIRES_OK_ASYNC(ctx, queued, done);
+  }
+
+ private:
+  LookupNames names_;
+};
+#endif
+
 // The gradient waits on the stream for its sizes: on a GPU, a Detached kernel.
 template <typename Device, typename Id>
 struct GradKernel {
@@ -309,6 +426,11 @@ struct GradKernel<impl::GpuDevice, Id> {
   REGISTER_KERNEL_BUILDER(                                                           \
       Name("TfSokFusedCombineGrad").Device(DEV).TypeConstraint<ID>("Tid"),           \
       FusedCombineGradOp<DEVICE, ID>);
+
+REGISTER_KERNEL_BUILDER(Name("TfSokLookupCheck").Device(tf::DEVICE_CPU), LookupCheckOp);
+#if TF_SOK_WITH_CUDA
+REGISTER_KERNEL_BUILDER(Name("TfSokLookupCheck").Device(tf::DEVICE_GPU), LookupCheckGpuOp);
+#endif
 
 TF_SOK_REGISTER_LOOKUP(tf::DEVICE_CPU, impl::CpuDevice, int32_t)
 TF_SOK_REGISTER_LOOKUP(tf::DEVICE_CPU, impl::CpuDevice, int64_t)

@@ -8,6 +8,8 @@ namespace tf_sok {
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
+constexpr int kStatusWords = 4;  // impl::kErrorRecordWords
+
 // Attributes every pooling op shares: which table each feature reads, how it
 // pools, the id type and the tables' widths.
 #define TF_SOK_POOLING_ATTRS                                \
@@ -43,6 +45,7 @@ absl::Status PooledOutputShapes(InferenceContext* c) {
     }
     c->set_output(f, c->Matrix(batch, dims[t]));
   }
+  c->set_output(num_features, c->Vector(kStatusWords));
   return absl::OkStatus();
 }
 
@@ -52,6 +55,7 @@ absl::Status PooledOutputShapes(InferenceContext* c) {
       .Input("row_splits: num_features * int64")          \
       .Input("weights: num_features * float")             \
       .Output("outputs: num_features * float")            \
+      .Output("status: int64")                            \
           TF_SOK_POOLING_ATTRS                            \
       .Attr("feature_names: list(string)")                \
       .Attr("table_names: list(string)")                  \
@@ -68,8 +72,12 @@ Looks up every feature's ragged ids in its table and combines each row
 (sum, mean or sqrtn, optionally weighted) into one [batch, dim] output per
 feature. Unweighted features pass an empty weights tensor.
 
-checked: the ids were produced (and checked) by tf_sok itself; a GPU does not
-  wait on its stream to learn whether an id was bad (bad ids contribute zero).
+status: the first bad id or row split the kernels met, as TfSokLookupCheck reads
+  it. The CPU kernel fails at once instead (status is then all zeros); a GPU
+  never waits on its stream for it: bad ids contribute zero, and the check op,
+  run after the lookup, turns the record into the error.
+checked: the ids were produced (and checked) by tf_sok itself; status is not
+  written (all zeros on the CPU, undefined on a GPU) and needs no check.
 distinct_ids: feature t reads table t, one id per row, summed, unweighted, and
   its ids are strictly ascending; the gradient is then the output gradients as
   the rows of those ids (no sort).
@@ -128,6 +136,24 @@ REGISTER_OP("TfSokFusedLookupGrad")
     .Doc(R"doc(
 Row-sparse gradient of TfSokFusedLookup: for each table, the unique ids read
 by its features and the summed gradient of each.
+)doc");
+
+REGISTER_OP("TfSokLookupCheck")
+    .Input("status: int64")
+    .Attr("feature_names: list(string)")
+    .Attr("table_names: list(string)")
+    .Attr("feature_table: list(int)")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle status;
+      return c->WithRank(c->input(0), 1, &status);
+    })
+    .Doc(R"doc(
+Fails with the lookup's error when `status` (a TfSokFusedLookup or
+TfSokFusedCombine status output) records one, naming the feature, the table
+and the offending value. On a GPU it completes once the stream has reached the
+lookup, without blocking the thread that launched it, so the ops after a lookup
+are queued while it runs. Stateful: a tf.function runs it before it returns.
 )doc");
 
 }  // namespace tf_sok

@@ -3,9 +3,44 @@ for variables, dense for plain tensors (the exchange path's received vectors).""
 from typing import List, Sequence
 
 import tensorflow as tf
+from tensorflow.python.framework import auto_control_deps
 from tensorflow.python.ops import resource_variable_ops
 
 from tf_sok.python.ops.loader import ops
+
+CHECK_OP = "TfSokLookupCheck"
+
+
+@auto_control_deps.register_acd_resource_resolver
+def _check_runs_unchained(op, reads, writes):
+    """tf.function chains the stateful ops that touch no resource in program order.
+    A lookup's check reads its lookup's status and nothing else: it stands for a
+    resource of its own here, so no earlier stateful op (a collective, say) delays
+    it, and it delays none (the lookup's gradient waits for it, see below)."""
+    if op.type != CHECK_OP or not op.inputs or op.inputs[0] in reads:
+        return False
+    reads.add(op.inputs[0])
+    return True
+
+
+def _checked(result, checked: bool, feature_table: Sequence[int], feature_names: Sequence[str],
+             table_names: Sequence[str]) -> List[tf.Tensor]:
+    """The lookup's outputs, after queueing the check of its status (unless tf_sok
+    produced and checked the ids itself). Eagerly the check raises here; in a
+    tf.function it fails the call, and the lookup's gradient waits for it, so no
+    gradient or update of a step with a bad id ever runs. On a GPU the ops after
+    the lookup are queued while it runs (the check completes from the stream)."""
+    if not checked:
+        ops().tf_sok_lookup_check(result.status, feature_names=list(feature_names),
+                                  table_names=list(table_names), feature_table=list(feature_table))
+    return list(result.outputs)
+
+
+def _checks_of(op) -> List:
+    """The check ops that read a lookup op's status (graph mode; eagerly they have run)."""
+    if tf.executing_eagerly() or not hasattr(op.outputs[-1], "consumers"):
+        return []
+    return [c for c in op.outputs[-1].consumers() if c.type == CHECK_OP]
 
 
 def fused_lookup(handles: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], row_splits: Sequence[tf.Tensor],
@@ -20,11 +55,12 @@ def fused_lookup(handles: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], row_spl
                                              or set(combiners) != {"sum"} or any(weighted)):
         raise ValueError("fused_lookup: distinct_ids and one_id_per_row need feature t to read table t, summed "
                          "and unweighted")
-    return ops().tf_sok_fused_lookup(
+    result = ops().tf_sok_fused_lookup(
         tables=list(handles), ids=list(ids), row_splits=list(row_splits), weights=list(weights),
         feature_table=list(feature_table), combiners=list(combiners), weighted=list(weighted),
         dims=list(dims), feature_names=list(feature_names), table_names=list(table_names), checked=checked,
         distinct_ids=distinct_ids, one_id_per_row=one_id_per_row)
+    return _checked(result, checked, feature_table, feature_names, table_names)
 
 
 def fused_combine(params: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], row_splits: Sequence[tf.Tensor],
@@ -33,11 +69,12 @@ def fused_combine(params: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], row_spl
                   table_names: Sequence[str], checked: bool = False) -> List[tf.Tensor]:
     """fused_lookup over plain [rows, dim] tensors (e.g. vectors received from other
     ranks). Its gradient with respect to `params` is dense (TfSokFusedCombineGrad)."""
-    return ops().tf_sok_fused_combine(
+    result = ops().tf_sok_fused_combine(
         params=list(params), ids=list(ids), row_splits=list(row_splits), weights=list(weights),
         feature_table=list(feature_table), combiners=list(combiners), weighted=list(weighted),
         dims=[int(p.shape[1]) for p in params], feature_names=list(feature_names), table_names=list(table_names),
         checked=checked)
+    return _checked(result, checked, feature_table, feature_names, table_names)
 
 
 ASCENDING_ROWS = "tf_sok_ascending_rows"   # names indices that are strictly ascending by construction
@@ -46,9 +83,10 @@ CHECKED_ROWS = "tf_sok_checked_rows"       # names indices in range by construct
 
 def _inputs_and_grads(op, out_grads):
     """The op's tables, ids, splits and weights, and an output gradient for every
-    feature (zeros where none flows)."""
+    feature (zeros where none flows; the status output has none)."""
     T = op.get_attr("num_tables")
     F = op.get_attr("num_features")
+    out_grads = out_grads[:F]
     dims = op.get_attr("dims")
     feature_table = op.get_attr("feature_table")
     ins = list(op.inputs)
@@ -73,8 +111,9 @@ def _fused_lookup_grad(op, *out_grads):
         name = ASCENDING_ROWS if op.get_attr("distinct_ids") else CHECKED_ROWS
         rows = [tf.identity(tf.cast(i, tf.int64), name=name) for i in ids]
         return [tf.IndexedSlices(g, r, dense_shape=s) for g, r, s in zip(grads, rows, shape)] + [None] * (3 * len(ids))
-    indices, values = ops().tf_sok_fused_lookup_grad(
-        ids=ids, row_splits=splits, weights=weights, output_grads=grads, num_tables=len(tables), **attrs)
+    with tf.control_dependencies(_checks_of(op)):
+        indices, values = ops().tf_sok_fused_lookup_grad(
+            ids=ids, row_splits=splits, weights=weights, output_grads=grads, num_tables=len(tables), **attrs)
     return [tf.IndexedSlices(values[t], indices[t], dense_shape=shape[t]) for t in range(len(tables))] + \
         [None] * (3 * len(ids))
 
@@ -83,6 +122,7 @@ def _fused_lookup_grad(op, *out_grads):
 def _fused_combine_grad(op, *out_grads):
     """Dense gradients of the pooled params (on a GPU, no wait on the stream)."""
     params, ids, splits, weights, grads, attrs = _inputs_and_grads(op, out_grads)
-    dense = ops().tf_sok_fused_combine_grad(params=params, ids=ids, row_splits=splits, weights=weights,
-                                            output_grads=grads, **attrs)
+    with tf.control_dependencies(_checks_of(op)):
+        dense = ops().tf_sok_fused_combine_grad(params=params, ids=ids, row_splits=splits, weights=weights,
+                                                output_grads=grads, **attrs)
     return list(dense) + [None] * (3 * len(ids))
