@@ -127,6 +127,46 @@ def test_bad_ids_on_gpu_raise_clear_errors_and_leave_tables(rng):
     np.testing.assert_allclose(out.numpy()[0], table_np[3] + table_np[4], rtol=1e-6)
 
 
+def test_bad_ids_in_a_gpu_training_step_fail_it_before_any_write(rng):
+    """In a tf.function the GPU lookup does not wait for its verdict; its check fails
+    the step and the gradient waits for the check, so no table or slot changes; the
+    gradient op's own error (an id past 2^40) is an error too, not a crash."""
+    from tf_sok.python.ops.loader import ops
+
+    table_np = rng.standard_normal((64, 16)).astype(np.float32)
+    with tf.device("/GPU:0"):
+        table = sok.Variable(table_np, name="users")
+        opt = sok.optimizers.Adam(0.1)
+
+        @tf.function
+        def step(ids):
+            with tf.GradientTape() as tape:
+                out = sok.lookup_sparse([table], [ids], feature_names=["clicks"], combiners="sum")[0]
+                loss = tf.reduce_sum(out * out)
+            opt.apply_gradients(zip(tape.gradient(loss, [table]), [table]))
+            return loss
+
+        lens, ids = random_ragged(rng, 256, 64, 4, np.int64)
+        step(to_ragged(lens, ids))
+        before = table.numpy()
+        slots = [s.numpy() for s in opt.slots(table)]
+        bad = ids.copy()
+        at = int(rng.integers(0, len(bad)))
+        bad[at] = 64 + int(rng.integers(0, 10**6))
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"feature 'clicks' has id {bad[at]} \(at position {at}\) outside table 'users' of 64"):
+            step(to_ragged(lens, bad))
+        np.testing.assert_array_equal(table.numpy(), before)
+        for s, b in zip(opt.slots(table), slots):
+            np.testing.assert_array_equal(s.numpy(), b)
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"id 2199023255552 is outside \[0, 2\^40\)"):
+            ops().tf_sok_fused_lookup_grad(
+                ids=[tf.constant([1, 2**41], tf.int64)], row_splits=[tf.constant([0, 2], tf.int64)],
+                weights=[tf.zeros([0])], output_grads=[tf.ones([1, 16])], num_tables=1, feature_table=[0],
+                combiners=["sum"], weighted=[False], dims=[16])
+        assert np.isfinite(step(to_ragged(lens, ids)).numpy())  # the device is still healthy
+
+
 @pytest.mark.parametrize("case", ["adam", "ftrl", "momentum", "rmsprop_centered_momentum"])
 @pytest.mark.parametrize("id_dtype", [tf.int32, tf.int64])
 def test_one_update_of_many_tables_gpu_equals_cpu(rng, case, id_dtype):

@@ -24,8 +24,8 @@ class UniqueIdOp : public tf::OpKernel {
   using tf::OpKernel::OpKernel;
   void Compute(tf::OpKernelContext* ctx) override {
     tf::Tensor* id = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({nccl::kUniqueIdBytes}), &id));
-    OP_REQUIRES_OK(ctx, Check(nccl::GetUniqueId(reinterpret_cast<char*>(id->flat<uint8_t>().data()))));
+    TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({nccl::kUniqueIdBytes}), &id));
+    TF_SOK_REQUIRES_OK(ctx, Check(nccl::GetUniqueId(reinterpret_cast<char*>(id->flat<uint8_t>().data()))));
   }
 };
 
@@ -38,17 +38,17 @@ class InitOp : public tf::OpKernel {
   }
   void Compute(tf::OpKernelContext* ctx) override {
     const tf::Tensor& id = ctx->input(0);
-    OP_REQUIRES(ctx, id.NumElements() == nccl::kUniqueIdBytes,
+    TF_SOK_REQUIRES(ctx, id.NumElements() == nccl::kUniqueIdBytes,
                 absl::InvalidArgumentError(absl::StrCat("tf_sok NCCL init: the id must have ", nccl::kUniqueIdBytes,
                                                         " bytes, got ", id.NumElements())));
     TensorScratch scratch(ctx);
     const auto d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
-    OP_REQUIRES_OK(ctx, Check(nccl::Init(key_, reinterpret_cast<const char*>(id.flat<uint8_t>().data()), rank_,
+    TF_SOK_REQUIRES_OK(ctx, Check(nccl::Init(key_, reinterpret_cast<const char*>(id.flat<uint8_t>().data()), rank_,
                                          size_, d)));
     std::string version;
-    OP_REQUIRES_OK(ctx, Check(nccl::Version(&version)));
+    TF_SOK_REQUIRES_OK(ctx, Check(nccl::Version(&version)));
     tf::Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &out));
+    TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &out));
     out->scalar<tf::tstring>()() = version;
   }
 
@@ -95,12 +95,12 @@ class ExchangeSplitsOp : public tf::OpKernel {
   void Compute(tf::OpKernelContext* ctx) override {
     const tf::Tensor& send = ctx->input(0);
     int64_t total = 0;
-    OP_REQUIRES_OK(ctx, CheckSplits(key_, send, "send_splits", &total));
+    TF_SOK_REQUIRES_OK(ctx, CheckSplits(key_, send, "send_splits", &total));
     tf::Tensor* recv = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, send.shape(), &recv));
+    TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(0, send.shape(), &recv));
     TensorScratch scratch(ctx);
     const auto d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
-    OP_REQUIRES_OK(ctx, Check(nccl::ExchangeCounts(key_, d, send.flat<int32_t>().data(),
+    TF_SOK_REQUIRES_OK(ctx, Check(nccl::ExchangeCounts(key_, d, send.flat<int32_t>().data(),
                                                    recv->flat<int32_t>().data())));
   }
 
@@ -124,24 +124,24 @@ class AllToAllOp : public tf::OpKernel {
     const tf::Tensor& input = ctx->input(0);
     const tf::Tensor& send = ctx->input(1);
     const tf::Tensor& recv = ctx->input(2);
-    OP_REQUIRES(ctx, input.dims() >= 1,
+    TF_SOK_REQUIRES(ctx, input.dims() >= 1,
                 absl::InvalidArgumentError("tf_sok NCCL all-to-all: the input must have at least one axis"));
     int64_t sent = 0, received = 0;
-    OP_REQUIRES_OK(ctx, CheckSplits(key_, send, "send_splits", &sent));
-    OP_REQUIRES_OK(ctx, CheckSplits(key_, recv, "recv_splits", &received));
-    OP_REQUIRES(ctx, sent == input.dim_size(0),
+    TF_SOK_REQUIRES_OK(ctx, CheckSplits(key_, send, "send_splits", &sent));
+    TF_SOK_REQUIRES_OK(ctx, CheckSplits(key_, recv, "recv_splits", &received));
+    TF_SOK_REQUIRES(ctx, sent == input.dim_size(0),
                 absl::InvalidArgumentError(absl::StrCat("tf_sok NCCL all-to-all: send_splits add up to ", sent,
                                                         " rows but the input has ", input.dim_size(0))));
     int me = 0;
     nccl::Size(key_, &me);
-    OP_REQUIRES(ctx, send.flat<int32_t>()(me) == recv.flat<int32_t>()(me),
+    TF_SOK_REQUIRES(ctx, send.flat<int32_t>()(me) == recv.flat<int32_t>()(me),
                 absl::InvalidArgumentError(absl::StrCat(
                     "tf_sok NCCL all-to-all: rank ", me, " sends itself ", send.flat<int32_t>()(me),
                     " rows (send_splits) but expects ", recv.flat<int32_t>()(me), " (recv_splits)")));
     tf::TensorShape shape = input.shape();
     shape.set_dim(0, received);
     tf::Tensor* output = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &output));
+    TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &output));
     const int64_t row = RowBytes(input);
     std::vector<int64_t> send_bytes(send.NumElements()), recv_bytes(recv.NumElements());
     for (size_t p = 0; p < send_bytes.size(); ++p) {
@@ -150,7 +150,7 @@ class AllToAllOp : public tf::OpKernel {
     }
     TensorScratch scratch(ctx);
     const auto d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
-    OP_REQUIRES_OK(ctx, Check(nccl::AllToAll(key_, d, input.data(), send_bytes.data(), output->data(),
+    TF_SOK_REQUIRES_OK(ctx, Check(nccl::AllToAll(key_, d, input.data(), send_bytes.data(), output->data(),
                                              recv_bytes.data())));
   }
 
@@ -165,17 +165,17 @@ class AllGatherOp : public tf::OpKernel {
   }
   void Compute(tf::OpKernelContext* ctx) override {
     const tf::Tensor& input = ctx->input(0);
-    OP_REQUIRES(ctx, input.dims() >= 1,
+    TF_SOK_REQUIRES(ctx, input.dims() >= 1,
                 absl::InvalidArgumentError("tf_sok NCCL all-gather: the input must have at least one axis"));
     int size = 0;
-    OP_REQUIRES_OK(ctx, SizeOf(key_, &size));
+    TF_SOK_REQUIRES_OK(ctx, SizeOf(key_, &size));
     tf::TensorShape shape = input.shape();
     shape.set_dim(0, input.dim_size(0) * size);
     tf::Tensor* output = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &output));
+    TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &output));
     TensorScratch scratch(ctx);
     const auto d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
-    OP_REQUIRES_OK(ctx, Check(nccl::AllGather(key_, d, input.data(), output->data(),
+    TF_SOK_REQUIRES_OK(ctx, Check(nccl::AllGather(key_, d, input.data(), output->data(),
                                               input.dim_size(0) * RowBytes(input))));
   }
 
@@ -223,7 +223,7 @@ class RouteKeysOp : public tf::OpKernel {
     int64_t n = 0;
     for (int f = 0; f < F; ++f) {
       const tf::Tensor& t = ctx->input(f);
-      OP_REQUIRES(ctx, t.dims() == 1,
+      TF_SOK_REQUIRES(ctx, t.dims() == 1,
                   absl::InvalidArgumentError(absl::StrCat("tf_sok NCCL key routing: ids of feature '",
                                                           feature_names_[f], "' must be a vector, got ",
                                                           t.shape().DebugString())));
@@ -231,12 +231,12 @@ class RouteKeysOp : public tf::OpKernel {
       sizes[f] = t.NumElements();
       n += sizes[f];
     }
-    OP_REQUIRES(ctx, n < (int64_t{1} << 31),
+    TF_SOK_REQUIRES(ctx, n < (int64_t{1} << 31),
                 absl::InvalidArgumentError("tf_sok NCCL key routing: at most 2^31 - 1 ids per step"));
     int ranks = 0;
-    OP_REQUIRES_OK(ctx, SizeOf(key_, &ranks));
+    TF_SOK_REQUIRES_OK(ctx, SizeOf(key_, &ranks));
     for (int32_t o : owner_) {
-      OP_REQUIRES(ctx, o >= -1 && o < ranks,
+      TF_SOK_REQUIRES(ctx, o >= -1 && o < ranks,
                   absl::InvalidArgumentError(absl::StrCat("tf_sok NCCL key routing: table owner ", o,
                                                           " is not a rank in [0, ", ranks, ")")));
     }
@@ -244,7 +244,7 @@ class RouteKeysOp : public tf::OpKernel {
     pinned.set_on_host(true);
     pinned.set_gpu_compatible(true);
     tf::Tensor staging;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_INT64, tf::TensorShape({impl::key_exchange::StagingSize(F, T)}),
+    TF_SOK_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_INT64, tf::TensorShape({impl::key_exchange::StagingSize(F, T)}),
                                            &staging, pinned));
     TensorScratch scratch(ctx);
     const auto d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
@@ -263,31 +263,31 @@ class RouteKeysOp : public tf::OpKernel {
     spec.route.num_tables = T;
     spec.route.table_owner = owner_.data();
     impl::key_exchange::Plan plan;
-    OP_REQUIRES_OK(ctx, Check(impl::key_exchange::Prepare(d, spec, &plan)));
-    OP_REQUIRES_OK(ctx, Verdict(plan));
+    TF_SOK_REQUIRES_OK(ctx, Check(impl::key_exchange::Prepare(d, spec, &plan)));
+    TF_SOK_REQUIRES_OK(ctx, Verdict(plan));
     const int64_t R = plan.received;
     tf::Tensor *rows = nullptr, *counts = nullptr, *unit = nullptr, *gather = nullptr, *totals = nullptr,
                *slot = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({R}), &rows));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({T}), &counts));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, tf::TensorShape({R + T}), &unit));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, tf::TensorShape({R}), &gather));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, tf::TensorShape({G}), &totals));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(5, tf::TensorShape({n}), &slot));
+    TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({R}), &rows));
+    TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({T}), &counts));
+    TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(2, tf::TensorShape({R + T}), &unit));
+    TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(3, tf::TensorShape({R}), &gather));
+    TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(4, tf::TensorShape({G}), &totals));
+    TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(5, tf::TensorShape({n}), &slot));
     tf::Tensor* scatter = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(6 + 2 * G, tf::TensorShape({R}), &scatter));
+    TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(6 + 2 * G, tf::TensorShape({R}), &scatter));
     for (int t = 0; t < T; ++t) counts->flat<int32_t>()(t) = plan.table_counts[t];
     for (int g = 0; g < G; ++g) {
       totals->flat<int32_t>()(g) = plan.group_totals[g];
       tf::Tensor *send = nullptr, *recv = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(6 + g, tf::TensorShape({plan.size}), &send));
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(6 + G + g, tf::TensorShape({plan.size}), &recv));
+      TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(6 + g, tf::TensorShape({plan.size}), &send));
+      TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(6 + G + g, tf::TensorShape({plan.size}), &recv));
       for (int p = 0; p < plan.size; ++p) {
         send->flat<int32_t>()(p) = plan.group_send[g][p];
         recv->flat<int32_t>()(p) = plan.group_recv[g][p];
       }
     }
-    OP_REQUIRES_OK(ctx, Check(impl::key_exchange::Finish(d, plan, spec, rows->flat<int64_t>().data(),
+    TF_SOK_REQUIRES_OK(ctx, Check(impl::key_exchange::Finish(d, plan, spec, rows->flat<int64_t>().data(),
                                                          unit->flat<int64_t>().data(), gather->flat<int64_t>().data(),
                                                          scatter->flat<int64_t>().data(),
                                                          slot->flat<int64_t>().data())));

@@ -42,6 +42,25 @@ class TensorScratch : public impl::ScratchAllocator {
   std::vector<tf::Tensor> held_;
 };
 
+// OP_REQUIRES / OP_REQUIRES_OK for the Compute of a kernel that Detached may
+// wrap: TensorFlow's macros abort the process when they fail inside an
+// AsyncOpKernel (the Detached wrapper is one); these set the status and return.
+#define TF_SOK_REQUIRES(CTX, EXP, STATUS) \
+  do {                                    \
+    if (!TF_PREDICT_TRUE(EXP)) {          \
+      (CTX)->SetStatus(STATUS);           \
+      return;                             \
+    }                                     \
+  } while (0)
+#define TF_SOK_REQUIRES_OK(CTX, ...)                \
+  do {                                              \
+    const absl::Status tf_sok_status_(__VA_ARGS__); \
+    if (!TF_PREDICT_TRUE(tf_sok_status_.ok())) {    \
+      (CTX)->SetStatus(tf_sok_status_);             \
+      return;                                       \
+    }                                               \
+  } while (0)
+
 template <typename Device>
 Device MakeDevice(tf::OpKernelContext* ctx, impl::ScratchAllocator* scratch);
 
@@ -71,7 +90,8 @@ inline impl::GpuDevice MakeDevice<impl::GpuDevice>(tf::OpKernelContext* ctx,
 
 #if TF_SOK_WITH_CUDA
 // A GPU kernel whose Compute waits (on its stream, or for the peer ranks of a
-// collective), as an asynchronous kernel. With one GPU per process it runs where
+// collective), as an asynchronous kernel; its Compute reports errors with
+// TF_SOK_REQUIRES / TF_SOK_REQUIRES_OK. With one GPU per process it runs where
 // TensorFlow calls it. With several GPUs in the process (ranks of one NCCL
 // exchange under MirroredStrategy) it runs on a thread of its own, so that its
 // wait never holds a thread TensorFlow could need to launch a peer rank's part.

@@ -274,7 +274,7 @@ class FusedLookupGradOp : public tf::OpKernel {
   void Compute(tf::OpKernelContext* ctx) override {
     const int T = attrs_.num_tables, F = attrs_.num_features;
     std::vector<impl::FeatureView<Id>> all;
-    OP_REQUIRES_OK(ctx, attrs_.Features<Id>(ctx, 0, &all));
+    TF_SOK_REQUIRES_OK(ctx, attrs_.Features<Id>(ctx, 0, &all));
     TensorScratch scratch(ctx);
     const Device d = MakeDevice<Device>(ctx, &scratch);
     std::vector<impl::TableGradInput<Id>> tables(T);
@@ -282,7 +282,7 @@ class FusedLookupGradOp : public tf::OpKernel {
     for (int f = 0; f < F; ++f) {
       const int t = all[f].table;
       const float* g = nullptr;
-      OP_REQUIRES_OK(ctx, OutputGrad(ctx, 3 * F + f, f, all[f].batch, attrs_.dims[t], &g));
+      TF_SOK_REQUIRES_OK(ctx, OutputGrad(ctx, 3 * F + f, f, all[f].batch, attrs_.dims[t], &g));
       tables[t].features.push_back(all[f]);
       tables[t].out_grads.push_back(g);
     }
@@ -294,7 +294,7 @@ class FusedLookupGradOp : public tf::OpKernel {
           "tf_sok lookup gradient: id ", e.value, " is outside [0, 2^", impl::kTableShift, ")")));
       return;
     }
-    OP_REQUIRES(ctx, e.ok(), absl::InternalError(absl::StrCat(
+    TF_SOK_REQUIRES(ctx, e.ok(), absl::InternalError(absl::StrCat(
                                  "tf_sok lookup gradient failed (kind ", static_cast<int>(e.kind),
                                  ", value ", e.value, ")")));
     std::vector<int64_t*> indices(T, nullptr);
@@ -303,8 +303,8 @@ class FusedLookupGradOp : public tf::OpKernel {
       tf::Tensor* idx = nullptr;
       tf::Tensor* val = nullptr;
       const int64_t u = plan.num_unique[t];
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(t, tf::TensorShape({u}), &idx));
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(T + t, tf::TensorShape({u, attrs_.dims[t]}), &val));
+      TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(t, tf::TensorShape({u}), &idx));
+      TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(T + t, tf::TensorShape({u, attrs_.dims[t]}), &val));
       indices[t] = idx->flat<int64_t>().data();
       values[t] = val->flat<float>().data();
     }
