@@ -15,7 +15,7 @@ import keras
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
 import tf_sok as sok
-from gpu_bench import make_step
+from gpu_bench import make_step, steps_in_graph
 from gpu_common import CARDINALITIES, fixed_hot_batch
 from lookup_bench import make_batch, sok_path, tf_path
 
@@ -44,11 +44,12 @@ def summarize(logdir, steps, top=25):
     return lines
 
 
-def profile(run, steps=10, top=25):
-    """Profiles `steps` calls of run(i) and returns summarize's lines."""
+def profile(run, steps=10, top=25, calls=None):
+    """Profiles `calls` (default: `steps`) calls of run(i), which together run `steps`
+    steps, and returns summarize's lines (times per step)."""
     logdir = tempfile.mkdtemp()
     tf.profiler.experimental.start(logdir)
-    for i in range(steps):
+    for i in range(steps if calls is None else calls):
         run(i)
     tf.profiler.experimental.stop()
     return summarize(logdir, steps, top)
@@ -63,6 +64,9 @@ def main():
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--dlrm", type=int, metavar="IDS_PER_FEATURE",
                    help="profile gpu_bench.py's DLRM-like step (26 Criteo tables, dim 128) instead")
+    p.add_argument("--loop", type=int, default=1,
+                   help="run this many steps per tf.function call (a graph loop, as gpu_bench.py --loop); "
+                        "times are still per step")
     a = p.parse_args()
     sok.init()
     rng = np.random.default_rng(0)
@@ -91,7 +95,12 @@ def main():
             step = tf_path(tables, kopt, "mean")
         for i in range(5):
             float(step(batches[i % 4]))
-        profile(lambda i: float(step(batches[i % 4])))
+        if a.loop > 1:
+            looped = steps_in_graph(step, a.loop)
+            float(looped(batches[0]))
+            profile(lambda i: float(looped(batches[i % 4])), steps=10 * a.loop, calls=10)
+        else:
+            profile(lambda i: float(step(batches[i % 4])))
 
 
 if __name__ == "__main__":

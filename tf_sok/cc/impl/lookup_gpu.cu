@@ -458,9 +458,14 @@ struct LookupGrad<GpuDevice, Id> {
         max_dim = std::max(max_dim, dim);
         vec4 = vec4 && dim % 4 == 0;
       }
+      // one thread group per distinct key (Prepare brought the counts back), not per position
+      long long unique = 0;
+      for (int t = 0; t < gg.num_tables; ++t) unique += plan.num_unique[gg.first_table + t];
       const int zgroup = GroupWidth(max_dim, 1);
-      ZeroSplitRowsKernel<<<(gg.total * zgroup + kThreads - 1) / kThreads, kThreads, 0, StreamOf(d)>>>(
-          gg.groups, o, gg.starts, zgroup);
+      if (unique > 0) {
+        ZeroSplitRowsKernel<<<(unique * zgroup + kThreads - 1) / kThreads, kThreads, 0, StreamOf(d)>>>(
+            gg.groups, o, gg.starts, zgroup);
+      }
       SumGroups(d, gg, o, max_dim, vec4);
     }
   }
