@@ -44,14 +44,20 @@ def timed(fn, iters, warmup=3):
     return float(np.median(t))
 
 
-def copy_bandwidth():
+def copy_bandwidth(copies=8):
+    """Device-to-device copy bandwidth (bytes read + written per second): `copies` chained
+    copies of 1 GiB per call, so that the call's own overhead (~0.1-0.3 ms, a third of
+    one copy) does not count."""
     x = tf.random.uniform([256 * 1024 * 1024], dtype=tf.float32)  # 1 GiB
 
     @tf.function
     def copy():
-        return tf.raw_ops.DeepCopy(x=x)[0]  # device-to-device copy: reads and writes 1 GiB
+        y = x
+        for _ in range(copies):
+            y = tf.raw_ops.DeepCopy(x=y)  # each reads and writes 1 GiB; chained, so none is elided
+        return y[0]
 
-    return 2 * 4 * x.shape[0] / timed(copy, 10)
+    return copies * 2 * 4 * x.shape[0] / timed(copy, 10)
 
 
 def forward_section(a, bw):
