@@ -46,14 +46,15 @@ def _lookup_and_grad(device, tables_np, feature_table, ragged, weights, combiner
 
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_lookup_and_gradient_gpu_equals_cpu(rng, id_dtype, weighted):
+@pytest.mark.parametrize("max_len", [6, 16])  # 16: multi-hot rows (the forward's unrolled kernel)
+def test_lookup_and_gradient_gpu_equals_cpu(rng, id_dtype, weighted, max_len):
     tables_np = [rng.standard_normal(s).astype(np.float32) for s in ((1000, 16), (300, 7), (5000, 128))]
     feature_table = [0, 1, 2, 0, 2]
     combiners = ["sum", "mean", "sqrtn", "mean", "sum"]
     batch = 4099
     ragged, weights, upstream = [], [], []
     for t in feature_table:
-        lens, ids = random_ragged(rng, batch, tables_np[t].shape[0], 6, id_dtype, zipf=1.2)
+        lens, ids = random_ragged(rng, batch, tables_np[t].shape[0], max_len, id_dtype, zipf=1.2)
         lens[:2] = 0
         ids = ids[:int(lens.sum())]
         ragged.append(to_ragged(lens, ids))
@@ -146,7 +147,7 @@ def test_bad_ids_in_a_gpu_training_step_fail_it_before_any_write(rng):
             opt.apply_gradients(zip(tape.gradient(loss, [table]), [table]))
             return loss
 
-        lens, ids = random_ragged(rng, 256, 64, 4, np.int64)
+        lens, ids = random_ragged(rng, 256, 64, 12, np.int64)  # multi-hot rows: the unrolled forward kernel
         step(to_ragged(lens, ids))
         before = table.numpy()
         slots = [s.numpy() for s in opt.slots(table)]

@@ -13,6 +13,7 @@ namespace {
 
 constexpr int kChunk = 32;     // features per launch (kernel parameter space)
 constexpr int kThreads = 256;
+constexpr int kUnroll = 4;     // ids of a multi-hot row whose loads ForwardKernel issues together
 
 template <typename Id>
 struct Batch {
@@ -88,7 +89,10 @@ __device__ __forceinline__ bool RowBounds(const Batch<Id>& b, int f, long long r
   return true;
 }
 
-template <typename Id, int VEC>
+// kMulti (rows of several ids on average): kUnroll ids of a row at a time, their
+// loads and then their rows' loads issued together, instead of a chain of
+// dependent loads per id; sums run in the same order either way.
+template <typename Id, int VEC, bool kMulti>
 __global__ void ForwardKernel(const Batch<Id> b, int group, DeviceError* err) {
   using V = Vec<VEC>;
   const long long r = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
@@ -104,10 +108,38 @@ __global__ void ForwardKernel(const Batch<Id> b, int group, DeviceError* err) {
   const float* weights = b.weights[f];
   const Id* ids = b.ids[f];
   float* out = b.rows_out[f] + row * dim;
+  const long long rows = b.table_rows[f];
   for (int j0 = lane * VEC; j0 < dim; j0 += group * VEC) {
     typename V::T acc = V::Zero();
     float wsum = 0.0f, wsq = 0.0f;
-    for (long long i = s; i < e; ++i) {
+    long long i = s;
+    if (kMulti) {
+      for (; i + kUnroll <= e; i += kUnroll) {
+        long long id[kUnroll];
+        float w[kUnroll];
+        typename V::T x[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          id[u] = static_cast<long long>(ids[i + u]);
+          w[u] = weights ? weights[i + u] : 1.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          x[u] = id[u] >= 0 && id[u] < rows ? V::Load(table + id[u] * dim + j0) : V::Zero();
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          wsum += w[u];
+          wsq += w[u] * w[u];
+          if (id[u] < 0 || id[u] >= rows) {
+            Raise(err, ErrorKind::kIdOutOfRange, b.feature_index[f], i + u, id[u], rows);
+            continue;
+          }
+          V::Fma(acc, w[u], x[u]);
+        }
+      }
+    }
+    for (; i < e; ++i) {
       const long long id = static_cast<long long>(ids[i]);
       const float w = weights ? weights[i] : 1.0f;
       wsum += w;
@@ -298,11 +330,12 @@ struct FusedLookup<GpuDevice, Id> {
       const bool vec4 = AllDivisibleBy4(b.dim, b.num_features);
       const int group = GroupWidth(max_dim, vec4 ? 4 : 1);
       const long long blocks = (total * group + kThreads - 1) / kThreads;
-      if (vec4) {
-        ForwardKernel<Id, 4><<<blocks, kThreads, 0, StreamOf(d)>>>(b, group, err);
-      } else {
-        ForwardKernel<Id, 1><<<blocks, kThreads, 0, StreamOf(d)>>>(b, group, err);
-      }
+      long long ids_in_launch = 0;
+      for (size_t k = 0; k < count; ++k) ids_in_launch += b.num_ids[k];
+      const bool multi = ids_in_launch >= kUnroll * total;  // kUnroll ids per row or more on average
+      auto kernel = vec4 ? (multi ? ForwardKernel<Id, 4, true> : ForwardKernel<Id, 4, false>)
+                         : (multi ? ForwardKernel<Id, 1, true> : ForwardKernel<Id, 1, false>);
+      kernel<<<blocks, kThreads, 0, StreamOf(d)>>>(b, group, err);
     }
     cudaError_t c = cudaGetLastError();
     return c == cudaSuccess ? Error() : CudaFailure(c);
