@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sok as sok
-from tests.helpers import dense_grad, random_ragged, to_ragged
+from tests.helpers import dense_grad, np_lookup, random_ragged, to_ragged
 from tests.python.optimizers.test_optimizers import CASES, multi_table_steps, run_multi_table
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
@@ -71,6 +71,38 @@ def test_lookup_and_gradient_gpu_equals_cpu(rng, id_dtype, weighted, max_len):
         assert sorted(c.indices.numpy().tolist()) == g.indices.numpy().tolist()  # GPU: ascending, unique
         rows = tables_np[t].shape[0]
         diff = np.abs(dense_grad(g, rows) - dense_grad(c, rows))
+        assert (diff <= 1e-5 * mass[t] + 1e-6).all(), f"table {t}: max diff {diff.max()}"
+
+
+@pytest.mark.parametrize("dims", [(16, 128, 32), (7, 30)])  # 16-byte loads; scalar loads
+@pytest.mark.parametrize("weighted", [False, True])
+def test_rows_of_about_one_id_gpu_equals_cpu(rng, dims, weighted):
+    """Rows of 0-2 ids, mostly one: the forward kernel that loads several rows' ids and
+    table rows together, with its fallback for empty and two-id rows."""
+    tables_np = [rng.standard_normal((int(rng.integers(50, 5000)), d)).astype(np.float32) for d in dims]
+    feature_table = [t for t in range(len(dims)) for _ in range(2)]
+    combiners = [["sum", "mean", "sqrtn"][f % 3] for f in range(len(feature_table))]
+    batch = int(rng.integers(1000, 5000))
+    ragged, weights, upstream = [], [], []
+    for t in feature_table:
+        lens = rng.choice([0, 1, 1, 1, 1, 1, 2], batch)
+        ids = np.minimum(rng.zipf(1.1, int(lens.sum())) - 1, tables_np[t].shape[0] - 1).astype(np.int64)
+        ragged.append(to_ragged(lens, ids))
+        weights.append(to_ragged(lens, rng.uniform(0.1, 2, len(ids)).astype(np.float32)) if weighted else None)
+        upstream.append(rng.standard_normal((batch, dims[t])).astype(np.float32))
+    w = weights if weighted else None
+    cpu_out, cpu_g = _lookup_and_grad("/CPU:0", tables_np, feature_table, ragged, w, combiners, upstream)
+    gpu_out, gpu_g = _lookup_and_grad("/GPU:0", tables_np, feature_table, ragged, w, combiners, upstream)
+    for f, (c, g) in enumerate(zip(cpu_out, gpu_out)):
+        np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(g, np_lookup(tables_np[feature_table[f]], ragged[f].row_lengths().numpy(),
+                                                ragged[f].values.numpy(),
+                                                None if w is None else w[f].values.numpy(), combiners[f]),
+                                   rtol=1e-5, atol=1e-5)
+    mass = _abs_mass(tables_np, feature_table, ragged, w, combiners, upstream)  # float32 sums in other orders
+    for t in range(len(dims)):
+        rows = tables_np[t].shape[0]
+        diff = np.abs(dense_grad(gpu_g[t], rows) - dense_grad(cpu_g[t], rows))
         assert (diff <= 1e-5 * mass[t] + 1e-6).all(), f"table {t}: max diff {diff.max()}"
 
 

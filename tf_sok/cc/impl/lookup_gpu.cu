@@ -67,42 +67,35 @@ __device__ __forceinline__ int FindFeature(const Batch<Id>& b, long long r) {
   return f;
 }
 
-// Checks one row's splits; reports the first problem it sees.
+// Checks one row's splits s = splits[row], e = splits[row + 1]; reports the
+// first problem it sees.
 template <typename Id>
-__device__ __forceinline__ bool RowBounds(const Batch<Id>& b, int f, long long row, long long batch,
-                                          DeviceError* err, long long* s, long long* e) {
-  *s = b.splits[f][row];
-  *e = b.splits[f][row + 1];
+__device__ __forceinline__ bool CheckRow(const Batch<Id>& b, int f, long long row, long long s, long long e,
+                                         DeviceError* err) {
   const int fi = b.feature_index[f];
-  if (row == 0 && *s != 0) {
-    Raise(err, ErrorKind::kBadSplits, fi, 0, *s);
+  if (row == 0 && s != 0) {
+    Raise(err, ErrorKind::kBadSplits, fi, 0, s);
     return false;
   }
-  if (*e < *s || *e > b.num_ids[f]) {
-    Raise(err, ErrorKind::kBadSplits, fi, row + 1, *e);
+  if (e < s || e > b.num_ids[f]) {
+    Raise(err, ErrorKind::kBadSplits, fi, row + 1, e);
     return false;
   }
-  if (row + 1 == batch && *e != b.num_ids[f]) {
-    Raise(err, ErrorKind::kBadSplits, fi, row + 1, *e);
+  if (row + 1 == b.row_start[f + 1] - b.row_start[f] && e != b.num_ids[f]) {
+    Raise(err, ErrorKind::kBadSplits, fi, row + 1, e);
     return false;
   }
   return true;
 }
 
-// kMulti (rows of several ids on average): kUnroll ids of a row at a time, their
+// One row's pooled output (lanes lane, lane + group, ... of it). kMulti (rows
+// of several ids on average): kUnroll ids of a row at a time, their
 // loads and then their rows' loads issued together, instead of a chain of
 // dependent loads per id; sums run in the same order either way.
 template <typename Id, int VEC, bool kMulti>
-__global__ void ForwardKernel(const Batch<Id> b, int group, DeviceError* err) {
+__device__ __forceinline__ void PoolRow(const Batch<Id>& b, int f, long long row, long long s, long long e,
+                                        int lane, int group, DeviceError* err) {
   using V = Vec<VEC>;
-  const long long r = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
-  const int lane = threadIdx.x % group;
-  if (r >= b.row_start[b.num_features]) return;
-  const int f = FindFeature(b, r);
-  const long long row = r - b.row_start[f];
-  const long long batch = b.row_start[f + 1] - b.row_start[f];
-  long long s, e;
-  if (!RowBounds(b, f, row, batch, err, &s, &e)) return;
   const int dim = b.dim[f];
   const float* table = b.table[f];
   const float* weights = b.weights[f];
@@ -151,6 +144,84 @@ __global__ void ForwardKernel(const Batch<Id> b, int group, DeviceError* err) {
       V::Fma(acc, w, V::Load(table + id * dim + j0));
     }
     V::Store(out + j0, V::Scale(acc, CombinerScale(static_cast<Combiner>(b.combiner[f]), wsum, wsq)));
+  }
+}
+
+template <typename Id, int VEC, bool kMulti>
+__global__ void ForwardKernel(const Batch<Id> b, int group, DeviceError* err) {
+  const long long r = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
+  const int lane = threadIdx.x % group;
+  if (r >= b.row_start[b.num_features]) return;
+  const int f = FindFeature(b, r);
+  const long long row = r - b.row_start[f];
+  const long long s = b.splits[f][row], e = b.splits[f][row + 1];
+  if (CheckRow(b, f, row, s, e, err)) PoolRow<Id, VEC, kMulti>(b, f, row, s, e, lane, group, err);
+}
+
+// Rows of about one id each, when one pass of the group covers every width
+// (dim <= group * VEC): kRows rows per group, their splits, then their ids,
+// then their table rows loaded together (a one-id row is otherwise a chain of
+// three dependent loads, and the warps resident on an SM too few to hide it).
+// Rows with another number of ids take PoolRow. Same sums as ForwardKernel.
+constexpr int kRows = 4;
+
+template <typename Id, int VEC>
+__global__ void ForwardRowsKernel(const Batch<Id> b, int group, DeviceError* err) {
+  using V = Vec<VEC>;
+  const long long r0 = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group * kRows;
+  const int lane = threadIdx.x % group;
+  const long long total = b.row_start[b.num_features];
+  if (r0 >= total) return;
+  const int j0 = lane * VEC;
+  int f[kRows];
+  long long row[kRows], s[kRows], e[kRows], id[kRows];
+  int feature = FindFeature(b, r0);
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const long long r = r0 + k;
+    while (feature + 1 < b.num_features && r >= b.row_start[feature + 1]) ++feature;
+    f[k] = feature;
+    row[k] = r < total ? r - b.row_start[feature] : -1;
+    s[k] = row[k] >= 0 ? b.splits[feature][row[k]] : 0;
+    e[k] = row[k] >= 0 ? b.splits[feature][row[k] + 1] : 0;
+  }
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    if (row[k] >= 0 && !CheckRow(b, f[k], row[k], s[k], e[k], err)) row[k] = -1;
+    id[k] = row[k] >= 0 && e[k] - s[k] == 1 ? static_cast<long long>(b.ids[f[k]][s[k]]) : -1;
+  }
+  typename V::T x[kRows];
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const bool load = row[k] >= 0 && e[k] - s[k] == 1 && id[k] >= 0 && id[k] < b.table_rows[f[k]] &&
+                      j0 < b.dim[f[k]];
+    x[k] = load ? V::Load(b.table[f[k]] + id[k] * b.dim[f[k]] + j0) : V::Zero();
+  }
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    if (row[k] < 0 || e[k] - s[k] != 1) continue;
+    const int dim = b.dim[f[k]];
+    const float w = b.weights[f[k]] ? b.weights[f[k]][s[k]] : 1.0f;
+    typename V::T acc = V::Zero();
+    if (id[k] < 0 || id[k] >= b.table_rows[f[k]]) {
+      Raise(err, ErrorKind::kIdOutOfRange, b.feature_index[f[k]], s[k], id[k], b.table_rows[f[k]]);
+    } else {
+      V::Fma(acc, w, x[k]);
+    }
+    if (j0 < dim) {
+      V::Store(b.rows_out[f[k]] + row[k] * dim + j0,
+               V::Scale(acc, CombinerScale(static_cast<Combiner>(b.combiner[f[k]]), w, w * w)));
+    }
+  }
+  unsigned others = 0;  // bit k: row k (checked) is empty or has several ids
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) others |= (row[k] >= 0 && e[k] - s[k] != 1 ? 1u : 0u) << k;
+#pragma unroll 1
+  for (int k = 0; k < kRows; ++k) {  // those (few here) one at a time, found again from r0 + k
+    if (!((others >> k) & 1u)) continue;
+    const int g = FindFeature(b, r0 + k);
+    const long long rg = r0 + k - b.row_start[g];
+    PoolRow<Id, VEC, false>(b, g, rg, b.splits[g][rg], b.splits[g][rg + 1], lane, group, err);
   }
 }
 
@@ -333,6 +404,12 @@ struct FusedLookup<GpuDevice, Id> {
       long long ids_in_launch = 0;
       for (size_t k = 0; k < count; ++k) ids_in_launch += b.num_ids[k];
       const bool multi = ids_in_launch >= kUnroll * total;  // kUnroll ids per row or more on average
+      if (!multi && max_dim <= group * (vec4 ? 4 : 1)) {  // rows of about one id, one pass per row
+        const long long row_blocks = ((total + kRows - 1) / kRows * group + kThreads - 1) / kThreads;
+        auto rows_kernel = vec4 ? ForwardRowsKernel<Id, 4> : ForwardRowsKernel<Id, 1>;
+        rows_kernel<<<row_blocks, kThreads, 0, StreamOf(d)>>>(b, group, err);
+        continue;
+      }
       auto kernel = vec4 ? (multi ? ForwardKernel<Id, 4, true> : ForwardKernel<Id, 4, false>)
                          : (multi ? ForwardKernel<Id, 1, true> : ForwardKernel<Id, 1, false>);
       kernel<<<blocks, kThreads, 0, StreamOf(d)>>>(b, group, err);
