@@ -64,3 +64,34 @@ def random_route_keys(rng, n, num_tables, max_row):
     table = rng.integers(0, num_tables, n)
     row = np.where(rng.random(n) < 0.5, rng.integers(0, 16, n), rng.integers(0, max_row, n))
     return (table.astype(np.int64) << 40) | row.astype(np.int64)
+
+
+def clicks_training_step(table, opt, before=None):
+    """A tf.function training step of one summed feature 'clicks' read from `table`
+    (loss: sum of its squared pooled outputs); `before()`, if given, runs first in it."""
+    import tf_sok as sok
+
+    @tf.function
+    def step(ids):
+        if before is not None:
+            before()
+        with tf.GradientTape() as tape:
+            out = sok.lookup_sparse([table], [ids], feature_names=["clicks"], combiners="sum")[0]
+            loss = tf.reduce_sum(out * out)
+        opt.apply_gradients(zip(tape.gradient(loss, [table]), [table]))
+        return loss
+    return step
+
+
+def assert_failing_step_writes_nothing(step, ids, table, opt, match):
+    """step(ids) raises InvalidArgumentError matching `match`, and the table and its
+    optimizer slots are exactly as before."""
+    import pytest
+
+    before = table.numpy()
+    slots = [s.numpy() for s in opt.slots(table)]
+    with pytest.raises(tf.errors.InvalidArgumentError, match=match):
+        step(ids)
+    np.testing.assert_array_equal(table.numpy(), before)
+    for s, b in zip(opt.slots(table), slots):
+        np.testing.assert_array_equal(s.numpy(), b)

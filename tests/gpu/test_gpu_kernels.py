@@ -5,7 +5,8 @@ import pytest
 import tensorflow as tf
 
 import tf_sok as sok
-from tests.helpers import dense_grad, np_lookup, random_ragged, to_ragged
+from tests.helpers import (assert_failing_step_writes_nothing, clicks_training_step, dense_grad, np_lookup,
+                           random_ragged, to_ragged)
 from tests.python.optimizers.test_optimizers import CASES, multi_table_steps, run_multi_table
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
@@ -170,28 +171,15 @@ def test_bad_ids_in_a_gpu_training_step_fail_it_before_any_write(rng):
     with tf.device("/GPU:0"):
         table = sok.Variable(table_np, name="users")
         opt = sok.optimizers.Adam(0.1)
-
-        @tf.function
-        def step(ids):
-            with tf.GradientTape() as tape:
-                out = sok.lookup_sparse([table], [ids], feature_names=["clicks"], combiners="sum")[0]
-                loss = tf.reduce_sum(out * out)
-            opt.apply_gradients(zip(tape.gradient(loss, [table]), [table]))
-            return loss
-
+        step = clicks_training_step(table, opt)
         lens, ids = random_ragged(rng, 256, 64, 12, np.int64)  # multi-hot rows: the unrolled forward kernel
         step(to_ragged(lens, ids))
-        before = table.numpy()
-        slots = [s.numpy() for s in opt.slots(table)]
         bad = ids.copy()
         at = int(rng.integers(0, len(bad)))
         bad[at] = 64 + int(rng.integers(0, 10**6))
-        with pytest.raises(tf.errors.InvalidArgumentError,
-                           match=rf"feature 'clicks' has id {bad[at]} \(at position {at}\) outside table 'users' of 64"):
-            step(to_ragged(lens, bad))
-        np.testing.assert_array_equal(table.numpy(), before)
-        for s, b in zip(opt.slots(table), slots):
-            np.testing.assert_array_equal(s.numpy(), b)
+        assert_failing_step_writes_nothing(
+            step, to_ragged(lens, bad), table, opt,
+            rf"feature 'clicks' has id {bad[at]} \(at position {at}\) outside table 'users' of 64")
         with pytest.raises(tf.errors.InvalidArgumentError, match=r"id 2199023255552 is outside \[0, 2\^40\)"):
             ops().tf_sok_fused_lookup_grad(
                 ids=[tf.constant([1, 2**41], tf.int64)], row_splits=[tf.constant([0, 2], tf.int64)],
