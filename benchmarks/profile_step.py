@@ -27,7 +27,7 @@ def summarize(logdir, steps, top=25):
     xs = xplane_pb2.XSpace()
     with open(f, "rb") as fh:
         xs.ParseFromString(fh.read())
-    agg, busy = collections.Counter(), collections.Counter()
+    agg, busy, count = collections.Counter(), collections.Counter(), collections.Counter()
     for plane in xs.planes:
         md = plane.event_metadata
         for line in plane.lines:
@@ -35,11 +35,13 @@ def summarize(logdir, steps, top=25):
                 name = md[ev.metadata_id].name.split(":")[-1][:60]
                 thread = line.name.split("/")[0] if line.name.startswith("tf_") else line.name
                 agg[(plane.name[:18], thread[:18], name)] += ev.duration_ps / 1e9 / steps
+                count[(plane.name[:18], thread[:18], name)] += 1
                 if plane.name.startswith("/device:GPU") and line.name.startswith("Stream"):
                     busy[(plane.name[:18], line.name[:18])] += ev.duration_ps / 1e9 / steps
     # a GPU stream's busy time (its kernels and copies) against the step time shows who waits on whom
     lines = [f"{v:9.3f} ms/step  {p:18s} {l:18s} (busy: all its kernels and copies)" for (p, l), v in busy.most_common()]
-    lines += [f"{v:9.3f} ms/step  {p:18s} {l:18s} {n}" for (p, l, n), v in agg.most_common(top)]
+    lines += [f"{v:9.3f} ms/step  {p:18s} {l:18s} {n} (x{count[(p, l, n)] / steps:g})"
+              for (p, l, n), v in agg.most_common(top)]
     print("\n".join(lines))
     return lines
 
@@ -98,7 +100,8 @@ def main():
         if a.loop > 1:
             looped = steps_in_graph(step, a.loop)
             float(looped(batches[0]))
-            profile(lambda i: float(looped(batches[i % 4])), steps=10 * a.loop, calls=10)
+            calls = max(1, 20 // a.loop)  # ~20 steps: longer traces drop GPU events
+            profile(lambda i: float(looped(batches[i % 4])), steps=calls * a.loop, calls=calls)
         else:
             profile(lambda i: float(step(batches[i % 4])))
 

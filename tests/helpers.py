@@ -31,6 +31,28 @@ def np_lookup(table, lens, ids, weights, combiner):
     return out
 
 
+def np_sum_lookup_grad(lens, ids, out_grad, rows):
+    """NumPy reference of a summed, unweighted feature's gradient: [rows, dim]."""
+    g = np.zeros((rows, out_grad.shape[1]), np.float64)
+    np.add.at(g, ids.astype(np.int64), np.repeat(out_grad.astype(np.float64), lens, axis=0))
+    return g
+
+
+def lookup_grad_op(ids_per_table, lens_per_table, grads_per_table, rows=()):
+    """Runs TfSokFusedLookupGrad directly (one summed feature per table), on the
+    current device; returns its (indices, values) per table."""
+    from tf_sok.python.ops.loader import ops
+
+    T = len(ids_per_table)
+    indices, values = ops().tf_sok_fused_lookup_grad(
+        ids=[tf.constant(i) for i in ids_per_table],
+        row_splits=[tf.constant(np.concatenate([[0], np.cumsum(l)]).astype(np.int64)) for l in lens_per_table],
+        weights=[tf.zeros([0])] * T, output_grads=[tf.constant(g) for g in grads_per_table], num_tables=T,
+        feature_table=list(range(T)), combiners=["sum"] * T, weighted=[False] * T,
+        dims=[int(g.shape[1]) for g in grads_per_table], rows=list(rows))
+    return [(i.numpy(), v.numpy()) for i, v in zip(indices, values)]
+
+
 def dense_grad(g, rows):
     """IndexedSlices (or dense) -> dense NumPy [rows, dim]."""
     return tf.convert_to_tensor(g).numpy() if not isinstance(g, tf.IndexedSlices) else \

@@ -5,8 +5,8 @@ import pytest
 import tensorflow as tf
 
 import tf_sok as sok
-from tests.helpers import (assert_failing_step_writes_nothing, clicks_training_step, dense_grad, np_lookup,
-                           random_ragged, to_ragged)
+from tests.helpers import (assert_failing_step_writes_nothing, clicks_training_step, dense_grad, lookup_grad_op,
+                           np_lookup, np_sum_lookup_grad, random_ragged, to_ragged)
 from tests.python.optimizers.test_optimizers import CASES, multi_table_steps, run_multi_table
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
@@ -186,6 +186,33 @@ def test_bad_ids_in_a_gpu_training_step_fail_it_before_any_write(rng):
                 weights=[tf.zeros([0])], output_grads=[tf.ones([1, 16])], num_tables=1, feature_table=[0],
                 combiners=["sum"], weighted=[False], dims=[16])
         assert np.isfinite(step(to_ragged(lens, ids)).numpy())  # the device is still healthy
+
+
+def test_lookup_gradient_with_known_rows_gpu_equals_cpu(rng):
+    """Known rows make the GPU gradient's sort key (table << shift) | id shorter
+    (shift from the largest table, here 2^17 rows; 40 bits without rows): the same
+    indices and sums as the CPU and NumPy either way, and an id past its table an
+    error naming it and the bound."""
+    rows = [5000, 70, 100_000, 3, 1]
+    data = [random_ragged(rng, 3000, r, 4, zipf=1.1) for r in rows]
+    grads = [rng.standard_normal((3000, d)).astype(np.float32) for d in (16, 7, 128, 4, 32)]
+    args = ([ids for _, ids in data], [lens for lens, _ in data], grads)
+    cpu = _on("/CPU:0", lambda: lookup_grad_op(*args, rows=rows))
+    for given in (rows, ()):
+        gpu = _on("/GPU:0", lambda: lookup_grad_op(*args, rows=given))
+        for t in range(len(rows)):
+            np.testing.assert_array_equal(gpu[t][0], cpu[t][0])
+            # float32 sums in another order: within a few ulps of the summed magnitudes
+            mass = np_sum_lookup_grad(*data[t], np.abs(grads[t]), rows[t])[gpu[t][0]]
+            assert (np.abs(gpu[t][1] - cpu[t][1]) <= 1e-5 * mass + 1e-6).all()
+            ref = np_sum_lookup_grad(*data[t], grads[t], rows[t])[gpu[t][0]]
+            assert (np.abs(gpu[t][1] - ref) <= 1e-5 * mass + 1e-6).all()
+    bad = [ids.copy() for _, ids in data]
+    at = int(rng.integers(0, len(bad[2])))
+    bad[2][at] = rows[2] + int(rng.integers(0, 1000))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=rf"lookup gradient: id {bad[2][at]} is outside \[0, {rows[2]}\)"):
+        _on("/GPU:0", lambda: lookup_grad_op(bad, args[1], grads, rows=rows))
 
 
 @pytest.mark.parametrize("case", ["adam", "ftrl", "momentum", "rmsprop_centered_momentum"])

@@ -5,8 +5,8 @@ import tensorflow as tf
 from tensorflow.python.eager import tape as tape_lib
 
 import tf_sok as sok
-from tests.helpers import (assert_failing_step_writes_nothing, clicks_training_step, dense_grad, np_lookup,
-                           random_ragged, to_ragged)
+from tests.helpers import (assert_failing_step_writes_nothing, clicks_training_step, dense_grad, lookup_grad_op,
+                           np_lookup, np_sum_lookup_grad, random_ragged, to_ragged)
 
 
 def _tables(rng, specs):
@@ -224,6 +224,47 @@ def test_fused_combine_over_tensors_matches_numpy_and_its_dense_gradient(rng, id
     for t, (g, r) in enumerate(zip(grads, ref_grads)):
         assert isinstance(g, tf.Tensor) and g.shape == params_np[t].shape   # dense: no IndexedSlices
         np.testing.assert_allclose(g.numpy(), dense_grad(r, params_np[t].shape[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_lookup_gradient_bounds_ids_by_the_tables_rows_when_known(rng):
+    """Given the tables' rows, the gradient op rejects an id past its table (and sorts
+    shorter keys); without them, ids up to 2^40 pass. Both give NumPy's sums, with
+    strictly ascending indices; a variable's gradient passes its rows."""
+    rows = [int(rng.integers(2, 40)), int(rng.integers(1000, 10**6)), 3]
+    data = [random_ragged(rng, 64, r, 5) for r in rows]
+    grads = [rng.standard_normal((64, d)).astype(np.float32) for d in (4, 8, 3)]
+    args = ([ids for _, ids in data], [lens for lens, _ in data], grads)
+    for given in (rows, ()):
+        for t, (idx, val) in enumerate(lookup_grad_op(*args, rows=given)):
+            assert (np.diff(idx) > 0).all()
+            dense = np.zeros((rows[t], grads[t].shape[1]))
+            dense[idx] = val
+            np.testing.assert_allclose(dense, np_sum_lookup_grad(data[t][0], data[t][1], grads[t], rows[t]),
+                                       rtol=1e-5, atol=1e-5)
+    bad = [ids.copy() for _, ids in data]
+    at = int(rng.integers(0, len(bad[1])))
+    bad[1][at] = rows[1] + int(rng.integers(0, 100))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=rf"lookup gradient: id {bad[1][at]} is outside \[0, {rows[1]}\)"):
+        lookup_grad_op(bad, args[1], grads, rows=rows)
+    lookup_grad_op(bad, args[1], grads)  # rows not given: in [0, 2^40), accepted
+    bad[1][at] = 2**40
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"id 1099511627776 is outside \[0, 2\^40\)"):
+        lookup_grad_op(bad, args[1], grads)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"rows has 2 entries for 3 tables"):
+        lookup_grad_op(*args, rows=rows[:2])
+
+    table = sok.Variable(rng.standard_normal((rows[0], 4)).astype(np.float32), name="t")
+
+    @tf.function
+    def grad(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(sok.lookup_sparse([table], [ids], combiners="sum")[0])
+        return tape.gradient(loss, table)
+
+    graph = grad.get_concrete_function(tf.RaggedTensorSpec([None, None], tf.int64, 1, tf.int64)).graph
+    assert [op.get_attr("rows") for op in graph.get_operations() if op.type == "TfSokFusedLookupGrad"] == \
+        [[rows[0]]]
 
 
 def test_combine_gradient_names_a_bad_id_and_checks_shapes():

@@ -54,11 +54,15 @@ enum class ErrorKind : int32_t {
 constexpr int kTableShift = 40;
 constexpr long long kRowMask = (1LL << kTableShift) - 1;
 
+// Ids of a table of `rows` rows (0: not known) lie in [0, IdLimit(rows)).
+TF_SOK_HD long long IdLimit(long long rows) { return rows > 0 ? rows : kRowMask + 1; }
+
 struct Error {
   ErrorKind kind = ErrorKind::kOk;
   int32_t group = -1;    // feature (lookup) or table (optimizer) index, or -1
   int64_t item = -1;
   int64_t value = 0;
+  int64_t limit = 0;     // kIdOutOfRange: the bound the id broke
   bool ok() const { return kind == ErrorKind::kOk; }
 };
 
@@ -81,6 +85,7 @@ inline Error FromRecord(const ErrorRecord& r) {
   e.group = r.group;
   e.item = r.item;
   e.value = r.value;
+  e.limit = r.limit;
   return e;
 }
 

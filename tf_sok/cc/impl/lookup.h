@@ -67,6 +67,7 @@ struct CombineGrad {
 template <typename Id>
 struct TableGradInput {
   int32_t dim = 0;
+  int64_t rows = 0;  // 0: not known (ids then only need to fit kRowMask)
   std::vector<FeatureView<Id>> features;
   std::vector<const float*> out_grads;  // [batch_f, dim] per feature
 };
@@ -76,8 +77,8 @@ struct TableGradInput {
 // allocates [unique] indices and [unique, dim] values per table and calls
 // Finish once for all tables. Indices come out strictly ascending (unique and
 // sorted) on every device. The plan holds scratch valid until the kernel
-// returns. An id outside [0, 2^kTableShift) fails Prepare (kIdOutOfRange,
-// group = feature, item = position, value = id).
+// returns. An id outside [0, IdLimit(rows)) fails Prepare (kIdOutOfRange,
+// item = its position in its feature, value = id, limit = that bound).
 struct GradPlan {
   std::vector<int64_t> num_unique;  // per table
   std::shared_ptr<void> state;      // the device's grouping, alive until Finish

@@ -152,13 +152,14 @@ struct LookupGrad<CpuDevice, Id> {
   Error Prepare(const CpuDevice& d, const std::vector<TableGradInput<Id>>& tables, GradPlan* plan) {
     const int64_t T = static_cast<int64_t>(tables.size());
     for (const auto& t : tables) {
+      const int64_t limit = IdLimit(t.rows);
       for (const auto& ft : t.features) {
         for (int64_t i = 0; i < ft.num_ids; ++i) {
           const int64_t id = static_cast<int64_t>(ft.ids[i]);
-          if (id < 0 || id > kRowMask) {
+          if (id < 0 || id >= limit) {
             Error e;
             e.kind = ErrorKind::kIdOutOfRange;
-            e.item = i, e.value = id;
+            e.item = i, e.value = id, e.limit = limit;
             return e;
           }
         }

@@ -41,6 +41,7 @@ struct Vec<1> {
   __device__ static T Zero() { return 0.0f; }
   __device__ static T Load(const float* p) { return *p; }
   __device__ static void Store(float* p, T v) { *p = v; }
+  __device__ static void StoreStream(float* p, T v) { __stcs(p, v); }
   __device__ static void Fma(T& acc, float w, T x) { acc += w * x; }
   __device__ static T Scale(T v, float s) { return v * s; }
   __device__ static void AtomicAdd(float* p, T v) { atomicAdd(p, v); }
@@ -51,6 +52,9 @@ struct Vec<4> {
   __device__ static T Zero() { return make_float4(0, 0, 0, 0); }
   __device__ static T Load(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
   __device__ static void Store(float* p, T v) { *reinterpret_cast<float4*>(p) = v; }
+  // outputs written once and read by a later op: marked evict-first, so they do
+  // not push hot table rows out of L2
+  __device__ static void StoreStream(float* p, T v) { __stcs(reinterpret_cast<float4*>(p), v); }
   __device__ static void Fma(T& a, float w, T x) {
     a.x += w * x.x, a.y += w * x.y, a.z += w * x.z, a.w += w * x.w;
   }
@@ -143,7 +147,7 @@ __device__ __forceinline__ void PoolRow(const Batch<Id>& b, int f, long long row
       }
       V::Fma(acc, w, V::Load(table + id * dim + j0));
     }
-    V::Store(out + j0, V::Scale(acc, CombinerScale(static_cast<Combiner>(b.combiner[f]), wsum, wsq)));
+    V::StoreStream(out + j0, V::Scale(acc, CombinerScale(static_cast<Combiner>(b.combiner[f]), wsum, wsq)));
   }
 }
 
@@ -209,7 +213,7 @@ __global__ void ForwardRowsKernel(const Batch<Id> b, int group, DeviceError* err
       V::Fma(acc, w, x[k]);
     }
     if (j0 < dim) {
-      V::Store(b.rows_out[f[k]] + row[k] * dim + j0,
+      V::StoreStream(b.rows_out[f[k]] + row[k] * dim + j0,
                V::Scale(acc, CombinerScale(static_cast<Combiner>(b.combiner[f[k]]), w, w * w)));
     }
   }
@@ -225,10 +229,13 @@ __global__ void ForwardRowsKernel(const Batch<Id> b, int group, DeviceError* err
   }
 }
 
-// Backward, per id: its key (table << kTableShift) | id, the output-gradient
-// row it reads, its coefficient.
+// Backward, per id: its key (table << shift) | id, the output-gradient row it
+// reads, its coefficient. shift holds the largest table's ids (a shorter sort key
+// than kTableShift where the tables' rows are known). An id outside
+// [0, table_rows[f]) is recorded and keyed as row 0 with coefficient 0, so it
+// never reaches another table's keys.
 template <typename Id>
-__global__ void ExpandKernel(const Batch<Id> b, long long* keys, float* coef,
+__global__ void ExpandKernel(const Batch<Id> b, int shift, long long* keys, float* coef,
                              const float** grad_rows, DeviceError* err) {
   const long long r = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= b.row_start[b.num_features]) return;
@@ -244,20 +251,22 @@ __global__ void ExpandKernel(const Batch<Id> b, long long* keys, float* coef,
   }
   const float scale = CombinerScale(static_cast<Combiner>(b.combiner[f]), wsum, wsq);
   const float* grow = b.rows_out[f] + row * b.dim[f];
-  const long long table = static_cast<long long>(b.key_table[f]) << kTableShift;
+  const long long table = static_cast<long long>(b.key_table[f]) << shift;
+  const long long limit = b.table_rows[f];
   for (long long i = s; i < e; ++i) {
     const long long p = b.id_base[f] + i;
     const long long id = static_cast<long long>(b.ids[f][i]);
-    if (id < 0 || id > kRowMask) Raise(err, ErrorKind::kIdOutOfRange, -1, i, id);
-    keys[p] = table | (id & kRowMask);
-    coef[p] = (weights ? weights[i] : 1.0f) * scale;
+    const bool bad = id < 0 || id >= limit;
+    if (bad) Raise(err, ErrorKind::kIdOutOfRange, -1, i, id, limit);
+    keys[p] = table | (bad ? 0 : id);
+    coef[p] = bad ? 0.0f : (weights ? weights[i] : 1.0f) * scale;
     grad_rows[p] = grow;
   }
 }
 
 // Where each table's distinct keys start among a group's sorted distinct keys:
-// starts[t] = first k with unique_keys[k] >= t << kTableShift; starts[T] = count.
-__global__ void TableStartsKernel(Groups g, int num_tables, int* starts) {
+// starts[t] = first k with unique_keys[k] >= t << shift; starts[T] = count.
+__global__ void TableStartsKernel(Groups g, int num_tables, int shift, int* starts) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t > num_tables) return;
   const int n = *g.num_unique;
@@ -265,7 +274,7 @@ __global__ void TableStartsKernel(Groups g, int num_tables, int* starts) {
     starts[t] = n;
     return;
   }
-  const long long want = static_cast<long long>(t) << kTableShift;
+  const long long want = static_cast<long long>(t) << shift;
   int lo = 0, hi = n;
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
@@ -294,7 +303,7 @@ constexpr int kSegChunk = 32;
 template <int VEC>
 __global__ void SegmentSumKernel(Groups g, int total, const float* coef,
                                  const float* const* grad_rows, const GradOutputs o,
-                                 const int* starts, int group) {
+                                 const int* starts, int shift, int group) {
   using V = Vec<VEC>;
   const long long chunk = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
   const int lane = threadIdx.x % group;
@@ -307,10 +316,11 @@ __global__ void SegmentSumKernel(Groups g, int total, const float* coef,
     const int seg_begin = g.offsets[u], seg_end = g.offsets[u + 1];
     const int end = seg_end < stop ? seg_end : stop;
     const long long key = g.unique_keys[u];
-    const int t = static_cast<int>(key >> kTableShift);
+    const int t = static_cast<int>(key >> shift);
+    const long long id = key & ((1LL << shift) - 1);
     const int dim = o.dim[t];
     const bool dense = o.indices[t] == nullptr;
-    const long long local = dense ? (key & kRowMask) : u - starts[t];
+    const long long local = dense ? id : u - starts[t];
     if (dense && local >= o.rows[t]) {
       k = end;
       continue;
@@ -329,21 +339,21 @@ __global__ void SegmentSumKernel(Groups g, int total, const float* coef,
         V::AtomicAdd(out + j0, acc);
       }
     }
-    if (!dense && lane == 0 && seg_begin >= start) o.indices[t][local] = key & kRowMask;
+    if (!dense && lane == 0 && seg_begin >= start) o.indices[t][local] = id;
     k = end;
   }
 }
 
 // Zeroes the rows of distinct keys whose positions span several chunks of
 // SegmentSumKernel (it adds into them atomically).
-__global__ void ZeroSplitRowsKernel(Groups g, const GradOutputs o, const int* starts, int group) {
+__global__ void ZeroSplitRowsKernel(Groups g, const GradOutputs o, const int* starts, int shift, int group) {
   const long long u = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
   const int lane = threadIdx.x % group;
   if (u >= *g.num_unique) return;
   const int seg_begin = g.offsets[u], seg_end = g.offsets[u + 1];
   if (seg_begin / kSegChunk == (seg_end - 1) / kSegChunk) return;  // inside one chunk
   const long long key = g.unique_keys[u];
-  const int t = static_cast<int>(key >> kTableShift);
+  const int t = static_cast<int>(key >> shift);
   float* out = o.values[t] + (u - starts[t]) * o.dim[t];
   for (int j = lane; j < o.dim[t]; j += group) out[j] = 0.0f;
 }
@@ -434,6 +444,7 @@ struct GradGroup {
   const float** grad_rows = nullptr;
   gpu::Groups groups;
   int* starts = nullptr;  // device [num_tables + 1]
+  int shift = kTableShift;  // keys: (table in group << shift) | id
 };
 
 // Sums each distinct key's scaled output-gradient rows of one group into `o`.
@@ -446,9 +457,11 @@ inline void SumGroups(const GpuDevice& d, const GradGroup& gg, const gpu::GradOu
   const long long blocks = (chunks * group + kThreads - 1) / kThreads;
   const auto* rows = static_cast<const float* const*>(gg.grad_rows);
   if (vec4) {
-    SegmentSumKernel<4><<<blocks, kThreads, 0, StreamOf(d)>>>(gg.groups, total, gg.coef, rows, o, gg.starts, group);
+    SegmentSumKernel<4><<<blocks, kThreads, 0, StreamOf(d)>>>(gg.groups, total, gg.coef, rows, o, gg.starts,
+                                                               gg.shift, group);
   } else {
-    SegmentSumKernel<1><<<blocks, kThreads, 0, StreamOf(d)>>>(gg.groups, total, gg.coef, rows, o, gg.starts, group);
+    SegmentSumKernel<1><<<blocks, kThreads, 0, StreamOf(d)>>>(gg.groups, total, gg.coef, rows, o, gg.starts,
+                                                               gg.shift, group);
   }
 }
 
@@ -489,12 +502,7 @@ struct LookupGrad<GpuDevice, Id> {
     cudaMemcpyAsync(&host_err, err, sizeof(host_err), cudaMemcpyDeviceToHost, StreamOf(d));
     cudaError_t c = cudaStreamSynchronize(StreamOf(d));
     if (c != cudaSuccess) return CudaFailure(c);
-    if (host_err.kind != 0) {
-      Error e;
-      e.kind = static_cast<ErrorKind>(host_err.kind);
-      e.group = host_err.group, e.item = host_err.item, e.value = host_err.value;
-      return e;
-    }
+    if (host_err.kind != 0) return FromRecord(host_err);
     int slot = 0;
     for (const auto& gg : state->groups) {
       for (int t = 0; t < gg.num_tables; ++t)
@@ -511,16 +519,21 @@ struct LookupGrad<GpuDevice, Id> {
     std::vector<FeatureView<Id>> features;
     std::vector<const float*> out_grads;
     std::vector<int> key_table, dims;
+    std::vector<long long> limits;
+    long long max_limit = 1;
     for (int t = 0; t < gg->num_tables; ++t) {
       const auto& in = tables[gg->first_table + t];
+      max_limit = std::max<long long>(max_limit, IdLimit(in.rows));
       for (size_t f = 0; f < in.features.size(); ++f) {
         features.push_back(in.features[f]);
         out_grads.push_back(in.out_grads[f]);
         key_table.push_back(t);
         dims.push_back(in.dim);
+        limits.push_back(IdLimit(in.rows));
         gg->total += in.features[f].num_ids;
       }
     }
+    gg->shift = BitsFor(max_limit - 1);
     if (gg->total == 0) return Error();
     auto* keys = Alloc<long long>(d, gg->total);
     gg->coef = Alloc<float>(d, gg->total);
@@ -534,19 +547,20 @@ struct LookupGrad<GpuDevice, Id> {
         b.rows_out[k] = const_cast<float*>(out_grads[first + k]);
         b.dim[k] = dims[first + k];
         b.key_table[k] = key_table[first + k];
+        b.table_rows[k] = limits[first + k];
         b.id_base[k] = base;
         base += features[first + k].num_ids;
       }
       const long long rows = b.row_start[count];
       if (rows > 0) {
         ExpandKernel<Id><<<(rows + kThreads - 1) / kThreads, kThreads, 0, StreamOf(d)>>>(
-            b, keys, gg->coef, gg->grad_rows, err);
+            b, gg->shift, keys, gg->coef, gg->grad_rows, err);
       }
     }
-    const int bits = kTableShift + (gg->num_tables > 1 ? BitsFor(gg->num_tables - 1) : 0);
+    const int bits = gg->shift + (gg->num_tables > 1 ? BitsFor(gg->num_tables - 1) : 0);
     Error e = GroupByKey(d, keys, static_cast<int>(gg->total), bits, &gg->groups);
     if (!e.ok()) return e;
-    TableStartsKernel<<<1, kChunk + 1, 0, StreamOf(d)>>>(gg->groups, gg->num_tables, gg->starts);
+    TableStartsKernel<<<1, kChunk + 1, 0, StreamOf(d)>>>(gg->groups, gg->num_tables, gg->shift, gg->starts);
     return Error();
   }
 
@@ -574,7 +588,7 @@ struct LookupGrad<GpuDevice, Id> {
       const int zgroup = GroupWidth(max_dim, 1);
       if (unique > 0) {
         ZeroSplitRowsKernel<<<(unique * zgroup + kThreads - 1) / kThreads, kThreads, 0, StreamOf(d)>>>(
-            gg.groups, o, gg.starts, zgroup);
+            gg.groups, o, gg.starts, gg.shift, zgroup);
       }
       SumGroups(d, gg, o, max_dim, vec4);
     }
@@ -593,6 +607,7 @@ struct CombineGrad<GpuDevice, Id> {
     std::vector<TableGradInput<Id>> in(T);
     for (int t = 0; t < T; ++t) {
       in[t].dim = tables[t].dim;
+      in[t].rows = tables[t].rows;
       cudaMemsetAsync(grads[t], 0, sizeof(float) * static_cast<size_t>(tables[t].rows) * tables[t].dim,
                       StreamOf(d));
     }

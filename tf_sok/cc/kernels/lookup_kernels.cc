@@ -269,6 +269,10 @@ class FusedLookupGradOp : public tf::OpKernel {
  public:
   explicit FusedLookupGradOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
     OP_REQUIRES_OK(c, attrs_.Read(c, /*with_names=*/false));
+    OP_REQUIRES_OK(c, c->GetAttr("rows", &rows_));
+    OP_REQUIRES(c, rows_.empty() || static_cast<int>(rows_.size()) == attrs_.num_tables,
+                absl::InvalidArgumentError(absl::StrCat("tf_sok lookup gradient: rows has ", rows_.size(),
+                                                        " entries for ", attrs_.num_tables, " tables")));
   }
 
   void Compute(tf::OpKernelContext* ctx) override {
@@ -278,7 +282,10 @@ class FusedLookupGradOp : public tf::OpKernel {
     TensorScratch scratch(ctx);
     const Device d = MakeDevice<Device>(ctx, &scratch);
     std::vector<impl::TableGradInput<Id>> tables(T);
-    for (int t = 0; t < T; ++t) tables[t].dim = attrs_.dims[t];
+    for (int t = 0; t < T; ++t) {
+      tables[t].dim = attrs_.dims[t];
+      tables[t].rows = rows_.empty() ? 0 : rows_[t];
+    }
     for (int f = 0; f < F; ++f) {
       const int t = all[f].table;
       const float* g = nullptr;
@@ -290,8 +297,10 @@ class FusedLookupGradOp : public tf::OpKernel {
     impl::GradPlan plan;
     impl::Error e = grad.Prepare(d, tables, &plan);
     if (e.kind == impl::ErrorKind::kIdOutOfRange) {
-      ctx->SetStatus(absl::InvalidArgumentError(absl::StrCat(
-          "tf_sok lookup gradient: id ", e.value, " is outside [0, 2^", impl::kTableShift, ")")));
+      const std::string bound = e.limit == impl::kRowMask + 1 ? absl::StrCat("2^", impl::kTableShift)
+                                                              : absl::StrCat(e.limit);
+      ctx->SetStatus(absl::InvalidArgumentError(
+          absl::StrCat("tf_sok lookup gradient: id ", e.value, " is outside [0, ", bound, ")")));
       return;
     }
     TF_SOK_REQUIRES(ctx, e.ok(), absl::InternalError(absl::StrCat(
@@ -313,6 +322,7 @@ class FusedLookupGradOp : public tf::OpKernel {
 
  private:
   LookupAttrs attrs_;
+  std::vector<int64_t> rows_;  // per table, or empty (not known)
 };
 
 // TfSokLookupCheck: turns a lookup's status into its error.

@@ -122,6 +122,7 @@ REGISTER_OP("TfSokFusedLookupGrad")
     .Output("indices: num_tables * int64")
     .Output("values: num_tables * float")
     TF_SOK_POOLING_ATTRS
+    .Attr("rows: list(int) = []")
     .SetShapeFn([](InferenceContext* c) {
       int num_tables;
       std::vector<int> dims;
@@ -135,7 +136,9 @@ REGISTER_OP("TfSokFusedLookupGrad")
     })
     .Doc(R"doc(
 Row-sparse gradient of TfSokFusedLookup: for each table, the unique ids read
-by its features and the summed gradient of each.
+by its features and the summed gradient of each. rows: the tables' row counts
+where known (empty: unknown, ids then only need to lie in [0, 2^40)); an id
+outside [0, rows[t]) is an error, and smaller tables make a shorter sort key.
 )doc");
 
 REGISTER_OP("TfSokLookupCheck")

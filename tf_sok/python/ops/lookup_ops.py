@@ -102,6 +102,19 @@ def _inputs_and_grads(op, out_grads):
     return tables, ids, splits, weights, grads, attrs
 
 
+def _static_rows(shapes) -> List[int]:
+    """The tables' row counts when every one is known while tracing (variables carry
+    their shapes), else [] (the gradient then accepts ids up to 2^40): known rows
+    let the gradient reject ids past a table and sort shorter keys."""
+    rows = []
+    for s in shapes:
+        value = tf.get_static_value(s)
+        if value is None:
+            return []
+        rows.append(int(value[0]))
+    return rows
+
+
 @tf.RegisterGradient("TfSokFusedLookup")
 def _fused_lookup_grad(op, *out_grads):
     """Per table an IndexedSlices of the unique rows read."""
@@ -113,7 +126,8 @@ def _fused_lookup_grad(op, *out_grads):
         return [tf.IndexedSlices(g, r, dense_shape=s) for g, r, s in zip(grads, rows, shape)] + [None] * (3 * len(ids))
     with tf.control_dependencies(_checks_of(op)):
         indices, values = ops().tf_sok_fused_lookup_grad(
-            ids=ids, row_splits=splits, weights=weights, output_grads=grads, num_tables=len(tables), **attrs)
+            ids=ids, row_splits=splits, weights=weights, output_grads=grads, num_tables=len(tables),
+            rows=_static_rows(shape), **attrs)
     return [tf.IndexedSlices(values[t], indices[t], dense_shape=shape[t]) for t in range(len(tables))] + \
         [None] * (3 * len(ids))
 
