@@ -11,6 +11,8 @@
     pooled outputs (2 x tf.nn.l2_loss per output): tf_sok + lazy Adam / SGD against TensorFlow's path
     (tf.nn.embedding_lookup_sparse + Keras Adam / SGD), and the step's bandwidth floor.
 (c) step time with a 1e5-row vs a 5e7-row table, same ids.
+parts: (b)'s tf_sok Adam step taken apart in graph loops: forward + loss, then + the
+    gradient, then + the update (times by difference, no profiler needed).
 (d) with --torch: the same (a) and (b) shapes with PyTorch's EmbeddingBag
     (+ SparseAdam / SGD) in a separate process (benchmarks/torch_bench.py).
 """
@@ -197,6 +199,46 @@ def training_section(a, bw):
     return res
 
 
+def parts_section(a):
+    """Where (b)'s tf_sok Adam step spends its time: the forward (+ loss), forward +
+    gradients, and the whole step, each in a graph loop of a.loop steps."""
+    dim = 128
+    print(f"\nparts of the tf_sok Adam step ((b)'s shapes), ms per step in loops of {a.loop}")
+    rng = np.random.default_rng(1)
+    init = keras.initializers.RandomUniform(-0.05, 0.05)
+    out = {}
+    for hot in a.train_hotness:
+        raw = [fixed_hot_batch(rng, rows, a.batch, hot, "zipf:1.05") for rows in CARDINALITIES]
+        batch = [tf.RaggedTensor.from_row_splits(tf.constant(i), tf.constant(s)) for i, s in raw]
+        tables = [sok.Variable(shape=[r, dim], initializer=init, name=f"p{i}") for i, r in enumerate(CARDINALITIES)]
+        opt = sok.OptimizerWrapper(keras.optimizers.Adam(1e-3))
+
+        @tf.function
+        def forward(b):
+            return squared_sum(sok.lookup_sparse(tables, list(b), combiners="sum"))
+
+        @tf.function
+        def gradient(b):
+            with tf.GradientTape() as tape:
+                loss = squared_sum(sok.lookup_sparse(tables, list(b), combiners="sum"))
+            grads = tape.gradient(loss, tables)  # one fused op: reading any output runs all of it
+            return loss + tf.add_n([tf.reduce_sum(g.values[:1]) for g in grads])
+
+        step = make_step(tables, list(range(26)), opt, "sok")
+        row = {}
+        for name, fn in (("forward", forward), ("gradient", gradient), ("step", step)):
+            float(fn(batch))
+            looped = steps_in_graph(fn, a.loop)
+            row[name] = timed(lambda: looped(batch), max(3, a.iters // 2), warmup=1) / a.loop * 1e3
+        out[hot] = row
+        print(f"  {hot:2d} id/feature: forward + loss {row['forward']:6.2f} ms, gradient "
+              f"{row['gradient'] - row['forward']:6.2f} ms, update {row['step'] - row['gradient']:6.2f} ms "
+              f"(step {row['step']:6.2f} ms)")
+        del tables, opt, step, forward, gradient
+        gc.collect()
+    return out
+
+
 def size_section(a):
     print("\n(c) tf_sok Adam step, one table, 8 features x batch "
           f"{a.batch} x 4 ids, dim 128, the same ids in both tables")
@@ -229,7 +271,7 @@ def main():
     p.add_argument("--loop", type=int, default=10,
                    help="(b): also time this many tf_sok steps per tf.function call (1: off)")
     p.add_argument("--sections", nargs="+", default=["forward", "train", "size"],
-                   choices=["forward", "train", "size"])
+                   choices=["forward", "train", "size", "parts"])
     p.add_argument("--paths", nargs="+", default=["tf", "sok"], choices=["tf", "sok"],
                    help="training step paths to time (sok only: a quick check without the baseline)")
     a = p.parse_args()
@@ -255,6 +297,8 @@ def main():
             results["train"] = training_section(a, bw)
         if "size" in a.sections:
             results["size"] = size_section(a)
+        if "parts" in a.sections:
+            results["parts"] = parts_section(a)
     if peer:
         results["torch"] = peer
         print("\n(d) tf_sok vs PyTorch on the same shapes (ratio = PyTorch time / tf_sok time)")

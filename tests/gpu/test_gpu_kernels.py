@@ -188,14 +188,18 @@ def test_bad_ids_in_a_gpu_training_step_fail_it_before_any_write(rng):
         assert np.isfinite(step(to_ragged(lens, ids)).numpy())  # the device is still healthy
 
 
-def test_lookup_gradient_with_known_rows_gpu_equals_cpu(rng):
+@pytest.mark.parametrize("dims", [(16, 7, 128, 4, 32), (128,) * 5, (16,) * 5, (64,) * 5, (7,) * 5])
+@pytest.mark.parametrize("zipf", [1.1, None])
+def test_lookup_gradient_with_known_rows_gpu_equals_cpu(rng, dims, zipf):
     """Known rows make the GPU gradient's sort key (table << shift) | id shorter
     (shift from the largest table, here 2^17 rows; 40 bits without rows): the same
     indices and sums as the CPU and NumPy either way, and an id past its table an
-    error naming it and the bound."""
+    error naming it and the bound. Tables of mixed widths and of one width (groups
+    of 32, 4 and 16 lanes with 16-byte loads, 8 with scalar ones); hot ids make
+    distinct ids whose sums span several chunks of the segment sum."""
     rows = [5000, 70, 100_000, 3, 1]
-    data = [random_ragged(rng, 3000, r, 4, zipf=1.1) for r in rows]
-    grads = [rng.standard_normal((3000, d)).astype(np.float32) for d in (16, 7, 128, 4, 32)]
+    data = [random_ragged(rng, 3000, r, 4, zipf=zipf) for r in rows]
+    grads = [rng.standard_normal((3000, d)).astype(np.float32) for d in dims]
     args = ([ids for _, ids in data], [lens for lens, _ in data], grads)
     cpu = _on("/CPU:0", lambda: lookup_grad_op(*args, rows=rows))
     for given in (rows, ()):
