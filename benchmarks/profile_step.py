@@ -20,6 +20,21 @@ from gpu_common import CARDINALITIES, fixed_hot_batch
 from lookup_bench import make_batch, sok_path, tf_path
 
 
+def short_name(name):
+    """An event's name without namespaces and arguments: 'void a::(anonymous namespace)::
+    K<long, 4>(a::B, int)' -> 'K<long, 4>'; a TensorFlow op 'scope/op:Type' -> 'Type'."""
+    name = name.replace("(anonymous namespace)::", "")
+    if "(" not in name:
+        return name.split(":")[-1][:60]
+    head, depth, cut = name.split("(")[0], 0, 0
+    for i, ch in enumerate(head):  # the last '::' outside template arguments
+        depth += ch == "<"
+        depth -= ch == ">"
+        if depth == 0 and head.startswith("::", i):
+            cut = i + 2
+    return head[cut:].strip()[:60]
+
+
 def summarize(logdir, steps, top=25):
     """Prints (and returns) the top op / kernel times per step from a profiler trace (the
     executor's threads summed together)."""
@@ -32,7 +47,7 @@ def summarize(logdir, steps, top=25):
         md = plane.event_metadata
         for line in plane.lines:
             for ev in line.events:
-                name = md[ev.metadata_id].name.split(":")[-1][:60]
+                name = short_name(md[ev.metadata_id].name)
                 thread = line.name.split("/")[0] if line.name.startswith("tf_") else line.name
                 agg[(plane.name[:18], thread[:18], name)] += ev.duration_ps / 1e9 / steps
                 count[(plane.name[:18], thread[:18], name)] += 1
@@ -100,8 +115,7 @@ def main():
         if a.loop > 1:
             looped = steps_in_graph(step, a.loop)
             float(looped(batches[0]))
-            calls = max(1, 20 // a.loop)  # ~20 steps: longer traces drop GPU events
-            profile(lambda i: float(looped(batches[i % 4])), steps=calls * a.loop, calls=calls)
+            profile(lambda i: float(looped(batches[i % 4])), steps=10 * a.loop, calls=10)
         else:
             profile(lambda i: float(step(batches[i % 4])))
 

@@ -253,6 +253,8 @@ def test_lookup_gradient_bounds_ids_by_the_tables_rows_when_known(rng):
         lookup_grad_op(bad, args[1], grads)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"rows has 2 entries for 3 tables"):
         lookup_grad_op(*args, rows=rows[:2])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"table 2 has 0 rows"):
+        lookup_grad_op(*args, rows=rows[:2] + [0])
 
     table = sok.Variable(rng.standard_normal((rows[0], 4)).astype(np.float32), name="t")
 

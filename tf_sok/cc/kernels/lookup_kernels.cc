@@ -273,6 +273,11 @@ class FusedLookupGradOp : public tf::OpKernel {
     OP_REQUIRES(c, rows_.empty() || static_cast<int>(rows_.size()) == attrs_.num_tables,
                 absl::InvalidArgumentError(absl::StrCat("tf_sok lookup gradient: rows has ", rows_.size(),
                                                         " entries for ", attrs_.num_tables, " tables")));
+    for (size_t t = 0; t < rows_.size(); ++t) {
+      OP_REQUIRES(c, rows_[t] > 0,
+                  absl::InvalidArgumentError(absl::StrCat("tf_sok lookup gradient: table ", t, " has ",
+                                                          rows_[t], " rows")));
+    }
   }
 
   void Compute(tf::OpKernelContext* ctx) override {

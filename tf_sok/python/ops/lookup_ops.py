@@ -103,13 +103,13 @@ def _inputs_and_grads(op, out_grads):
 
 
 def _static_rows(shapes) -> List[int]:
-    """The tables' row counts when every one is known while tracing (variables carry
-    their shapes), else [] (the gradient then accepts ids up to 2^40): known rows
-    let the gradient reject ids past a table and sort shorter keys."""
+    """The tables' row counts when every one is known (and not empty) while tracing
+    (variables carry their shapes), else [] (the gradient then accepts ids up to 2^40):
+    known rows let the gradient reject ids past a table and sort shorter keys."""
     rows = []
     for s in shapes:
         value = tf.get_static_value(s)
-        if value is None:
+        if value is None or value[0] <= 0:
             return []
         rows.append(int(value[0]))
     return rows
