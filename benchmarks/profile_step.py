@@ -3,11 +3,14 @@ time per op type, from TensorFlow's profiler trace.
 
     python benchmarks/profile_step.py --path sok|tf [--device GPU:0] [--batch 65536]
     python benchmarks/profile_step.py --dlrm 1 --device GPU:0 --optimizer adam   (gpu_bench's (b) step)
+    python benchmarks/profile_step.py --lookups 16 --device GPU:0   (gpu_bench's (a) one-id lookups,
+        10 per call, next to tf.gather in the same form: where a small lookup's time goes)
 """
 import argparse
 import collections
 import glob
 import tempfile
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -72,6 +75,37 @@ def profile(run, steps=10, top=25, calls=None):
     return summarize(logdir, steps, top)
 
 
+def small_lookups(dim, batch):
+    """gpu_bench (a)'s one-id lookups (1e7-row table, uniform ids, 10 lookups per call),
+    timed and profiled next to TensorFlow's tf.gather of the same ids in the same form."""
+    rng = np.random.default_rng(0)
+    rows = 10_000_000
+    table = sok.Variable(shape=[rows, dim], initializer=keras.initializers.RandomUniform(-1, 1), name="small")
+    dense = tf.Variable(tf.random.uniform([rows, dim]))
+    ids, splits = fixed_hot_batch(rng, rows, batch, 1, "uniform")
+    rts = [tf.RaggedTensor.from_row_splits(tf.constant(np.roll(ids, k * 7919)), tf.constant(splits))
+           for k in range(10)]
+
+    @tf.function
+    def lookups():
+        return tf.add_n([sok.lookup_sparse(table, rt, combiners="sum")[0, 0] for rt in rts])
+
+    @tf.function
+    def gathers():
+        return tf.add_n([tf.gather(dense, rt.values)[0, 0] for rt in rts])
+
+    for name, fn in (("tf_sok lookup_sparse", lookups), ("tf.gather", gathers)):
+        for _ in range(20):
+            float(fn())
+        t = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            float(fn())
+            t.append(time.perf_counter() - t0)
+        print(f"== {name}: {np.median(t) / 10 * 1e3:.3f} ms per lookup (10 per call); per call:")
+        profile(lambda i: float(fn()), steps=20, top=20)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--path", default="sok")
@@ -84,8 +118,14 @@ def main():
     p.add_argument("--loop", type=int, default=1,
                    help="run this many steps per tf.function call (a graph loop, as gpu_bench.py --loop); "
                         "times are still per step")
+    p.add_argument("--lookups", type=int, metavar="DIM",
+                   help="profile gpu_bench's one-id forward lookups of this width instead (batch 65,536)")
     a = p.parse_args()
     sok.init()
+    if a.lookups:
+        with tf.device(a.device):
+            small_lookups(a.lookups, 65536)
+        return
     rng = np.random.default_rng(0)
     init = keras.initializers.RandomUniform(-0.05, 0.05)
     kopt = keras.optimizers.SGD(0.01) if a.optimizer == "sgd" else keras.optimizers.Adam(1e-3)
