@@ -152,26 +152,39 @@ def floor_bytes(batches, dims, batch, adam, distinct=True):
     return total
 
 
+DLRM_DIM = 128
+DLRM_INIT = keras.initializers.RandomUniform(-0.05, 0.05)
+
+
+def dlrm_batches(batch, hotness):
+    """(b)'s inputs, per ids/feature: (hot, [(ids, splits)] per table, [RaggedTensor]);
+    the same seed wherever they are used, so every section sees the same ids."""
+    rng = np.random.default_rng(1)
+    for hot in hotness:
+        raw = [fixed_hot_batch(rng, rows, batch, hot, "zipf:1.05") for rows in CARDINALITIES]
+        yield hot, raw, [tf.RaggedTensor.from_row_splits(tf.constant(i), tf.constant(s)) for i, s in raw]
+
+
+def dlrm_sok_tables(prefix):
+    return [sok.Variable(shape=[r, DLRM_DIM], initializer=DLRM_INIT, name=f"{prefix}{i}")
+            for i, r in enumerate(CARDINALITIES)]
+
+
 def training_section(a, bw):
-    dim = 128
+    dim = DLRM_DIM
     print(f"\n(b) DLRM-like step: 26 tables (Criteo Kaggle cardinalities capped at 1e7), dim {dim}, "
           f"batch {a.batch}, Zipf(1.05), loss = sum of squared pooled outputs")
-    rng = np.random.default_rng(1)
-    init = keras.initializers.RandomUniform(-0.05, 0.05)
     res = {}
-    for hot in a.train_hotness:
-        raw = [fixed_hot_batch(rng, rows, a.batch, hot, "zipf:1.05") for rows in CARDINALITIES]
-        batch = [tf.RaggedTensor.from_row_splits(tf.constant(i), tf.constant(s)) for i, s in raw]
+    for hot, raw, batch in dlrm_batches(a.batch, a.train_hotness):
         for name, make_opt, adam in (("adam", lambda: keras.optimizers.Adam(1e-3), True),
                                      ("sgd", lambda: keras.optimizers.SGD(1e-2), False)):
             row = {}
             for path in a.paths:
                 if path == "sok":
-                    tables = [sok.Variable(shape=[r, dim], initializer=init, name=f"c{i}")
-                              for i, r in enumerate(CARDINALITIES)]
+                    tables = dlrm_sok_tables("c")
                     opt = sok.OptimizerWrapper(make_opt())
                 else:
-                    tables = [tf.Variable(init((r, dim))) for r in CARDINALITIES]
+                    tables = [tf.Variable(DLRM_INIT((r, dim))) for r in CARDINALITIES]
                     opt = make_opt()
                 step_fn = make_step(tables, list(range(26)), opt, path)
                 row[path] = timed(lambda: step_fn(batch), a.iters)
@@ -202,15 +215,10 @@ def training_section(a, bw):
 def parts_section(a):
     """Where (b)'s tf_sok Adam step spends its time: the forward (+ loss), forward +
     gradients, and the whole step, each in a graph loop of a.loop steps."""
-    dim = 128
     print(f"\nparts of the tf_sok Adam step ((b)'s shapes), ms per step in loops of {a.loop}")
-    rng = np.random.default_rng(1)
-    init = keras.initializers.RandomUniform(-0.05, 0.05)
     out = {}
-    for hot in a.train_hotness:
-        raw = [fixed_hot_batch(rng, rows, a.batch, hot, "zipf:1.05") for rows in CARDINALITIES]
-        batch = [tf.RaggedTensor.from_row_splits(tf.constant(i), tf.constant(s)) for i, s in raw]
-        tables = [sok.Variable(shape=[r, dim], initializer=init, name=f"p{i}") for i, r in enumerate(CARDINALITIES)]
+    for hot, _, batch in dlrm_batches(a.batch, a.train_hotness):
+        tables = dlrm_sok_tables("p")
         opt = sok.OptimizerWrapper(keras.optimizers.Adam(1e-3))
 
         @tf.function
