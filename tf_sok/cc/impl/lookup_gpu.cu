@@ -59,8 +59,14 @@ struct Vec<4> {
     a.x += w * x.x, a.y += w * x.y, a.z += w * x.z, a.w += w * x.w;
   }
   __device__ static T Scale(T v, float s) { return make_float4(v.x * s, v.y * s, v.z * s, v.w * s); }
+  // one 16-byte atomic on Hopper and later (hot ids' rows take many: a Zipf id
+  // can hold most of a table's positions), four scalar ones before
   __device__ static void AtomicAdd(float* p, T v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float4*>(p), v);
+#else
     atomicAdd(p, v.x), atomicAdd(p + 1, v.y), atomicAdd(p + 2, v.z), atomicAdd(p + 3, v.w);
+#endif
   }
 };
 
@@ -297,8 +303,12 @@ struct GradOutputs {
 // Sums each id group's scaled output-gradient rows. Work is cut into chunks
 // of kSegChunk sorted positions (hot ids make very long groups): a group that
 // lies inside one chunk is stored directly; one that spans chunks is added
-// atomically into the zeroed output.
-constexpr int kSegChunk = 32;
+// atomically into the zeroed output. With Zipf ids most positions belong to a
+// few hot ids, so those atomics on the same rows, not the reads, bound the sum
+// at short chunks: 64 positions per chunk halve them against 32 (measured on an
+// H200: 2.30 -> 1.63 ms for 17 M positions, 0.33 -> 0.32 ms for 1.7 M), while
+// longer chunks leave too few thread groups for the cold ids.
+constexpr int kSegChunk = 64;
 
 template <int VEC>
 __global__ void SegmentSumKernel(Groups g, int total, const float* coef,
