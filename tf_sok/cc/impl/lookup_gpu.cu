@@ -169,69 +169,76 @@ __global__ void ForwardKernel(const Batch<Id> b, int group, DeviceError* err) {
 }
 
 // Rows of about one id each, when one pass of the group covers every width
-// (dim <= group * VEC): kRows rows per group, their splits, then their ids,
-// then their table rows loaded together (a one-id row is otherwise a chain of
-// three dependent loads, and the warps resident on an SM too few to hide it).
-// Rows with another number of ids take PoolRow. Same sums as ForwardKernel.
+// (dim <= group * VEC). A warp takes 32 consecutive rows: lane i loads row i's
+// splits, id and weight (one coalesced load each, instead of a chain of three
+// dependent loads per row), then the warp's thread groups take the one-id rows
+// kRows at a time, handed round by shuffles, their table rows' loads issued
+// together. Empty and several-id rows take PoolRow afterwards. Same sums as
+// ForwardKernel. (On an H200, 26 features x 65,536 one-id rows of width 128:
+// 396 -> 271 us against 4 rows per thread group with their own loads.)
 constexpr int kRows = 4;
 
 template <typename Id, int VEC>
 __global__ void ForwardRowsKernel(const Batch<Id> b, int group, DeviceError* err) {
   using V = Vec<VEC>;
-  const long long r0 = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group * kRows;
-  const int lane = threadIdx.x % group;
-  const long long total = b.row_start[b.num_features];
-  if (r0 >= total) return;
+  constexpr unsigned kAll = 0xffffffffu;
+  const long long r0 = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32 * 32;
+  const int wl = threadIdx.x % 32, lane = wl % group, g = wl / group, groups = 32 / group;
   const int j0 = lane * VEC;
-  int f[kRows];
-  long long row[kRows], s[kRows], e[kRows], id[kRows];
-  int feature = FindFeature(b, r0);
-#pragma unroll
-  for (int k = 0; k < kRows; ++k) {
-    const long long r = r0 + k;
-    while (feature + 1 < b.num_features && r >= b.row_start[feature + 1]) ++feature;
-    f[k] = feature;
-    row[k] = r < total ? r - b.row_start[feature] : -1;
-    s[k] = row[k] >= 0 ? b.splits[feature][row[k]] : 0;
-    e[k] = row[k] >= 0 ? b.splits[feature][row[k] + 1] : 0;
-  }
-#pragma unroll
-  for (int k = 0; k < kRows; ++k) {
-    if (row[k] >= 0 && !CheckRow(b, f[k], row[k], s[k], e[k], err)) row[k] = -1;
-    id[k] = row[k] >= 0 && e[k] - s[k] == 1 ? static_cast<long long>(b.ids[f[k]][s[k]]) : -1;
-  }
-  typename V::T x[kRows];
-#pragma unroll
-  for (int k = 0; k < kRows; ++k) {
-    const bool load = row[k] >= 0 && e[k] - s[k] == 1 && id[k] >= 0 && id[k] < b.table_rows[f[k]] &&
-                      j0 < b.dim[f[k]];
-    x[k] = load ? V::Load(b.table[f[k]] + id[k] * b.dim[f[k]] + j0) : V::Zero();
-  }
-#pragma unroll
-  for (int k = 0; k < kRows; ++k) {
-    if (row[k] < 0 || e[k] - s[k] != 1) continue;
-    const int dim = b.dim[f[k]];
-    const float w = b.weights[f[k]] ? b.weights[f[k]][s[k]] : 1.0f;
-    typename V::T acc = V::Zero();
-    if (id[k] < 0 || id[k] >= b.table_rows[f[k]]) {
-      Raise(err, ErrorKind::kIdOutOfRange, b.feature_index[f[k]], s[k], id[k], b.table_rows[f[k]]);
-    } else {
-      V::Fma(acc, w, x[k]);
-    }
-    if (j0 < dim) {
-      V::StoreStream(b.rows_out[f[k]] + row[k] * dim + j0,
-               V::Scale(acc, CombinerScale(static_cast<Combiner>(b.combiner[f[k]]), w, w * w)));
+  const long long total = b.row_start[b.num_features];
+  if (r0 >= total) return;  // the whole warp
+  // this lane's row: kind 0 nothing to do, 1 one id (id < 0: out of range, zeros stored), 2 PoolRow
+  int f = 0, kind = 0;
+  long long row = -1, s = 0, e = 0, id = -1;
+  float w = 1.0f, scale = 0.0f;
+  if (r0 + wl < total) {
+    f = FindFeature(b, r0 + wl);
+    row = r0 + wl - b.row_start[f];
+    s = b.splits[f][row], e = b.splits[f][row + 1];
+    if (CheckRow(b, f, row, s, e, err)) {
+      kind = e - s == 1 ? 1 : 2;
+      if (kind == 1) {
+        id = static_cast<long long>(b.ids[f][s]);
+        w = b.weights[f] ? b.weights[f][s] : 1.0f;
+        scale = CombinerScale(static_cast<Combiner>(b.combiner[f]), w, w * w);
+        if (id < 0 || id >= b.table_rows[f]) {
+          Raise(err, ErrorKind::kIdOutOfRange, b.feature_index[f], s, id, b.table_rows[f]);
+          id = -1;
+        }
+      }
     }
   }
-  unsigned others = 0;  // bit k: row k (checked) is empty or has several ids
+  for (int t = 0; t < 32; t += groups * kRows) {
+    int fk[kRows];
+    long long rk[kRows];
+    float wk[kRows], ck[kRows];
+    typename V::T x[kRows];
 #pragma unroll
-  for (int k = 0; k < kRows; ++k) others |= (row[k] >= 0 && e[k] - s[k] != 1 ? 1u : 0u) << k;
-#pragma unroll 1
-  for (int k = 0; k < kRows; ++k) {  // those (few here) one at a time, found again from r0 + k
+    for (int k = 0; k < kRows; ++k) {
+      const int src = t + k * groups + g;
+      fk[k] = __shfl_sync(kAll, f, src & 31);
+      rk[k] = __shfl_sync(kAll, kind == 1 ? row : -1LL, src & 31);
+      const long long idk = __shfl_sync(kAll, id, src & 31);
+      wk[k] = __shfl_sync(kAll, w, src & 31);
+      ck[k] = __shfl_sync(kAll, scale, src & 31);
+      if (src >= 32 || j0 >= b.dim[fk[k]]) rk[k] = -1;
+      x[k] = rk[k] >= 0 && idk >= 0 ? V::Load(b.table[fk[k]] + idk * b.dim[fk[k]] + j0) : V::Zero();
+    }
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      if (rk[k] < 0) continue;
+      typename V::T acc = V::Zero();
+      V::Fma(acc, wk[k], x[k]);
+      V::StoreStream(b.rows_out[fk[k]] + rk[k] * b.dim[fk[k]] + j0, V::Scale(acc, ck[k]));
+    }
+  }
+  // the (here few) empty and several-id rows, one per thread group
+  const unsigned others = __ballot_sync(kAll, kind == 2);
+  for (int n = 0, k = 0; k < 32; ++k) {
     if (!((others >> k) & 1u)) continue;
-    const int g = FindFeature(b, r0 + k);
-    const long long rg = r0 + k - b.row_start[g];
-    PoolRow<Id, VEC, false>(b, g, rg, b.splits[g][rg], b.splits[g][rg + 1], lane, group, err);
+    const int fo = __shfl_sync(kAll, f, k);
+    const long long ro = __shfl_sync(kAll, row, k), so = __shfl_sync(kAll, s, k), eo = __shfl_sync(kAll, e, k);
+    if (n++ % groups == g) PoolRow<Id, VEC, false>(b, fo, ro, so, eo, lane, group, err);
   }
 }
 
@@ -425,7 +432,7 @@ struct FusedLookup<GpuDevice, Id> {
       for (size_t k = 0; k < count; ++k) ids_in_launch += b.num_ids[k];
       const bool multi = ids_in_launch >= kUnroll * total;  // kUnroll ids per row or more on average
       if (!multi && max_dim <= group * (vec4 ? 4 : 1)) {  // rows of about one id, one pass per row
-        const long long row_blocks = ((total + kRows - 1) / kRows * group + kThreads - 1) / kThreads;
+        const long long row_blocks = ((total + 31) / 32 * 32 + kThreads - 1) / kThreads;
         auto rows_kernel = vec4 ? ForwardRowsKernel<Id, 4> : ForwardRowsKernel<Id, 1>;
         rows_kernel<<<row_blocks, kThreads, 0, StreamOf(d)>>>(b, group, err);
         continue;

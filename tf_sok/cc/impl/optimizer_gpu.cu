@@ -4,6 +4,7 @@
 // launch then sums each row's gradients and updates the row and its state. If
 // any index was bad the update kernels write nothing.
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "tf_sok/cc/impl/gpu_util.cuh"
@@ -16,6 +17,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kMaxTables = 32;  // tables per launch (kernel parameter space)
+
+inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 inline long long Blocks(long long threads) { return (threads + kThreads - 1) / kThreads; }
 
@@ -49,10 +52,32 @@ __global__ void CheckKernel(const Chunk<Id> c, bool ascending, long long* keys, 
   if (keys) keys[p] = (static_cast<long long>(t) << c.shift) | r;
 }
 
-// One group of `group` threads per updated row. Grouped: row k is the k-th
-// distinct key and its gradient is the sum of its positions' rows. Not grouped:
-// row k is position k (indices known unique).
-template <typename Id, Algorithm A, bool kGrouped>
+// VEC consecutive floats of a row (16-byte accesses when VEC == 4; every width
+// of the launch is then a multiple of 4).
+template <int VEC>
+struct Floats {
+  float v[VEC];
+  __device__ void Load(const float* p) {
+    if (VEC == 4) {
+      const float4 x = *reinterpret_cast<const float4*>(p);
+      v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+    } else {
+      for (int i = 0; i < VEC; ++i) v[i] = p[i];
+    }
+  }
+  __device__ void Store(float* p) const {
+    if (VEC == 4) {
+      *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+      for (int i = 0; i < VEC; ++i) p[i] = v[i];
+    }
+  }
+};
+
+// One group of `group` threads per updated row, each thread VEC floats of it at
+// a time. Grouped: row k is the k-th distinct key and its gradient is the sum of
+// its positions' rows. Not grouped: row k is position k (indices known unique).
+template <typename Id, Algorithm A, bool kGrouped, int VEC>
 __global__ void UpdateKernel(Hyper h, const Chunk<Id> c, Groups g, int group, const DeviceError* err) {
   const long long k = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
   const int lane = threadIdx.x % group;
@@ -79,17 +104,24 @@ __global__ void UpdateKernel(Hyper h, const Chunk<Id> c, Groups g, int group, co
   float* slot[3];
   for (int s = 0; s < 3; ++s) slot[s] = u.slots[s] ? u.slots[s] + row * dim : nullptr;
   float* w = u.var + row * dim;
-  for (int j = lane; j < dim; j += group) {
-    float gsum = 0.0f;
+  for (int j = lane * VEC; j < dim; j += group * VEC) {
+    Floats<VEC> gsum{}, wv, sv[3];
     for (int q = begin; q < end; ++q) {
       const long long p = kGrouped ? g.order[q] : k;
-      gsum += grads[(p - base) * dim + j];
+      Floats<VEC> x;
+      x.Load(grads + (p - base) * dim + j);
+      for (int i = 0; i < VEC; ++i) gsum.v[i] += x.v[i];
     }
-    float unused = 0.0f;
-    float& s0 = slot[0] ? slot[0][j] : unused;
-    float& s1 = slot[1] ? slot[1][j] : unused;
-    float& s2 = slot[2] ? slot[2][j] : unused;
-    w[j] = UpdateElement<A>(h, rs, w[j], gsum, s0, s1, s2);
+    wv.Load(w + j);
+    for (int s = 0; s < 3; ++s) {
+      if (slot[s]) sv[s].Load(slot[s] + j);
+      else sv[s] = Floats<VEC>{};
+    }
+    for (int i = 0; i < VEC; ++i)
+      wv.v[i] = UpdateElement<A>(h, rs, wv.v[i], gsum.v[i], sv[0].v[i], sv[1].v[i], sv[2].v[i]);
+    wv.Store(w + j);
+    for (int s = 0; s < 3; ++s)
+      if (slot[s]) sv[s].Store(slot[s] + j);
   }
 }
 
@@ -133,11 +165,12 @@ std::vector<Chunk<Id>> MakeChunks(const std::vector<TableUpdate<Id>>& tables) {
 
 template <typename Id, bool kGrouped>
 void LaunchUpdate(cudaStream_t s, const Hyper& h, const Chunk<Id>& c, const Groups& g,
-                  long long rows, int max_dim, bool has_step, const DeviceError* err) {
-  const int group = GroupWidth(max_dim, 1);
+                  long long rows, int max_dim, bool vec4, bool has_step, const DeviceError* err) {
+  const int group = GroupWidth(max_dim, vec4 ? 4 : 1);
   DispatchAlgorithm(h.algorithm, [&](auto algo) {
-    UpdateKernel<Id, decltype(algo)::value, kGrouped>
-        <<<Blocks(rows * group), kThreads, 0, s>>>(h, c, g, group, err);
+    constexpr Algorithm A = decltype(algo)::value;
+    auto kernel = vec4 ? UpdateKernel<Id, A, kGrouped, 4> : UpdateKernel<Id, A, kGrouped, 1>;
+    kernel<<<Blocks(rows * group), kThreads, 0, s>>>(h, c, g, group, err);
     return 0;
   });
   if (has_step) BumpStepKernel<Id, kGrouped><<<Blocks(rows), kThreads, 0, s>>>(c, g, err);
@@ -169,20 +202,22 @@ struct FusedSparseApply<GpuDevice, Id> {
       const long long n = c.start[c.num_tables];
       if (n == 0) continue;
       int max_dim = 1;
-      bool has_step = false;
+      bool has_step = false, vec4 = true;
       for (int t = 0; t < c.num_tables; ++t) {
         max_dim = std::max<int>(max_dim, c.u[t].dim);
         has_step = has_step || c.u[t].step != nullptr;
+        vec4 = vec4 && c.u[t].dim % 4 == 0 && Aligned16(c.u[t].var) && Aligned16(c.grads[t]);
+        for (int k = 0; k < 3; ++k) vec4 = vec4 && Aligned16(c.u[t].slots[k]);
       }
       Groups g;
       if (indices_unique) {
-        LaunchUpdate<Id, false>(s, h, c, g, n, max_dim, has_step, err);
+        LaunchUpdate<Id, false>(s, h, c, g, n, max_dim, vec4, has_step, err);
         continue;
       }
       const int bits = c.shift + (c.num_tables > 1 ? BitsFor(c.num_tables - 1) : 0);
       Error e = GroupByKey(d, keys[k], static_cast<int>(n), bits, &g);
       if (!e.ok()) return e;
-      LaunchUpdate<Id, true>(s, h, c, g, n, max_dim, has_step, err);
+      LaunchUpdate<Id, true>(s, h, c, g, n, max_dim, vec4, has_step, err);
     }
     cudaError_t c = cudaGetLastError();
     if (c != cudaSuccess) return CudaFailure(c);
