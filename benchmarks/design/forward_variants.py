@@ -18,20 +18,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from gpu_common import CARDINALITIES, fixed_hot_batch  # noqa: E402
+from design.timing import timeit  # noqa: E402
 
 B = 65536
-
-
-def timeit(fn, reps=20):
-    import cupy as cp
-
-    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
-    fn(); cp.cuda.Device().synchronize()
-    ts = []
-    for _ in range(reps):
-        ev0.record(); fn(); ev1.record(); ev1.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(ev0, ev1))
-    return float(np.median(ts))
 
 
 def run(dim, hot, nfeat, cubin):
@@ -68,7 +57,7 @@ def run(dim, hot, nfeat, cubin):
         if ref is None:
             ref = cp.concatenate([t[i].reshape(B, hot, dim).sum(1) for t, i in zip(tables, ids)])
         err = float(cp.abs(got - ref).max())
-        res[name] = timeit(f)
+        res[name] = timeit(f, reps=20)
         print(f"  {name}: max abs err vs cupy gather + sum {err:.1e}")
     for n, ms in res.items():
         print(f"dim {dim} hot {hot}: {n:10s} {ms * 1e3:8.1f} us")

@@ -16,6 +16,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from gpu_common import CARDINALITIES, fixed_hot_batch  # noqa: E402
+from design.timing import timeit  # noqa: E402
 
 B = 65536
 DIM = 128
@@ -28,55 +29,6 @@ __device__ int SegOf(const int* off, int n, long long pos) {
 }
 __device__ void fma4(float4& a, float w, float4 x) { a.x += w*x.x; a.y += w*x.y; a.z += w*x.z; a.w += w*x.w; }
 
-// current: chunks of 32 sorted positions per warp
-__global__ void seg_gather(const int* offsets, int nu, const int* order, const float* coef,
-                           const long long* rowptr, const float* dy, float* out, int total, int min_len) {
-  long long chunk = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32;
-  int lane = threadIdx.x % 32;
-  long long start = chunk * 32;
-  if (start >= total) return;
-  int stop = start + 32 < total ? start + 32 : total;
-  int u = SegOf(offsets, nu, start);
-  for (int k = start; k < stop; ++u) {
-    int sb = offsets[u], se = offsets[u + 1];
-    int end = se < stop ? se : stop;
-    if (se - sb < min_len) { k = end; continue; }
-    bool whole = sb >= start && se <= stop;
-    float4 acc = make_float4(0, 0, 0, 0);
-    for (int q = k; q < end; ++q) {
-      int p = order[q];
-      fma4(acc, coef[p], __ldg(reinterpret_cast<const float4*>(dy + rowptr[p]) + lane));
-    }
-    float4* o = reinterpret_cast<float4*>(out + (long long)u * 128) + lane;
-    if (whole) *o = acc;
-    else { atomicAdd(&o->x, acc.x); atomicAdd(&o->y, acc.y); atomicAdd(&o->z, acc.z); atomicAdd(&o->w, acc.w); }
-    k = end;
-  }
-}
-// same, vector atomics (sm_90)
-__global__ void seg_gather_v4(const int* offsets, int nu, const int* order, const float* coef,
-                              const long long* rowptr, const float* dy, float* out, int total, int min_len) {
-  long long chunk = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32;
-  int lane = threadIdx.x % 32;
-  long long start = chunk * 32;
-  if (start >= total) return;
-  int stop = start + 32 < total ? start + 32 : total;
-  int u = SegOf(offsets, nu, start);
-  for (int k = start; k < stop; ++u) {
-    int sb = offsets[u], se = offsets[u + 1];
-    int end = se < stop ? se : stop;
-    if (se - sb < min_len) { k = end; continue; }
-    bool whole = sb >= start && se <= stop;
-    float4 acc = make_float4(0, 0, 0, 0);
-    for (int q = k; q < end; ++q) {
-      int p = order[q];
-      fma4(acc, coef[p], __ldg(reinterpret_cast<const float4*>(dy + rowptr[p]) + lane));
-    }
-    float4* o = reinterpret_cast<float4*>(out + (long long)u * 128) + lane;
-    if (whole) *o = acc; else atomicAdd(o, acc);
-    k = end;
-  }
-}
 // scatter: one warp per bag; reads its dY row once, adds it into each id's distinct row
 __global__ void seg_scatter(const long long* splits_all, int nbags, const int* inv, const float* coef,
                             const float* dy, float* out, int hot, int skip_hot_len, const int* offsets) {
@@ -109,9 +61,15 @@ __global__ void inv_from_order(const int* offsets, int nu, const int* order, int
   inv[order[q]] = SegOf(offsets, nu, q);
 }
 
-// chunk size as a parameter, v4 atomics, optional 4-wide unrolled loads
-__global__ void seg_chunk(const int* offsets, int nu, const int* order, const float* coef,
-                          const long long* rowptr, const float* dy, float* out, int total, int C, int unroll) {
+}
+// A warp per chunk of C sorted positions; an id inside the chunk is stored, the part
+// of one that spans chunks is added atomically (kV4: one 16-byte atomic, sm_90; else
+// four scalar ones). unroll: 4 positions' loads issued together. Ids of fewer than
+// min_len positions are skipped (the hybrid's gather half).
+template <bool kV4>
+__device__ void gather(const int* offsets, int nu, const int* order, const float* coef,
+                       const long long* rowptr, const float* dy, float* out, int total, int C, int unroll,
+                       int min_len) {
   long long chunk = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32;
   int lane = threadIdx.x % 32;
   long long start = chunk * C;
@@ -121,6 +79,7 @@ __global__ void seg_chunk(const int* offsets, int nu, const int* order, const fl
   for (int k = start; k < stop; ++u) {
     int sb = offsets[u], se = offsets[u + 1];
     int end = se < stop ? se : stop;
+    if (se - sb < min_len) { k = end; continue; }
     bool whole = sb >= start && se <= stop;
     float4 acc = make_float4(0, 0, 0, 0);
     int q = k;
@@ -142,9 +101,22 @@ __global__ void seg_chunk(const int* offsets, int nu, const int* order, const fl
       fma4(acc, coef[p], __ldg(reinterpret_cast<const float4*>(dy + rowptr[p]) + lane));
     }
     float4* o = reinterpret_cast<float4*>(out + (long long)u * 128) + lane;
-    if (whole) *o = acc; else atomicAdd(o, acc);
+    if (whole) *o = acc;
+    else if (kV4) atomicAdd(o, acc);
+    else { atomicAdd(&o->x, acc.x); atomicAdd(&o->y, acc.y); atomicAdd(&o->z, acc.z); atomicAdd(&o->w, acc.w); }
     k = end;
   }
+}
+extern "C" {
+// the library's form before: chunks of 32, scalar atomics
+__global__ void seg_gather(const int* offsets, int nu, const int* order, const float* coef,
+                           const long long* rowptr, const float* dy, float* out, int total) {
+  gather<false>(offsets, nu, order, coef, rowptr, dy, out, total, 32, 0, 0);
+}
+__global__ void seg_chunk(const int* offsets, int nu, const int* order, const float* coef,
+                          const long long* rowptr, const float* dy, float* out, int total, int C, int unroll,
+                          int min_len) {
+  gather<true>(offsets, nu, order, coef, rowptr, dy, out, total, C, unroll, min_len);
 }
 // 8 warps of a block combine the pieces of segments that cross their chunks in shared
 // memory; one atomic per block per crossing segment
@@ -200,24 +172,12 @@ __global__ void seg_block(const int* offsets, int nu, const int* order, const fl
 """
 
 
-def timeit(fn, reps=10):
-    import cupy as cp
-
-    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
-    fn(); cp.cuda.Device().synchronize()
-    ts = []
-    for _ in range(reps):
-        ev0.record(); fn(); ev1.record(); ev1.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(ev0, ev1))
-    return float(np.median(ts))
-
-
 def main(hot, cubin):
     import cupy as cp
 
     mod = cp.RawModule(path=cubin)
-    k = {n: mod.get_function(n) for n in ("seg_gather", "seg_gather_v4", "seg_scatter", "raw_sorted",
-                                          "inv_from_order", "seg_chunk", "seg_block")}
+    k = {n: mod.get_function(n) for n in ("seg_gather", "seg_scatter", "raw_sorted", "inv_from_order",
+                                          "seg_chunk", "seg_block")}
     rng = np.random.default_rng(1)
     raw = [fixed_hot_batch(rng, rows, B, hot, "zipf:1.05") for rows in CARDINALITIES]
     shift = int(max(CARDINALITIES) - 1).bit_length()
@@ -246,12 +206,14 @@ def main(hot, cubin):
     gblocks = ((total + 31) // 32 * 32 + T - 1) // T
     sblocks = (nbags * 32 + T - 1) // T
 
-    def gather(kern, min_len=0):
-        def f():
-            out.fill(0)
-            kern((gblocks,), (T,), (offsets, np.int32(nu), order, coef, rowptr, dy, out, np.int32(total),
-                                    np.int32(min_len)))
-        return f
+    def before():
+        out.fill(0)
+        k["seg_gather"]((gblocks,), (T,), (offsets, np.int32(nu), order, coef, rowptr, dy, out, np.int32(total)))
+
+    def chunks(C, unroll, min_len=0):
+        blocks = ((total + C - 1) // C * 32 + T - 1) // T
+        k["seg_chunk"]((blocks,), (T,), (offsets, np.int32(nu), order, coef, rowptr, dy, out, np.int32(total),
+                                        np.int32(C), np.int32(unroll), np.int32(min_len)))
 
     def inv_k():
         k["inv_from_order"](((total + T - 1) // T,), (T,), (offsets, np.int32(nu), order, inv, np.int32(total)))
@@ -268,21 +230,18 @@ def main(hot, cubin):
             out.fill(0)
             k["seg_scatter"]((sblocks,), (T,), (np.int64(0), np.int32(nbags), inv, coef, dy, out, np.int32(hot),
                                                   np.int32(th), offsets))
-            k["seg_gather_v4"]((gblocks,), (T,), (offsets, np.int32(nu), order, coef, rowptr, dy, out,
-                                                  np.int32(total), np.int32(th)))
+            chunks(32, 0, min_len=th)
         return f
 
     res = {}
-    gather(k["seg_gather"])(); ref = out.copy()
+    before(); ref = out.copy()
     res["zero only"] = timeit(lambda: out.fill(0))
-    res["gather (current)"] = timeit(gather(k["seg_gather"]))
+    res["gather (current)"] = timeit(before)
     res["raw sorted reads"] = timeit(lambda: k["raw_sorted"]((gblocks,), (T,), (order, rowptr, dy, sink, np.int32(total))))
     def chunked(C, un):
-        blocks = ((total + C - 1) // C * 32 + T - 1) // T
         def f():
             out.fill(0)
-            k["seg_chunk"]((blocks,), (T,), (offsets, np.int32(nu), order, coef, rowptr, dy, out, np.int32(total),
-                                            np.int32(C), np.int32(un)))
+            chunks(C, un)
         return f
     def check(name, f):
         f(); d = float(cp.abs(out - ref).max() / (cp.abs(ref).max() + 1e-9))
