@@ -1,6 +1,6 @@
-"""Shared by examples/dlrm.py and examples/deepfm.py: command line, data
+"""Shared by examples/dlrm.py, deepfm.py and dcnv2.py: command line, data
 (synthetic or Criteo files in TSV / Parquet / TFRecord), training with model.fit,
-held-out AUC, and PNG plots of loss, AUC and samples/s."""
+held-out loss and AUC after every epoch, TensorBoard logs and PNG plots."""
 import argparse
 import os
 import time
@@ -11,47 +11,104 @@ import numpy as np
 import tf_sok as sok
 import tf_sok.data as sd
 
+SYNTHETIC_VOCAB = 1_000_000
 
-def parse_args(description, argv=None):
+
+def parse_args(description, argv=None, dim=16, batch_size=2048, steps_per_execution=10):
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--data", default="synthetic", help="'synthetic' or a file/directory of Criteo data")
-    p.add_argument("--format", default="tsv", choices=["tsv", "parquet", "tfrecord"])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=2048)
-    p.add_argument("--eval-batches", type=int, default=20, help="held-out batches (the first ones of --data)")
-    p.add_argument("--max-vocab", type=int, default=1_000_000, help="cap on each table's rows")
-    p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--out", default=None, help="where the plots go (default out/<example>)")
+    p.add_argument("--format", default=None, choices=["tsv", "parquet", "tfrecord"],
+                   help="format of --data files (default: from the file names)")
+    p.add_argument("--steps", type=int, default=300, help="training steps in all")
+    p.add_argument("--epochs", type=int, default=3, help="the steps are split into this many epochs, each "
+                                                       "followed by a held-out evaluation")
+    p.add_argument("--batch-size", type=int, default=batch_size)
+    p.add_argument("--holdout", type=float, default=0.1,
+                   help="fraction of the batches of --data held out (every k-th batch), synthetic: of --steps")
+    p.add_argument("--max-vocab", type=int, default=None,
+                   help=f"cap on each table's rows (default: the files' own schema; synthetic {SYNTHETIC_VOCAB:,})")
+    p.add_argument("--dim", type=int, default=dim)
+    p.add_argument("--steps-per-execution", type=int, default=steps_per_execution,
+                   help="steps per model.fit call into TensorFlow (the fast setting; 1 for Keras' default)")
+    p.add_argument("--out", default=None, help="where plots and TensorBoard logs go (default out/<example>)")
     p.add_argument("--verbose", type=int, default=2)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if not 0 < a.holdout < 1:
+        p.error(f"--holdout must be in (0, 1), got {a.holdout}")
+    if a.steps < a.epochs:
+        p.error(f"--steps ({a.steps}) must be at least --epochs ({a.epochs})")
+    return a
 
 
-def datasets(a):
-    """(train, held-out) tf.data pipelines of ({"dense", "C1".."C26"}, label) and the schema."""
-    schema = sd.CriteoSchema.capped(a.max_vocab)
+def _format(a) -> str:
+    if a.format:
+        return a.format
+    for fmt in ("parquet", "tfrecord", "tsv"):
+        if a.data.endswith(f".{fmt}") or (os.path.isdir(a.data) and any(
+                f.endswith(f".{fmt}") for f in os.listdir(a.data))):
+            return fmt
+    return "tsv"
+
+
+def datasets(a, synthetic_config=None):
+    """(train, held-out) tf.data pipelines of ({"dense", "C1".."C26"}, label) and the schema the
+    model's tables take. Files: every k-th batch is held out (k = 1 / holdout), the others are
+    cycled for training, so held-out data never takes the whole file."""
     if a.data == "synthetic":
-        cfg = sd.SyntheticConfig(schema=schema)
+        schema = sd.CriteoSchema.capped(a.max_vocab or SYNTHETIC_VOCAB)
+        cfg = (synthetic_config or sd.SyntheticConfig)(schema=schema)
+        eval_rows = max(1, int(a.steps * a.holdout)) * a.batch_size
         train = sd.synthetic(a.steps * a.batch_size, a.batch_size, cfg, seed=1)
-        test = sd.synthetic(a.eval_batches * a.batch_size, a.batch_size, cfg, seed=2)
+        test = sd.synthetic(eval_rows, a.batch_size, cfg, seed=2)
         return sd.for_keras(train), sd.for_keras(test), schema
-    reader = {"tsv": sd.read_tsv, "parquet": sd.read_parquet, "tfrecord": sd.read_tfrecord}[a.format]
-    ds = sd.for_keras(reader(a.data, a.batch_size, schema=schema))
-    return ds.skip(a.eval_batches).repeat().take(a.steps), ds.take(a.eval_batches), schema
+    fmt = _format(a)
+    if fmt == "tsv":
+        schema = sd.CriteoSchema.capped(a.max_vocab or 10_000_000)
+        ds = sd.read_tsv(a.data, a.batch_size, schema=schema)
+    else:
+        stored = sd.schema_of(a.data, fmt)
+        schema = sd.CriteoSchema.capped(a.max_vocab) if a.max_vocab else (stored or sd.CriteoSchema())
+        ds = (sd.read_parquet if fmt == "parquet" else sd.read_tfrecord)(a.data, a.batch_size, schema=schema)
+    every = max(2, round(1 / a.holdout))
+    numbered = sd.for_keras(ds).enumerate()
+    train = numbered.filter(lambda i, b: i % every != 0).map(lambda i, b: b)
+    test = numbered.filter(lambda i, b: i % every == 0).map(lambda i, b: b)
+    return train.repeat(), test, schema
 
 
 class Curves(keras.callbacks.Callback):
+    """Training loss/AUC per logged step, samples/s between logs (the first call, which
+    traces the step, left out) and held-out loss/AUC per epoch."""
+
     def __init__(self, batch_size):
         super().__init__()
-        self.batch_size, self.loss, self.auc, self.sps = batch_size, [], [], []
-        self._t = None
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._t = time.perf_counter()
+        self.batch_size = batch_size
+        self.step, self.loss, self.auc, self.sps, self.eval_step, self.eval_loss, self.eval_auc = ([] for _ in range(7))
+        self._last = None
+        self._done = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        self.loss.append(logs["loss"])
-        self.auc.append(logs["auc"])
-        self.sps.append(self.batch_size / (time.perf_counter() - self._t))
+        now, done = time.perf_counter(), self._done + batch + 1
+        if self._last is not None and done > self._last[1]:
+            self.step.append(done)
+            self.loss.append(logs["loss"])
+            self.auc.append(logs["auc"])
+            self.sps.append((done - self._last[1]) * self.batch_size / (now - self._last[0]))
+        self._last = (now, done)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._done = self._last[1] if self._last else self._done
+        if logs and "val_loss" in logs:
+            self.eval_step.append(self._done)
+            self.eval_loss.append(logs["val_loss"])
+            self.eval_auc.append(logs["val_auc"])
+
+    def on_test_begin(self, logs=None):
+        self._paused = time.perf_counter()
+
+    def on_test_end(self, logs=None):  # evaluation time is not training time
+        if self._last is not None:
+            self._last = (self._last[0] + time.perf_counter() - self._paused, self._last[1])
 
 
 def plot(c: Curves, path, title):
@@ -60,33 +117,50 @@ def plot(c: Curves, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 3, figsize=(14, 4))
-    for axis, ys, label in zip(ax, (c.loss, c.auc, c.sps), ("training loss (running mean)", "training AUC",
-                                                             "samples/s")):
-        axis.plot(ys)
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    ax[0].plot(c.step, c.loss, label="training (running mean)")
+    ax[0].plot(c.eval_step, c.eval_loss, "o-", label="held-out")
+    ax[1].plot(c.step, c.auc, label="training (running)")
+    ax[1].plot(c.eval_step, c.eval_auc, "o-", label="held-out")
+    ax[2].plot(c.step, c.sps)
+    for axis, label in zip(ax, ("loss", "AUC", "samples/s (tracing step left out)")):
         axis.set(xlabel="step", ylabel=label)
+    ax[0].legend()
+    ax[1].legend()
     ax[0].set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-def run(name, build_model, a):
-    """Trains `build_model(schema, dim)` with model.fit and reports held-out AUC."""
+def default_optimizer():
+    return sok.keras.Optimizer(dense=keras.optimizers.Adam(1e-3), sparse=sok.optimizers.Adam(0.01))
+
+
+def run(name, build_model, a, optimizer=default_optimizer, synthetic_config=None):
+    """Trains `build_model(schema, dim)` with model.fit, evaluating on held-out data after each epoch."""
     sok.init()
-    train, test, schema = datasets(a)
+    train, test, schema = datasets(a, synthetic_config)
     model = build_model(schema, a.dim)
-    model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.Adam(1e-3), sparse=sok.optimizers.Adam(0.01)),
-                  loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc")])
-    curves = Curves(a.batch_size)
-    t0 = time.time()
-    model.fit(train, epochs=1, steps_per_epoch=a.steps, callbacks=[curves], verbose=a.verbose)
-    secs = time.time() - t0
-    loss, auc = model.evaluate(test, verbose=0)
+    model.compile(optimizer=optimizer(), loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc")],
+                  steps_per_execution=a.steps_per_execution)
     out = a.out or os.path.join("out", name)
     os.makedirs(out, exist_ok=True)
+    curves = Curves(a.batch_size)
+    callbacks = [curves]
+    try:
+        callbacks.append(keras.callbacks.TensorBoard(os.path.join(out, "tensorboard"), update_freq="epoch"))
+    except Exception as e:  # noqa: BLE001 (TensorBoard not installed: train without its logs)
+        print(f"TensorBoard logs off: {e}")
+    per_epoch = a.steps // a.epochs
+    t0 = time.time()
+    model.fit(train, epochs=a.epochs, steps_per_epoch=per_epoch, validation_data=test, callbacks=callbacks,
+              verbose=a.verbose)
+    secs = time.time() - t0
     png = os.path.join(out, "training.png")
     plot(curves, png, f"{name}, {a.data}, batch {a.batch_size}")
-    print(f"{name}: {a.steps} steps in {secs:.1f}s ({np.median(curves.sps):,.0f} samples/s median); "
-          f"final training loss {curves.loss[-1]:.4f}; held-out loss {loss:.4f}, AUC {auc:.4f}; plot {png}")
-    return {"loss": curves.loss, "eval_auc": auc, "eval_loss": loss}
+    sps = np.median(curves.sps) if curves.sps else float("nan")
+    print(f"{name}: {per_epoch * a.epochs} steps in {secs:.1f}s ({sps:,.0f} samples/s median, tracing left out); "
+          f"final training loss {curves.loss[-1] if curves.loss else float('nan'):.4f}; "
+          f"held-out loss {curves.eval_loss[-1]:.4f}, AUC {curves.eval_auc[-1]:.4f}; plot {png}")
+    return {"loss": curves.loss, "eval_auc": curves.eval_auc[-1], "eval_loss": curves.eval_loss[-1], "sps": sps}

@@ -8,7 +8,7 @@ label [b, 1] float32); `for_keras(ds)` turns that into ({"dense", "C1", ...}, la
     ds = sd.read_parquet("criteo_parquet/", 4096)      # after: python -m tf_sok.data.convert ...
     ds = sd.synthetic(1_000_000, 4096, sd.SyntheticConfig.dcnv2())
 """
-from tf_sok.python.data.columnar import read_parquet, read_tfrecord, write_parquet, write_tfrecord
+from tf_sok.python.data.columnar import read_parquet, read_tfrecord, schema_of, write_parquet, write_tfrecord
 from tf_sok.python.data.pipeline import ReadStats, for_keras
 from tf_sok.python.data.schema import DCNV2_HOTNESS, KAGGLE_CARDINALITIES, CriteoSchema
 from tf_sok.python.data.synthetic import SyntheticConfig, raw_batches, synthetic, write_criteo_tsv
@@ -16,4 +16,4 @@ from tf_sok.python.data.tsv import read_tsv
 
 __all__ = ["read_tsv", "read_parquet", "read_tfrecord", "write_parquet", "write_tfrecord", "synthetic",
            "raw_batches", "write_criteo_tsv", "SyntheticConfig", "CriteoSchema", "ReadStats", "for_keras",
-           "KAGGLE_CARDINALITIES", "DCNV2_HOTNESS"]
+           "KAGGLE_CARDINALITIES", "DCNV2_HOTNESS", "schema_of"]

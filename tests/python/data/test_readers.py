@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sok.data as sd
-from tf_sok.python.data.convert import main as convert_main
+from tf_sok.python.data.convert import convert, main as convert_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SCHEMA = sd.CriteoSchema(vocab_sizes=tuple(range(1000, 1026)))
@@ -86,9 +86,10 @@ def test_round_trip_through_converter(tmp_path, rng, fmt):
                         "--vocab-sizes", sizes, "--rows-per-file", "256"])
     assert res["rows"] == 700 and len(res["files"]) >= 2
     reader = sd.read_parquet if fmt == "parquet" else sd.read_tfrecord
-    back = collect(reader(str(tmp_path / fmt), 100, SCHEMA, parallel_files=1))
+    back = collect(reader(str(tmp_path / fmt), 100, parallel_files=1))   # schema: the one stored by the converter
     assert_same(back, collect(sd.read_tsv(str(src), 100, SCHEMA)))
     assert_same(back, expected(lines))
+    assert sd.schema_of(str(tmp_path / fmt)) == SCHEMA
 
 
 def test_converter_command_line(tmp_path):
@@ -99,6 +100,7 @@ def test_converter_command_line(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "converted 4,000 rows" in p.stdout
     assert pq.read_table(str(tmp_path / "o")).num_rows == 4000
+    assert sd.schema_of(str(tmp_path / "o")).vocab_sizes == tuple(min(c, 1000) for c in sd.KAGGLE_CARDINALITIES)
 
 
 def test_parquet_with_scalar_columns_and_nulls(tmp_path):
@@ -163,3 +165,127 @@ def test_synthetic_shape_hotness_and_skew():
     ids = cats["C21"].values.numpy()  # 100-hot over 1e4+ rows: Zipf makes the top id very frequent
     assert np.bincount(ids).max() / len(ids) > 0.05
     assert 0.2 < label.numpy().mean() < 0.8
+
+
+def test_converter_general_hex_widths_and_several_inputs_in_parallel(tmp_path, rng):
+    """Tokens of 1-15 hex digits (not only Criteo's 8) over two input files converted by two processes."""
+    lines = []
+    for _ in range(300):
+        ints = [("" if rng.random() < 0.2 else str(int(rng.integers(-9, 10**6)))) for _ in range(13)]
+        cats = [("" if rng.random() < 0.2 else f"{int(rng.integers(0, 16 ** 15)):x}"[:int(rng.integers(1, 16))])
+                for _ in range(26)]
+        lines.append(line(str(int(rng.integers(0, 2))), ints, cats))
+    (tmp_path / "a.tsv").write_text("\n".join(lines[:170]) + "\n")
+    (tmp_path / "b.tsv").write_text("\n".join(lines[170:]))          # no newline after the last line
+    res = convert([str(tmp_path / "a.tsv"), str(tmp_path / "b.tsv")], str(tmp_path / "pq"), "parquet", SCHEMA,
+                  rows_per_file=64, workers=2)
+    assert res["rows"] == 300 and res["skipped"] == 0
+    assert_same(collect(sd.read_parquet(res["files"], 50, parallel_files=1)), expected(lines))
+
+
+class TestConverterBadLines:
+    @pytest.mark.parametrize("bad,reason", [
+        (line("1", ["1"] * 13, ["ab"] * 25), "has 39 tab-separated fields, expected 40"),
+        (line("1", ["1"] * 13, ["zz"] + ["ab"] * 25), "categorical feature C1 is not a hex string"),
+        (line("1", ["1.5"] + ["1"] * 12, ["ab"] * 26), "integer feature I1 is not an integer"),
+        (line("7", ["1"] * 13, ["ab"] * 26), "the label is not 0 or 1"),
+    ])
+    def test_raise_names_file_and_line(self, tmp_path, rng, bad, reason):
+        lines = random_lines(rng, 12)
+        lines.insert(7, bad)
+        src = tmp_path / "bad.tsv"
+        src.write_text("\n".join(lines) + "\n")
+        with pytest.raises(ValueError, match=rf"Criteo TSV {src}, line 8: {reason}"):
+            convert([str(src)], str(tmp_path / "o"), "parquet", SCHEMA)
+
+    def test_skip_counts_and_keeps_the_good_lines(self, tmp_path, rng):
+        lines = random_lines(rng, 40)
+        good = list(lines)
+        lines[3:3] = [line("1", ["x"] * 13, ["ab"] * 26), line("1", ["1"] * 13, ["ab"] * 24), "1\t2"]
+        src = tmp_path / "bad.tsv"
+        src.write_text("\n".join(lines) + "\n")
+        res = convert([str(src)], str(tmp_path / "o"), "parquet", SCHEMA, on_error="skip")
+        assert res["skipped"] == 3 and res["rows"] == 40
+        assert_same(collect(sd.read_parquet(str(tmp_path / "o"), 16)), expected(good))
+
+
+def _write_random_parquet(rng, path, n, schema, multi_hot):
+    """A Parquet file written by pyarrow directly (several row groups, nulls, empty lists)
+    and the plain-Python reference of what reading it gives."""
+    cols = {"label": pa.array(rng.integers(0, 2, n).astype(np.float32))}
+    ref_dense = np.zeros((n, 13), np.float32)
+    for i in range(13):
+        vals = [None if rng.random() < 0.1 else int(rng.integers(-3, 10**5)) for _ in range(n)]
+        cols[f"I{i + 1}"] = pa.array(vals, pa.int64())
+        ref_dense[:, i] = [np.log1p(max(v or 0, 0)) for v in vals]
+    ref_cats = {}
+    for name, vocab in zip(schema.categorical_names, schema.vocab_sizes):
+        if multi_hot:
+            rows = [None if rng.random() < 0.05 else [int(x) for x in rng.integers(0, vocab, rng.integers(0, 5))]
+                    for _ in range(n)]
+            cols[name] = pa.array(rows, pa.list_(pa.int64()))
+            ref_cats[name] = [r or [] for r in rows]
+        else:
+            vals = [None if rng.random() < 0.1 else int(rng.integers(0, vocab)) for _ in range(n)]
+            cols[name] = pa.array(vals, pa.int64())
+            ref_cats[name] = [[] if v is None else [v] for v in vals]
+    pq.write_table(pa.table(cols), path, row_group_size=int(rng.integers(7, 60)))
+    return ref_dense, ref_cats, cols["label"].to_numpy()[:, None]
+
+
+@pytest.mark.parametrize("multi_hot", [True, False])
+def test_parquet_matches_python_reference_over_files_and_row_groups(tmp_path, rng, multi_hot):
+    parts = [_write_random_parquet(rng, str(tmp_path / f"p{k}.parquet"), int(rng.integers(50, 200)), SCHEMA, multi_hot)
+             for k in range(3)]
+    want = (np.concatenate([p[0] for p in parts]), {n: sum((p[1][n] for p in parts), [])
+                                                   for n in SCHEMA.categorical_names},
+            np.concatenate([p[2] for p in parts]))
+    batch = int(rng.integers(5, 40))
+    ds = sd.read_parquet(str(tmp_path), batch, SCHEMA, parallel_files=1, block_rows=int(rng.integers(1, 100)))
+    got = collect(ds)
+    assert_same(got, want)
+    rows = [len(p[2]) for p in parts]         # whole batches, then each file's remainder
+    assert [int(b[2].shape[0]) for b in ds] == sum(([batch] * (n // batch) + [n % batch][:n % batch] for n in rows), [])
+    dropped = [int(b[2].shape[0]) for b in sd.read_parquet(str(tmp_path), batch, SCHEMA, drop_remainder=True)]
+    assert dropped == [batch] * sum(n // batch for n in rows)
+    # several files at once, not in order: the same rows
+    unordered = collect(sd.read_parquet(str(tmp_path), batch, SCHEMA, parallel_files=3, deterministic=False))
+    rounded = lambda x: sorted(map(tuple, np.round(x, 4).tolist()))  # noqa: E731 (log1p may differ by an ulp)
+    assert rounded(unordered[0]) == rounded(got[0])
+
+
+def test_parquet_id_outside_the_schema_names_file_column_and_value(tmp_path, rng):
+    _write_random_parquet(rng, str(tmp_path / "x.parquet"), 30, sd.CriteoSchema(vocab_sizes=(5000,) * 26), False)
+    small = sd.CriteoSchema(vocab_sizes=(1000,) * 26)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"x.parquet: column C1 has id \d+ outside \[0, 1000\)"):
+        collect(sd.read_parquet(str(tmp_path), 8, small))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "tfrecord"])
+def test_stored_schema_larger_than_the_tables_is_one_clear_error(tmp_path, rng, fmt):
+    lines = random_lines(rng, 20)
+    (tmp_path / "d.tsv").write_text("\n".join(lines) + "\n")
+    convert([str(tmp_path / "d.tsv")], str(tmp_path / fmt), fmt, SCHEMA)
+    tables = sd.CriteoSchema(vocab_sizes=(1000,) + SCHEMA.vocab_sizes[1:2] + (10,) + SCHEMA.vocab_sizes[3:])
+    reader = sd.read_parquet if fmt == "parquet" else sd.read_tfrecord
+    with pytest.raises(ValueError, match=r"C3: data has 1,002 ids, table 10 rows") as e:
+        reader(str(tmp_path / fmt), 8, tables)
+    assert "C1" not in str(e.value)       # C1's table (1000 rows) holds the data's 1000 ids
+    bigger = sd.CriteoSchema(vocab_sizes=tuple(v * 2 for v in SCHEMA.vocab_sizes))
+    assert_same(collect(reader(str(tmp_path / fmt), 8, bigger)), expected(lines))   # larger tables: fine
+
+
+def test_synthetic_pool_is_cycled_and_a_small_run_is_all_distinct():
+    cfg = sd.SyntheticConfig(schema=sd.CriteoSchema.capped(10_000))
+    batches = list(sd.synthetic(10 * 64 + 5, 64, cfg, seed=4, pool_rows=3 * 64))
+    assert [int(b[2].shape[0]) for b in batches] == [64] * 10 + [5]
+    for i, b in enumerate(batches):
+        a = batches[i % 3]
+        np.testing.assert_array_equal(b[0].numpy(), a[0].numpy()[:len(b[0])])
+        assert b[1]["C7"].to_list() == a[1]["C7"].to_list()[:len(b[0])]
+    whole = collect(sd.synthetic(300, 64, cfg, seed=4))
+    raw = next(sd.raw_batches(300, 300, cfg, seed=4))          # the generator's own rows, unbatched
+    np.testing.assert_allclose(whole[0], np.log1p(np.maximum(raw[0], 0)).astype(np.float32), rtol=1e-6)
+    assert whole[1]["C7"] == raw[1]["C7"].to_list()
+    with pytest.raises(ValueError, match="positive"):
+        sd.synthetic(0, 64, cfg)

@@ -6,16 +6,23 @@ Both store what the TSV parser produces before the shared transform: `label`
 already reduced modulo their table sizes, as variable-length lists (multi-hot;
 an empty list is a missing value). Parquet readers also accept plain integer
 categorical columns (null = missing).
+
+The Parquet reader reads blocks of many batches with pyarrow's C++ reader
+(several files at once), turns each block into flat arrays with vectorised
+NumPy, and cuts batches from it with TensorFlow ops: no Python runs per batch.
 """
 import glob
 import os
-from typing import Iterator, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
 
+from tf_sok.python.data.blocks import batched_blocks, block_signature
 from tf_sok.python.data.pipeline import finish
-from tf_sok.python.data.schema import NUM_DENSE, CriteoSchema
+from tf_sok.python.data.schema import METADATA_KEY, NUM_DENSE, CriteoSchema, schema_file_of, write_schema_file
+
+BLOCK_ROWS = 1 << 18  # rows per block a Parquet reader turns into batches at once (rounded to whole batches)
 
 
 def _files(path_or_files: Union[str, Sequence[str]], suffix: str):
@@ -29,14 +36,65 @@ def _files(path_or_files: Union[str, Sequence[str]], suffix: str):
     return found
 
 
-def _signature(schema: CriteoSchema):
-    return (tf.TensorSpec([None, NUM_DENSE], tf.int64),
-            {n: tf.RaggedTensorSpec([None, None], tf.int64, ragged_rank=1, row_splits_dtype=tf.int64)
-             for n in schema.categorical_names},
-            tf.TensorSpec([None], tf.float32))
+def _parquet_schema(path: str) -> Optional[CriteoSchema]:
+    import pyarrow.parquet as pq
+
+    meta = pq.read_schema(path).metadata or {}
+    return CriteoSchema.from_json(meta[METADATA_KEY], path) if METADATA_KEY in meta else None
 
 
-def _parquet_batches(path: str, batch_size: int, schema: CriteoSchema) -> Iterator:
+def schema_of(path_or_files, fmt: Optional[str] = None) -> Optional[CriteoSchema]:
+    """The schema a converter stored with its output (None if it stored none).
+
+    Example:
+        >>> schema = sd.schema_of("criteo_parquet/")      # the tables' sizes for the model
+    """
+    if fmt is None:
+        is_dir = isinstance(path_or_files, str) and os.path.isdir(path_or_files)
+        fmt = "parquet" if is_dir and glob.glob(os.path.join(path_or_files, "*.parquet")) or \
+            str(path_or_files).endswith(".parquet") else "tfrecord"
+    files = _files(path_or_files, f".{fmt}")
+    return (_parquet_schema(files[0]) if fmt == "parquet" else None) or schema_file_of(files)
+
+
+def _resolve_schema(files, fmt: str, schema: Optional[CriteoSchema]) -> CriteoSchema:
+    """The schema to read with: the files' own by default; a given one must hold the files' ids."""
+    stored = (_parquet_schema(files[0]) if fmt == "parquet" else None) or schema_file_of(files)
+    if schema is None:
+        return stored or CriteoSchema()
+    if stored is not None:
+        stored.check_fits(schema, f"{os.path.dirname(os.path.abspath(files[0]))} ({fmt})")
+    return schema
+
+
+def _ids(column, name: str, vocab: int, path: str):
+    """(values, row_splits) of one categorical column, list<int> or plain int (null = missing)."""
+    import pyarrow.compute as pc
+
+    if hasattr(column, "flatten"):  # list<int>: multi-hot
+        values = column.flatten().to_numpy(zero_copy_only=False)
+        lengths = column.value_lengths().fill_null(0).to_numpy(zero_copy_only=False)
+    elif column.null_count == 0:  # one id per row
+        values = column.to_numpy(zero_copy_only=False)
+        lengths = None
+    else:
+        values = pc.drop_null(column).to_numpy(zero_copy_only=False)
+        lengths = column.is_valid().to_numpy(zero_copy_only=False)
+    values = values.astype(np.int64, copy=False)
+    if values.size:
+        lo, hi = int(values.min()), int(values.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"Parquet file {path}: column {name} has id {lo if lo < 0 else hi} outside [0, {vocab})")
+    if lengths is None:
+        return values, np.arange(len(values) + 1, dtype=np.int64)
+    splits = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=splits[1:])
+    return values, splits
+
+
+def _parquet_blocks(path: str, block_rows: int, schema: CriteoSchema) -> Iterator:
+    """Yields blocks of exactly `block_rows` rows (the last one shorter) as flat NumPy arrays."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     f = pq.ParquetFile(path)
@@ -44,43 +102,68 @@ def _parquet_batches(path: str, batch_size: int, schema: CriteoSchema) -> Iterat
     missing = [c for c in ("label", *schema.dense_names, *schema.categorical_names) if c not in names]
     if missing:
         raise ValueError(f"Parquet file {path} lacks Criteo columns {missing}")
-    for batch in f.iter_batches(batch_size=batch_size):
-        cols = {n: batch.column(n) for n in batch.schema.names}
-        dense = np.stack([cols[n].fill_null(0).to_numpy(zero_copy_only=False) for n in schema.dense_names], 1)
-        cats = {}
-        for name, vocab in zip(schema.categorical_names, schema.vocab_sizes):
-            c = cols[name]
-            if hasattr(c, "flatten"):  # list<int64>: multi-hot
-                values = c.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
-                lengths = c.value_lengths().fill_null(0).to_numpy(zero_copy_only=False)
-            else:  # one id per row, null = missing
-                valid = c.is_valid().to_numpy(zero_copy_only=False)
-                values = c.drop_null().to_numpy(zero_copy_only=False).astype(np.int64)
-                lengths = valid.astype(np.int64)
-            if values.size and (values.min() < 0 or values.max() >= vocab):
-                raise ValueError(f"Parquet file {path}: column {name} has id outside [0, {vocab})")
-            cats[name] = tf.RaggedTensor.from_row_lengths(values, lengths.astype(np.int64))
+    columns = ["label", *schema.dense_names, *schema.categorical_names]
+
+    def block(table):
+        cols = {n: table.column(n).combine_chunks() for n in columns}
+        dense = np.empty((table.num_rows, NUM_DENSE), np.int64)
+        for i, n in enumerate(schema.dense_names):
+            dense[:, i] = cols[n].fill_null(0).to_numpy(zero_copy_only=False)
+        cats = {n: _ids(cols[n], n, v, path) for n, v in zip(schema.categorical_names, schema.vocab_sizes)}
         label = cols["label"].fill_null(0).to_numpy(zero_copy_only=False).astype(np.float32)
-        yield dense.astype(np.int64), cats, label
+        return dense, cats, label
+
+    pending, rows = [], 0
+    for batch in f.iter_batches(batch_size=block_rows, columns=columns, use_threads=True):
+        pending.append(batch)
+        rows += batch.num_rows
+        if rows >= block_rows:
+            table = pa.Table.from_batches(pending)
+            yield block(table.slice(0, block_rows))
+            rest = table.slice(block_rows)
+            pending, rows = rest.to_batches(), rest.num_rows
+    if rows:
+        yield block(pa.Table.from_batches(pending))
 
 
-def read_parquet(path_or_files, batch_size: int, schema: CriteoSchema = CriteoSchema(),
-                 parallel_files: int = 4) -> tf.data.Dataset:
+def read_parquet(path_or_files, batch_size: int, schema: Optional[CriteoSchema] = None, parallel_files: int = 4,
+                 deterministic: bool = True, drop_remainder: bool = False,
+                 block_rows: int = BLOCK_ROWS) -> tf.data.Dataset:
     """Criteo batches from Parquet files (a directory, a file or a list of files).
+
+    `schema=None` reads with the schema the converter stored in the files; a given
+    schema (the model's tables) must hold the stored vocabularies, else ValueError
+    names both sizes. `parallel_files` files are read at once (in order when
+    `deterministic`); each file's last batch may be shorter unless `drop_remainder`.
 
     Example:
         >>> ds = sok.data.read_parquet("criteo_parquet/", batch_size=4096)
     """
     files = _files(path_or_files, ".parquet")
-    sig = _signature(schema)
+    schema = _resolve_schema(files, "parquet", schema)
+    rows = max(1, block_rows // batch_size) * batch_size
+    sig = block_signature(schema)
 
     def one(path):
-        return tf.data.Dataset.from_generator(
-            lambda p: _parquet_batches(p.decode(), batch_size, schema), output_signature=sig, args=(path,))
+        blocks = tf.data.Dataset.from_generator(
+            lambda p: _parquet_blocks(p.decode(), rows, schema), output_signature=sig, args=(path,))
+        return batched_blocks(blocks, batch_size, drop_remainder)
 
     ds = tf.data.Dataset.from_tensor_slices(files).interleave(
-        one, cycle_length=min(parallel_files, len(files)), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return ds.map(finish, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+        one, cycle_length=min(parallel_files, len(files)), num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=deterministic)
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def parquet_fields(schema: CriteoSchema, multi_hot: bool = True):
+    """The Arrow schema tf_sok's Parquet files have, the Criteo schema in its metadata:
+    categorical ids as lists (multi-hot) or as nullable integers (one-hot, null = missing)."""
+    import pyarrow as pa
+
+    ids = pa.list_(pa.int64()) if multi_hot else pa.int64()
+    fields = [pa.field("label", pa.float32())] + [pa.field(n, pa.int64()) for n in schema.dense_names] + \
+        [pa.field(n, ids) for n in schema.categorical_names]
+    return pa.schema(fields, metadata={METADATA_KEY: schema.to_json().encode()})
 
 
 def write_parquet(batches, path: str, schema: CriteoSchema = CriteoSchema()) -> int:
@@ -88,41 +171,45 @@ def write_parquet(batches, path: str, schema: CriteoSchema = CriteoSchema()) -> 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    fields = [pa.field("label", pa.float32())] + [pa.field(n, pa.int64()) for n in schema.dense_names] + \
-        [pa.field(n, pa.list_(pa.int64())) for n in schema.categorical_names]
+    arrow_schema = parquet_fields(schema)
     rows = 0
-    with pq.ParquetWriter(path, pa.schema(fields)) as w:
+    with pq.ParquetWriter(path, arrow_schema) as w:
         for dense, cats, label in batches:
             dense, label = np.asarray(dense), np.asarray(label).reshape(-1)
             arrays = [pa.array(label.astype(np.float32))] + [pa.array(dense[:, i]) for i in range(NUM_DENSE)]
             for n in schema.categorical_names:
                 r = cats[n]
                 arrays.append(pa.ListArray.from_arrays(pa.array(r.row_splits.numpy()), pa.array(r.values.numpy())))
-            w.write_table(pa.Table.from_arrays(arrays, schema=pa.schema(fields)))
+            w.write_table(pa.Table.from_arrays(arrays, schema=arrow_schema))
             rows += len(label)
+    write_schema_file(os.path.dirname(os.path.abspath(path)), schema)
     return rows
 
 
-def read_tfrecord(path_or_files, batch_size: int, schema: CriteoSchema = CriteoSchema(),
-                  parallel_files: int = 4) -> tf.data.Dataset:
-    """Criteo batches from TFRecord files of tf.train.Example (VarLen int64 categoricals).
+def read_tfrecord(path_or_files, batch_size: int, schema: Optional[CriteoSchema] = None,
+                  parallel_files: int = 4, deterministic: bool = True,
+                  drop_remainder: bool = False) -> tf.data.Dataset:
+    """Criteo batches from TFRecord files of tf.train.Example (VarLen int64 categoricals),
+    parsed a batch at a time by TensorFlow's C++ parser; `schema` as in read_parquet
+    (stored beside the files as `_tf_sok_schema.json`).
 
     Example:
         >>> ds = sok.data.read_tfrecord("criteo_tfrecord/", batch_size=4096)
     """
     files = _files(path_or_files, ".tfrecord")
+    schema = _resolve_schema(files, "tfrecord", schema)
     spec = {"label": tf.io.FixedLenFeature([1], tf.float32), "dense": tf.io.FixedLenFeature([NUM_DENSE], tf.int64)}
-    spec.update({n: tf.io.VarLenFeature(tf.int64) for n in schema.categorical_names})
+    spec.update({n: tf.io.RaggedFeature(tf.int64, row_splits_dtype=tf.int64) for n in schema.categorical_names})
 
     def parse(serialized):
         ex = tf.io.parse_example(serialized, spec)
-        cats = {n: tf.RaggedTensor.from_sparse(ex[n]) for n in schema.categorical_names}
-        return finish(ex["dense"], cats, ex["label"][:, 0])
+        return finish(ex["dense"], {n: ex[n] for n in schema.categorical_names}, ex["label"][:, 0])
 
     ds = tf.data.Dataset.from_tensor_slices(files).interleave(
         tf.data.TFRecordDataset, cycle_length=min(parallel_files, len(files)), num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=True)
-    return ds.batch(batch_size).map(parse, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+        deterministic=deterministic)
+    return ds.batch(batch_size, drop_remainder=drop_remainder).map(
+        parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic).prefetch(tf.data.AUTOTUNE)
 
 
 def write_tfrecord(batches, path: str, schema: CriteoSchema = CriteoSchema()) -> int:
@@ -132,7 +219,7 @@ def write_tfrecord(batches, path: str, schema: CriteoSchema = CriteoSchema()) ->
     with tf.io.TFRecordWriter(path) as w:
         for dense, cats, label in batches:
             dense, label = np.asarray(dense), np.asarray(label).reshape(-1)
-            lists = {n: cats[n].to_list() for n in schema.categorical_names}
+            lists = {n: _lists(cats[n]) for n in schema.categorical_names}
             for i in range(len(label)):
                 f = {"label": feat(float_list=tf.train.FloatList(value=[float(label[i])])),
                      "dense": feat(int64_list=tf.train.Int64List(value=dense[i].tolist()))}
@@ -140,4 +227,12 @@ def write_tfrecord(batches, path: str, schema: CriteoSchema = CriteoSchema()) ->
                     f[n] = feat(int64_list=tf.train.Int64List(value=lists[n][i]))
                 w.write(tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString())
             rows += len(label)
+    write_schema_file(os.path.dirname(os.path.abspath(path)), schema)
     return rows
+
+
+def _lists(ids):
+    """Per-row id lists of a RaggedTensor or a (values, row_splits) pair of arrays."""
+    values, splits = (ids.values.numpy(), ids.row_splits.numpy()) if isinstance(ids, tf.RaggedTensor) else ids
+    values = np.asarray(values).tolist()
+    return [values[a:b] for a, b in zip(splits[:-1], splits[1:])]

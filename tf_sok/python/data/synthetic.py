@@ -12,7 +12,7 @@ from typing import Iterator, Sequence, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
-from tf_sok.python.data.pipeline import finish
+from tf_sok.python.data.blocks import finish_block, slice_rows
 from tf_sok.python.data.schema import DCNV2_HOTNESS, NUM_CATEGORICAL, NUM_DENSE, CriteoSchema
 
 
@@ -64,19 +64,38 @@ def raw_batches(num_rows: int, batch_size: int, config: SyntheticConfig = Synthe
         yield dense, cats, label
 
 
+POOL_ROWS = 1 << 18  # rows generated once and cycled by `synthetic` (rounded up to whole batches)
+
+
 def synthetic(num_rows: int, batch_size: int, config: SyntheticConfig = SyntheticConfig(),
-              seed: int = 0) -> tf.data.Dataset:
+              seed: int = 0, pool_rows: int = POOL_ROWS) -> tf.data.Dataset:
     """A tf.data pipeline of synthetic Criteo-shaped batches (same structure as the readers).
+
+    A pool of `pool_rows` rows (rounded up to whole batches; all `num_rows` when
+    fewer) is generated once, in memory, and cycled: batches are slices of it,
+    so the pipeline costs a few TensorFlow ops per batch and never limits a GPU.
+    Every row follows the same hidden model, so a pool generated with another
+    seed is a held-out set. The last batch is shorter when `batch_size` does
+    not divide `num_rows`.
 
     Example:
         >>> ds = sok.data.synthetic(1_000_000, 4096, sok.data.SyntheticConfig.dcnv2())
     """
-    schema = config.schema
-    sig = (tf.TensorSpec([None, NUM_DENSE], tf.int64),
-           {n: tf.RaggedTensorSpec([None, None], tf.int64, 1, tf.int64) for n in schema.categorical_names},
-           tf.TensorSpec([None], tf.float32))
-    ds = tf.data.Dataset.from_generator(lambda: raw_batches(num_rows, batch_size, config, seed), output_signature=sig)
-    return ds.map(finish, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+    if num_rows < 1 or batch_size < 1 or pool_rows < 1:
+        raise ValueError(f"synthetic: num_rows, batch_size and pool_rows must be positive, got "
+                         f"{num_rows}, {batch_size}, {pool_rows}")
+    pool_batches = -(-min(num_rows, pool_rows) // batch_size)
+    pool = min(num_rows, pool_batches * batch_size)
+    dense, cats, label = next(raw_batches(pool, pool, config, seed))
+    block = finish_block(tf.constant(dense), {n: (r.values, r.row_splits) for n, r in cats.items()},
+                         tf.constant(label))
+    count = -(-num_rows // batch_size)
+
+    def one(i):
+        start = (i % pool_batches) * batch_size
+        rows = tf.minimum(tf.cast(batch_size, tf.int64), num_rows - i * batch_size)
+        return slice_rows(block, start, tf.minimum(start + rows, pool))
+    return tf.data.Dataset.range(count).map(one, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
 
 
 def write_criteo_tsv(path: str, num_rows: int, config: SyntheticConfig = SyntheticConfig(), seed: int = 0) -> None:

@@ -1,5 +1,6 @@
 """A Keras optimizer that trains tf_sok tables with a sparse optimizer and
 everything else with a Keras optimizer, so `model.compile` + `model.fit` work."""
+import logging
 from typing import Optional
 
 import keras
@@ -9,6 +10,8 @@ import tensorflow as tf
 from tf_sok.python import context as context_lib
 from tf_sok.python.optimizers.base import SparseOptimizer
 from tf_sok.python.variable import broadcast_variables, filter_variables, state_placement
+
+_log = logging.getLogger("tf_sok")
 
 
 class Optimizer(keras.optimizers.Optimizer):
@@ -23,6 +26,15 @@ class Optimizer(keras.optimizers.Optimizer):
     tf.distribute the strategy does both (the Keras optimizer's all-reduce,
     mirrored variables); each replica updates its own table shards.
 
+    Learning rates: `optimizer.learning_rate` is the dense optimizer's rate, and
+    with `sparse_lr_follows_dense=True` (the default) the sparse optimizer's rate
+    is scaled by dense_rate(now) / dense_rate(when built). So whatever changes the
+    dense rate — Keras' `ReduceLROnPlateau` or `LearningRateScheduler`, a dense
+    schedule, or assigning `optimizer.learning_rate` — changes both halves in
+    proportion (each change is logged at info level, with both rates). With
+    False, the halves are independent: set `optimizer.sparse.learning_rate`
+    yourself. `optimizer.sparse_learning_rate` is the rate the next update uses.
+
     Example:
         >>> model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.Adam(1e-3),
         ...                                             sparse=sok.optimizers.Adam(1e-2)),
@@ -30,7 +42,7 @@ class Optimizer(keras.optimizers.Optimizer):
     """
 
     def __init__(self, dense: keras.optimizers.Optimizer, sparse: SparseOptimizer, name: Optional[str] = None,
-                 **kwargs):
+                 sparse_lr_follows_dense: bool = True, **kwargs):
         if not isinstance(dense, keras.optimizers.Optimizer):
             raise TypeError(f"sok.keras.Optimizer: dense must be a Keras optimizer, got {type(dense).__name__}")
         if not isinstance(sparse, SparseOptimizer):
@@ -39,9 +51,14 @@ class Optimizer(keras.optimizers.Optimizer):
         if kwargs:
             raise ValueError(f"sok.keras.Optimizer: unsupported options {sorted(kwargs)}; set them on the "
                              f"dense optimizer")
+        if not isinstance(sparse_lr_follows_dense, bool):
+            raise TypeError(f"sok.keras.Optimizer: sparse_lr_follows_dense must be a bool, "
+                            f"got {sparse_lr_follows_dense!r}")
         super().__init__(learning_rate=0.0, name=name or "sok_optimizer")
         self.dense = dense
         self.sparse = sparse
+        self.sparse_lr_follows_dense = sparse_lr_follows_dense
+        self._dense_lr_at_build = None
 
     def _slot(self, name, shape, initial_value, like):
         with state_placement(like):
@@ -54,6 +71,21 @@ class Optimizer(keras.optimizers.Optimizer):
         self.dense.build(dense_vars)
         self.sparse.build(sparse_vars, slot_factory=self._slot)
         super().build(var_list)
+        # checkpointed with the rest, so a restored model keeps the ratio it trained with
+        self._dense_lr_at_build = self.add_variable(shape=(), initializer=keras.initializers.Constant(
+            float(self.dense.learning_rate)), dtype="float32", name="dense_learning_rate_at_build")
+
+    def _sparse_lr_scale(self):
+        if not self.sparse_lr_follows_dense:
+            return None
+        return tf.math.divide_no_nan(tf.cast(self.dense.learning_rate, tf.float32), self._dense_lr_at_build)
+
+    @property
+    def sparse_learning_rate(self) -> float:
+        """The sparse optimizer's rate for its next update (after build)."""
+        lr = self.sparse.current_learning_rate()
+        scale = self._sparse_lr_scale() if self.built else None
+        return float(lr if scale is None else lr * scale)
 
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is None:
@@ -70,7 +102,7 @@ class Optimizer(keras.optimizers.Optimizer):
                 dense_grads.append(g)
                 dense_vars.append(v)
         if sparse_pairs:
-            self.sparse.apply_gradients(sparse_pairs)
+            self.sparse.apply_gradients(sparse_pairs, lr_scale=self._sparse_lr_scale())
         if dense_vars:
             comm = context_lib.context().communicator
             dense_grads = comm.reduce_dense_gradients(dense_grads)
@@ -91,6 +123,10 @@ class Optimizer(keras.optimizers.Optimizer):
     @learning_rate.setter
     def learning_rate(self, value):
         self.dense.learning_rate = value
+        if self.built and tf.executing_eagerly():
+            _log.info("learning rate: dense %.6g, sparse %.6g (%s)", float(self.dense.learning_rate),
+                      self.sparse_learning_rate, "follows the dense" if self.sparse_lr_follows_dense
+                      else "independent")
 
     def get_config(self):
         raise NotImplementedError("sok.keras.Optimizer is not serialisable to a config; save weights instead")

@@ -117,8 +117,9 @@ class SparseOptimizer(tf.Module, abc.ABC):
         """The state variables of one table (after build or the first apply)."""
         return self._slots[self._key(var)]
 
-    def apply_gradients(self, grads_and_vars: Iterable) -> None:
-        """Applies row-sparse gradients to tf_sok tables.
+    def apply_gradients(self, grads_and_vars: Iterable, lr_scale=None) -> None:
+        """Applies row-sparse gradients to tf_sok tables (`lr_scale`: a factor on this
+        step's learning rate, as sok.keras.Optimizer passes it).
 
         Example:
             >>> opt = sok.optimizers.Adam(learning_rate=0.01)
@@ -127,6 +128,8 @@ class SparseOptimizer(tf.Module, abc.ABC):
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         self.build([v for _, v in pairs])
         lr = self.current_learning_rate()
+        if lr_scale is not None:
+            lr = lr * tf.cast(lr_scale, tf.float32)
         specs = self.slot_specs()
         # One entry per table: a table named twice gets its gradients concatenated.
         merged: Dict[object, list] = {}

@@ -1,0 +1,49 @@
+"""Batches cut from large in-memory blocks with TensorFlow ops.
+
+A block is (dense_raw [n, 13] int64, {C_i: (values [nnz] int64, row_splits [n+1] int64)},
+label [n] float32), built by vectorised code (pyarrow, NumPy) once per block;
+`block_batches` turns it into batches of `batch_size` rows by slicing (no
+per-row work, ragged ids stay values + row_splits).
+"""
+from typing import Dict, Tuple
+
+import tensorflow as tf
+
+from tf_sok.python.data.pipeline import finish
+from tf_sok.python.data.schema import NUM_DENSE, CriteoSchema
+
+
+def block_signature(schema: CriteoSchema):
+    vec = tf.TensorSpec([None], tf.int64)
+    return (tf.TensorSpec([None, NUM_DENSE], tf.int64), {n: (vec, vec) for n in schema.categorical_names},
+            tf.TensorSpec([None], tf.float32))
+
+
+def finish_block(dense_raw, cats: Dict[str, Tuple[tf.Tensor, tf.Tensor]], label):
+    """The readers' transform (see pipeline.finish) over a whole block."""
+    dense, _, label = finish(dense_raw, {}, label)
+    return dense, cats, label
+
+
+def slice_rows(block, start, end):
+    """Rows [start, end) of a finished block as one batch (ids as RaggedTensors)."""
+    dense, cats, label = block
+    out = {}
+    for name, (values, splits) in cats.items():
+        first, last = splits[start], splits[end]
+        out[name] = tf.RaggedTensor.from_row_splits(values[first:last], splits[start:end + 1] - first,
+                                                    validate=False)
+    return dense[start:end], out, label[start:end]
+
+
+def block_batches(block, batch_size: int, drop_remainder: bool = False) -> tf.data.Dataset:
+    """The batches of one raw block, in order (the last one shorter unless dropped)."""
+    block = finish_block(*block)
+    n = tf.shape(block[2], out_type=tf.int64)[0]
+    count = n // batch_size if drop_remainder else (n + batch_size - 1) // batch_size
+    return tf.data.Dataset.range(count).map(
+        lambda i: slice_rows(block, i * batch_size, tf.minimum((i + 1) * batch_size, n)))
+
+
+def batched_blocks(blocks: tf.data.Dataset, batch_size: int, drop_remainder: bool = False) -> tf.data.Dataset:
+    return blocks.flat_map(lambda d, c, y: block_batches((d, c, y), batch_size, drop_remainder))
