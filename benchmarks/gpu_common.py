@@ -23,3 +23,49 @@ def fixed_hot_batch(rng, rows, batch, hotness, dist):
     ids = ids_for(rng, rows, batch * hotness, dist)
     splits = np.arange(0, batch * hotness + 1, hotness, dtype=np.int64)
     return ids, splits
+
+
+class TFSparseOptimizer:
+    """The fastest sparse update a TensorFlow user writes by hand for a tf.Variable table and
+    its `tf.IndexedSlices` gradient (Keras 3's Adam and SGD densify such gradients): SGD as
+    one `scatter_sub`; lazy Adam (tf_sok's semantics, as tfa.LazyAdam) as unique + segment
+    sum, then gather / update / scatter of the touched rows of the table and its moments."""
+
+    def __init__(self, kind: str, learning_rate: float, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+        import tensorflow as tf
+
+        self._tf, self.kind, self.lr = tf, kind, learning_rate
+        self.b1, self.b2, self.eps = beta_1, beta_2, epsilon
+        self.slots = {}
+        self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def _moments(self, var):
+        tf = self._tf
+        key = var.ref()
+        if key not in self.slots:
+            self.slots[key] = [tf.Variable(tf.zeros_like(var), trainable=False) for _ in range(2)] + \
+                [tf.Variable(tf.zeros(var.shape[:1], tf.int64), trainable=False)]
+        return self.slots[key]
+
+    def apply_gradients(self, grads_and_vars):
+        tf = self._tf
+        for g, var in grads_and_vars:
+            if not isinstance(g, tf.IndexedSlices):
+                raise TypeError(f"TFSparseOptimizer: {var.name} got a dense gradient (the baseline fell off its "
+                                f"sparse path)")
+            if self.kind == "sgd":
+                var.scatter_sub(tf.IndexedSlices(g.values * self.lr, g.indices))
+                continue
+            m, v, t = self._moments(var)
+            rows, pos = tf.unique(g.indices)
+            grad = tf.math.unsorted_segment_sum(g.values, pos, tf.shape(rows)[0])
+            steps = tf.gather(t, rows) + 1
+            t.scatter_update(tf.IndexedSlices(steps, rows))
+            steps = tf.cast(steps, tf.float32)[:, None]
+            m_new = self.b1 * tf.gather(m, rows) + (1 - self.b1) * grad
+            v_new = self.b2 * tf.gather(v, rows) + (1 - self.b2) * grad * grad
+            m.scatter_update(tf.IndexedSlices(m_new, rows))
+            v.scatter_update(tf.IndexedSlices(v_new, rows))
+            lr = self.lr * tf.sqrt(1 - self.b2 ** steps) / (1 - self.b1 ** steps)
+            var.scatter_sub(tf.IndexedSlices(lr * m_new / (tf.sqrt(v_new) + self.eps), rows))
+        self.step.assign_add(1)

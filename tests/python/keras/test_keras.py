@@ -92,3 +92,64 @@ def test_keras_optimizer_rejects_bad_arguments():
                                        feature_to_table={"f": "a"})
     with pytest.raises(ValueError, match="unknown tables"):
         sok.layers.EmbeddingCollection(tables=[sok.TableConfig("a", 5, 2)], feature_to_table={"f": "b"})
+
+
+def _lr_model(rng, vocab=200, dim=4):
+    emb = sok.layers.Embedding(vocab, dim, combiner="sum", name="lr_emb")
+    dense = keras.layers.Dense(1)
+
+    class M(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = emb, dense
+
+        def call(self, x):
+            return self.out(self.emb(x))
+
+    lens = np.ones(256, np.int64)
+    ids = rng.integers(0, vocab, 256)
+    x = tf.RaggedTensor.from_row_lengths(ids, lens)
+    y = rng.standard_normal((256, 1)).astype(np.float32)
+    return M(), tf.data.Dataset.from_tensor_slices((x, y)).batch(64), x
+
+
+@pytest.mark.parametrize("callback", ["scheduler", "plateau"])
+def test_lr_callbacks_drive_the_sparse_rate_too(rng, callback):
+    model, ds, _ = _lr_model(rng)
+    opt = sok.keras.Optimizer(dense=keras.optimizers.SGD(0.1), sparse=sok.optimizers.SGD(0.4))
+    model.compile(optimizer=opt, loss="mse")
+    cb = (keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 * 0.5 ** epoch) if callback == "scheduler"
+          else keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1e9, min_lr=0))
+    seen = []
+    record = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(
+        (float(opt.learning_rate), opt.sparse_learning_rate)))
+    model.fit(ds, epochs=3, verbose=0, callbacks=[cb, record])
+    dense = [d for d, _ in seen]
+    want = [0.1 * 0.5 ** e for e in range(3)]   # the plateau callback reduces from the 2nd epoch on (the 1st sets a best)
+    np.testing.assert_allclose(dense, want, rtol=1e-6)
+    np.testing.assert_allclose([s for _, s in seen], [4 * d for d in dense], rtol=1e-6)   # same ratio, 0.4 / 0.1
+
+
+@pytest.mark.parametrize("follows", [True, False])
+def test_sparse_update_uses_the_followed_rate(rng, follows):
+    """One SGD step after the dense rate was halved: the table row moves by the NumPy-computed amount."""
+    model, _, x = _lr_model(rng)
+    opt = sok.keras.Optimizer(dense=keras.optimizers.SGD(0.1), sparse=sok.optimizers.SGD(0.4),
+                              sparse_lr_follows_dense=follows)
+    model(x[:2])
+    table = model.emb.table
+    opt.build(model.trainable_variables)
+    opt.learning_rate = 0.05
+    before = table.numpy().copy()
+    grad = rng.standard_normal((3, 4)).astype(np.float32)
+    rows = np.array([5, 17, 42])
+    others = [v for v in model.trainable_variables if v is not table]
+    opt.apply([tf.IndexedSlices(tf.constant(grad), tf.constant(rows, tf.int64), tf.constant([200, 4], tf.int64))] +
+              [tf.zeros_like(v) for v in others], [table] + others)
+    lr = 0.4 * (0.5 if follows else 1.0)
+    want = before.copy()
+    want[rows] -= lr * grad
+    np.testing.assert_allclose(table.numpy(), want, rtol=1e-6, atol=1e-7)
+    assert opt.sparse_learning_rate == pytest.approx(lr)
+    with pytest.raises(TypeError, match="sparse_lr_follows_dense must be a bool"):
+        sok.keras.Optimizer(dense=keras.optimizers.SGD(0.1), sparse=sok.optimizers.SGD(0.4), sparse_lr_follows_dense=1)

@@ -18,9 +18,17 @@ def finish(dense_raw, cats, label):
     return dense, cats, tf.reshape(tf.cast(label, tf.float32), [-1, 1])
 
 
-def for_keras(dataset: tf.data.Dataset) -> tf.data.Dataset:
-    """({"dense": ..., "C1": ..., ...}, label) batches, as `model.fit` takes them."""
-    return dataset.map(lambda d, c, y: ({"dense": d, **c}, y))
+def for_keras(dataset: tf.data.Dataset, device: str = None, buffer_size: int = 2) -> tf.data.Dataset:
+    """({"dense": ..., "C1": ..., ...}, label) batches, as `model.fit` takes them.
+
+    device (e.g. "/gpu:0"): the batches are copied there `buffer_size` batches ahead
+    (tf.data's prefetch_to_device), so the host-to-device copy overlaps the step; it
+    must then be the dataset's last transformation.
+    """
+    ds = dataset.map(lambda d, c, y: ({"dense": d, **c}, y))
+    if device:
+        ds = ds.apply(tf.data.experimental.prefetch_to_device(device, buffer_size))
+    return ds
 
 
 def check_policy(on_error: str) -> str:

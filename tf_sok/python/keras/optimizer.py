@@ -28,7 +28,7 @@ class Optimizer(keras.optimizers.Optimizer):
 
     Learning rates: `optimizer.learning_rate` is the dense optimizer's rate, and
     with `sparse_lr_follows_dense=True` (the default) the sparse optimizer's rate
-    is scaled by dense_rate(now) / dense_rate(when built). So whatever changes the
+    is scaled by dense_rate(now) / dense_rate(when this optimizer was made). So whatever changes the
     dense rate — Keras' `ReduceLROnPlateau` or `LearningRateScheduler`, a dense
     schedule, or assigning `optimizer.learning_rate` — changes both halves in
     proportion (each change is logged at info level, with both rates). With
@@ -58,6 +58,7 @@ class Optimizer(keras.optimizers.Optimizer):
         self.dense = dense
         self.sparse = sparse
         self.sparse_lr_follows_dense = sparse_lr_follows_dense
+        self._dense_lr0 = float(keras.ops.convert_to_numpy(dense.learning_rate))  # the ratio's base
         self._dense_lr_at_build = None
 
     def _slot(self, name, shape, initial_value, like):
@@ -73,7 +74,7 @@ class Optimizer(keras.optimizers.Optimizer):
         super().build(var_list)
         # checkpointed with the rest, so a restored model keeps the ratio it trained with
         self._dense_lr_at_build = self.add_variable(shape=(), initializer=keras.initializers.Constant(
-            float(self.dense.learning_rate)), dtype="float32", name="dense_learning_rate_at_build")
+            self._dense_lr0), dtype="float32", name="dense_learning_rate_at_build")
 
     def _sparse_lr_scale(self):
         if not self.sparse_lr_follows_dense:

@@ -1,0 +1,209 @@
+"""End to end, in one run: the input pipeline, the embedding step and model.fit.
+
+    python benchmarks/e2e_bench.py                       # this machine's defaults (GPU: batch 65,536)
+    python benchmarks/e2e_bench.py --batch 4096 --dim 16 --max-vocab 100000 --steps 12   # a small CPU run
+
+1. Readers: rows/s of each Criteo reader (TSV parse, Parquet, TFRecord, synthetic one-hot
+   and DCNv2 multi-hot) and of the TSV -> Parquet converter, consumed in a graph loop as
+   model.fit consumes them, with the cores used.
+2. The embedding-only step of the small DLRM's 26 tables (lookup + gradient + lazy Adam).
+3. model.fit samples/s of the small DLRM (examples/dlrm.py) and DCNv2 (examples/dcnv2.py)
+   on cached batches (`take(4).cache().repeat()`) and on the live pipeline (synthetic pool,
+   Parquet files), at steps_per_execution 1 and the recommended value, with the ratio
+   live / cached (1.0: the pipeline never limits the step). The first execution (tracing)
+   is left out of every rate.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+import tf_sok as sok  # noqa: E402
+import tf_sok.data as sd  # noqa: E402
+from tf_sok.python.data.convert import convert  # noqa: E402
+
+
+def graph_rows_per_second(ds, steps: int) -> float:
+    """Rows/s of `steps` batches pulled inside one tf.function (after one warm-up call)."""
+    it = iter(ds.repeat())
+
+    @tf.function
+    def pull(it):
+        n = tf.constant(0, tf.int64)
+        for _ in tf.range(steps):
+            n += tf.shape(next(it)[2], out_type=tf.int64)[0]
+        return n
+    pull(it)
+    t0 = time.perf_counter()
+    n = int(pull(it))
+    return n / (time.perf_counter() - t0)
+
+
+def make_files(d: str, a, schema):
+    """A Criteo TSV file, its Parquet and TFRecord conversions, and DCNv2 multi-hot Parquet files."""
+    rows = a.file_rows
+    tsv = os.path.join(d, "day.tsv")
+    sd.write_criteo_tsv(tsv, rows, sd.SyntheticConfig(schema=schema), seed=1)
+    t0 = time.perf_counter()
+    convert([tsv], os.path.join(d, "parquet"), "parquet", schema, rows_per_file=rows // 4 + 1)
+    conv = rows / (time.perf_counter() - t0)
+    convert([tsv], os.path.join(d, "tfrecord"), "tfrecord", schema, rows_per_file=rows // 4 + 1)
+    os.makedirs(os.path.join(d, "dcnv2"))
+    cfg = sd.SyntheticConfig.dcnv2(schema)
+    for k in range(4):
+        sd.write_parquet(sd.raw_batches(rows // 4, a.batch, cfg, seed=10 + k),
+                         os.path.join(d, "dcnv2", f"part-{k}.parquet"), schema)
+    return tsv, conv
+
+
+def readers_section(a, d, schema, tsv, conv_rate):
+    cores = len(os.sched_getaffinity(0))
+    print(f"\n1. readers ({cores} cores, batch {a.batch}; rows/s pulled in a graph loop)")
+    print(f"  {'converter TSV -> Parquet':32s} {conv_rate:12,.0f} rows/s")
+    out = {"cores": cores, "convert": conv_rate}
+    steps = max(2, a.file_rows // a.batch)
+    for name, ds in (("TSV (TF string ops)", sd.read_tsv(tsv, a.batch, schema)),
+                     ("Parquet one-hot", sd.read_parquet(os.path.join(d, "parquet"), a.batch)),
+                     ("TFRecord one-hot", sd.read_tfrecord(os.path.join(d, "tfrecord"), a.batch)),
+                     ("Parquet DCNv2 multi-hot", sd.read_parquet(os.path.join(d, "dcnv2"), a.batch)),
+                     ("synthetic one-hot (pool)", sd.synthetic(10**9, a.batch, sd.SyntheticConfig(schema=schema))),
+                     ("synthetic DCNv2 (pool)", sd.synthetic(10**9, a.batch, sd.SyntheticConfig.dcnv2(schema)))):
+        rate = graph_rows_per_second(ds, steps)
+        out[name] = rate
+        print(f"  {name:32s} {rate:12,.0f} rows/s")
+    return out
+
+
+def embedding_section(a, schema):
+    """The small DLRM's 26 tables alone: lookup + gradient + lazy Adam, steps in a graph loop."""
+    tables = [sok.Variable(shape=[v, a.dim], initializer="uniform", name=f"e2e_emb{i}")
+              for i, v in enumerate(schema.vocab_sizes)]
+    opt = sok.optimizers.Adam(1e-3)
+    _, cats, _ = next(iter(sd.synthetic(a.batch, a.batch, sd.SyntheticConfig(schema=schema))))
+    batch = [cats[n] for n in schema.categorical_names]
+
+    @tf.function
+    def steps(batch):
+        for _ in tf.range(a.loop):
+            with tf.GradientTape() as tape:
+                outs = sok.lookup_sparse(tables, batch, combiners="mean")
+                loss = tf.add_n([tf.reduce_sum(o * o) for o in outs])
+            opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
+        return loss
+    steps(batch).numpy()
+    t0 = time.perf_counter()
+    steps(batch).numpy()
+    ms = (time.perf_counter() - t0) / a.loop * 1e3
+    print(f"\n2. embedding step alone (26 tables, dim {a.dim}, lookup + gradient + Adam, {a.loop} steps per call): "
+          f"{ms:.2f} ms ({a.batch / ms * 1e3:,.0f} samples/s)")
+    return ms
+
+
+class Rate(keras.callbacks.Callback):
+    """Samples/s over the executions after the first (which traces)."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self.batch, self.marks = batch, []
+
+    def on_train_batch_end(self, step, logs=None):
+        self.marks.append((time.perf_counter(), step + 1))
+
+    def rate(self):
+        (t0, s0), (t1, s1) = self.marks[0], self.marks[-1]
+        return (s1 - s0) * self.batch / (t1 - t0)
+
+
+def fit_rate(build, optimizer, ds, a, spe: int) -> float:
+    model = build()
+    model.compile(optimizer=optimizer(), loss="binary_crossentropy", steps_per_execution=spe)
+    rate = Rate(a.batch)
+    steps = max(a.steps, 3 * spe)
+    model.fit(ds, epochs=1, steps_per_epoch=steps - steps % spe, callbacks=[rate], verbose=0)
+    return rate.rate()
+
+
+def fit_section(a, d, schema):
+    import dcnv2
+    import dlrm
+    from criteo_common import default_optimizer
+
+    print(f"\n3. model.fit samples/s, batch {a.batch} (steps_per_execution 1 and {a.spe}; the first execution "
+          f"left out)")
+    out = {}
+    models = {
+        "DLRM": (lambda: dlrm.DLRM(schema, a.dim), default_optimizer, sd.SyntheticConfig(schema=schema),
+                 os.path.join(d, "parquet")),
+        "DCNv2": (lambda: dcnv2.DCNv2(schema, a.dcnv2_dim), dcnv2.optimizer(0.005), sd.SyntheticConfig.dcnv2(schema),
+                  os.path.join(d, "dcnv2")),
+    }
+    for name, (build, opt, cfg, files) in models.items():
+        synthetic = sd.for_keras(sd.synthetic(10**9, a.batch, cfg))
+        live = {"synthetic": synthetic,
+                "Parquet": sd.for_keras(sd.read_parquet(files, a.batch, drop_remainder=True).repeat())}
+        if tf.config.list_physical_devices("GPU"):
+            live["Parquet, prefetched to the GPU"] = sd.for_keras(
+                sd.read_parquet(files, a.batch, drop_remainder=True).repeat(), device="/gpu:0")
+        cached = synthetic.take(4).cache().repeat()
+        for spe in (1, a.spe):
+            base = fit_rate(build, opt, cached, a, spe)
+            row = {"cached": base}
+            text = f"  {name:5s} spe {spe:2d}: cached {base:11,.0f}"
+            for src, ds in live.items():
+                try:
+                    r = fit_rate(build, opt, ds, a, spe)
+                except Exception as e:  # noqa: BLE001 (report and go on: one variant must not stop the run)
+                    text += f" | {src}: failed ({type(e).__name__}: {str(e)[:200]})"
+                    continue
+                row[src] = r
+                text += f" | {src} {r:11,.0f} ({r / base:.2f} of cached)"
+            out[f"{name}/spe{spe}"] = row
+            print(text, flush=True)
+    return out
+
+
+def main():
+    gpu = bool(tf.config.list_physical_devices("GPU"))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=65536 if gpu else 4096)
+    p.add_argument("--dim", type=int, default=128 if gpu else 16, help="the small DLRM's table width")
+    p.add_argument("--dcnv2-dim", type=int, default=128 if gpu else 16)
+    p.add_argument("--max-vocab", type=int, default=10_000_000 if gpu else 100_000)
+    p.add_argument("--file-rows", type=int, default=None, help="rows per test file (default 8 batches)")
+    p.add_argument("--steps", type=int, default=30 if gpu else 12, help="fit steps per measurement")
+    p.add_argument("--spe", type=int, default=10, help="the recommended steps_per_execution")
+    p.add_argument("--loop", type=int, default=10, help="embedding steps per call")
+    p.add_argument("--sections", nargs="+", default=["readers", "embedding", "fit"],
+                   choices=["readers", "embedding", "fit"])
+    p.add_argument("--json", help="write the results here")
+    a = p.parse_args()
+    a.file_rows = a.file_rows or 8 * a.batch
+    sok.init()
+    schema = sd.CriteoSchema.capped(a.max_vocab)
+    print(f"e2e_bench: {'GPU ' + tf.config.experimental.get_device_details(tf.config.list_physical_devices('GPU')[0]).get('device_name', '') if gpu else 'CPU only'}, "
+          f"{len(os.sched_getaffinity(0))} cores, tables capped at {a.max_vocab:,} rows")
+    res = {}
+    with tempfile.TemporaryDirectory() as d:
+        tsv, conv = make_files(d, a, schema)
+        if "readers" in a.sections:
+            res["readers"] = readers_section(a, d, schema, tsv, conv)
+        if "embedding" in a.sections:
+            res["embedding_ms"] = embedding_section(a, schema)
+        if "fit" in a.sections:
+            res["fit"] = fit_section(a, d, schema)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
