@@ -14,6 +14,7 @@
    is left out of every rate.
 """
 import argparse
+import gc
 import json
 import os
 import sys
@@ -48,7 +49,7 @@ def graph_rows_per_second(ds, steps: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def make_files(d: str, a, schema):
+def make_files(d: str, a, schema, tfrecord: bool = True):
     """A Criteo TSV file, its Parquet and TFRecord conversions, and DCNv2 multi-hot Parquet files."""
     rows = a.file_rows
     tsv = os.path.join(d, "day.tsv")
@@ -56,7 +57,8 @@ def make_files(d: str, a, schema):
     t0 = time.perf_counter()
     convert([tsv], os.path.join(d, "parquet"), "parquet", schema, rows_per_file=rows // 4 + 1)
     conv = rows / (time.perf_counter() - t0)
-    convert([tsv], os.path.join(d, "tfrecord"), "tfrecord", schema, rows_per_file=rows // 4 + 1)
+    if tfrecord:
+        convert([tsv], os.path.join(d, "tfrecord"), "tfrecord", schema, rows_per_file=rows // 4 + 1)
     os.makedirs(os.path.join(d, "dcnv2"))
     cfg = sd.SyntheticConfig.dcnv2(schema)
     for k in range(4):
@@ -129,6 +131,9 @@ def fit_rate(build, optimizer, ds, a, spe: int) -> float:
     rate = Rate(a.batch)
     steps = max(a.steps, 3 * spe)
     model.fit(ds, epochs=1, steps_per_epoch=steps - steps % spe, callbacks=[rate], verbose=0)
+    del model
+    keras.backend.clear_session()
+    gc.collect()  # free the tables before the next model is built
     return rate.rate()
 
 
@@ -179,7 +184,7 @@ def main():
     p.add_argument("--dcnv2-dim", type=int, default=128 if gpu else 16)
     p.add_argument("--max-vocab", type=int, default=10_000_000 if gpu else 100_000)
     p.add_argument("--file-rows", type=int, default=None, help="rows per test file (default 8 batches)")
-    p.add_argument("--steps", type=int, default=30 if gpu else 12, help="fit steps per measurement")
+    p.add_argument("--steps", type=int, default=20 if gpu else 12, help="fit steps per measurement")
     p.add_argument("--spe", type=int, default=10, help="the recommended steps_per_execution")
     p.add_argument("--loop", type=int, default=10, help="embedding steps per call")
     p.add_argument("--sections", nargs="+", default=["readers", "embedding", "fit"],
@@ -193,7 +198,7 @@ def main():
           f"{len(os.sched_getaffinity(0))} cores, tables capped at {a.max_vocab:,} rows")
     res = {}
     with tempfile.TemporaryDirectory() as d:
-        tsv, conv = make_files(d, a, schema)
+        tsv, conv = make_files(d, a, schema, tfrecord="readers" in a.sections)
         if "readers" in a.sections:
             res["readers"] = readers_section(a, d, schema, tsv, conv)
         if "embedding" in a.sections:

@@ -1,0 +1,48 @@
+"""The input pipeline's device path: batches prefetched to the GPU and model.fit on them."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sok as sok
+import tf_sok.data as sd
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
+                                                  reason="no GPU visible to TensorFlow")]
+
+
+def test_prefetch_to_device_gives_the_same_batches_on_the_gpu():
+    cfg = sd.SyntheticConfig.dcnv2(sd.CriteoSchema.capped(5_000))
+    host = list(sd.for_keras(sd.synthetic(3 * 512, 512, cfg, seed=5)))
+    on_gpu = list(sd.for_keras(sd.synthetic(3 * 512, 512, cfg, seed=5), device="/gpu:0"))
+    assert len(on_gpu) == 3
+    for (hx, hy), (gx, gy) in zip(host, on_gpu):
+        assert "GPU" in gx["dense"].device and "GPU" in gx["C21"].values.device
+        np.testing.assert_array_equal(gx["dense"].numpy(), hx["dense"].numpy())
+        np.testing.assert_array_equal(gx["C21"].row_splits.numpy(), hx["C21"].row_splits.numpy())
+        np.testing.assert_array_equal(gx["C21"].values.numpy(), hx["C21"].values.numpy())
+        np.testing.assert_array_equal(gy.numpy(), hy.numpy())
+
+
+def test_fit_from_batches_prefetched_to_the_gpu_trains():
+    schema = sd.CriteoSchema.capped(2_000)
+    names = list(schema.categorical_names)
+
+    class M(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb = sok.layers.EmbeddingCollection(
+                tables=[sok.TableConfig(n, v, 8, combiner="mean") for n, v in zip(names, schema.vocab_sizes)],
+                feature_to_table={n: n for n in names})
+            self.top = keras.layers.Dense(1, activation="sigmoid")
+
+        def call(self, x):
+            e = self.emb({n: x[n] for n in names})
+            return self.top(tf.concat([x["dense"]] + [e[n] for n in names], 1))
+
+    model = M()
+    model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.Adam(1e-2), sparse=sok.optimizers.Adam(0.05)),
+                  loss="binary_crossentropy", steps_per_execution=5)
+    ds = sd.for_keras(sd.synthetic(60 * 1024, 1024, sd.SyntheticConfig(schema=schema), seed=1), device="/gpu:0")
+    h = model.fit(ds, epochs=3, steps_per_epoch=20, verbose=0)
+    assert h.history["loss"][-1] < h.history["loss"][0] - 0.01, h.history
