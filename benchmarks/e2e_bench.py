@@ -125,54 +125,61 @@ class Rate(keras.callbacks.Callback):
         return (s1 - s0) * self.batch / (t1 - t0)
 
 
-def fit_rate(build, optimizer, ds, a, spe: int) -> float:
-    model = build()
-    model.compile(optimizer=optimizer(), loss="binary_crossentropy", steps_per_execution=spe)
+def fit_rate(model, ds, a, spe: int) -> float:
     rate = Rate(a.batch)
     steps = max(a.steps, 3 * spe)
     model.fit(ds, epochs=1, steps_per_epoch=steps - steps % spe, callbacks=[rate], verbose=0)
-    del model
-    keras.backend.clear_session()
-    gc.collect()  # free the tables before the next model is built
     return rate.rate()
 
 
-def fit_section(a, d, schema):
+def fit_one(a, d, schema, name: str, spe: int) -> dict:
+    """One model compiled once, fit on the cached batches then on each live pipeline (a
+    process per model and setting: TensorFlow keeps a model's memory until it exits)."""
     import dcnv2
     import dlrm
     from criteo_common import default_optimizer
 
+    if name.endswith("-bf16"):  # Keras' mixed policy for the dense part
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    if name == "DLRM":
+        model, opt = dlrm.DLRM(schema, a.dim), default_optimizer()
+        cfg, files = sd.SyntheticConfig(schema=schema), os.path.join(d, "parquet")
+    else:
+        model, opt = dcnv2.DCNv2(schema, a.dcnv2_dim), dcnv2.optimizer(0.005)()
+        cfg, files = sd.SyntheticConfig.dcnv2(schema), os.path.join(d, "dcnv2")
+    model.compile(optimizer=opt, loss="binary_crossentropy", steps_per_execution=spe)
+    synthetic = sd.for_keras(sd.synthetic(10**9, a.batch, cfg))
+    sources = {"cached": synthetic.take(4).cache().repeat(), "synthetic": synthetic,
+               "Parquet": sd.for_keras(sd.read_parquet(files, a.batch, drop_remainder=True).repeat())}
+    if tf.config.list_physical_devices("GPU"):
+        sources["Parquet, prefetched to the GPU"] = sd.for_keras(
+            sd.read_parquet(files, a.batch, drop_remainder=True).repeat(), device="/gpu:0")
+    row, text = {}, f"  {name:5s} spe {spe:2d}:"
+    for src, ds in sources.items():
+        try:
+            row[src] = r = fit_rate(model, ds, a, spe)
+        except Exception as e:  # noqa: BLE001 (report and go on: one variant must not stop the run)
+            text += f" | {src}: failed ({type(e).__name__}: {str(e)[:200]})"
+            continue
+        text += f" | {src} {r:11,.0f}" + (f" ({r / row['cached']:.2f} of cached)" if src != "cached" else "")
+    print(text, flush=True)
+    return row
+
+
+def fit_section(a, d):
+    import subprocess
+
     print(f"\n3. model.fit samples/s, batch {a.batch} (steps_per_execution 1 and {a.spe}; the first execution "
-          f"left out)")
+          f"left out; one process per model and setting)", flush=True)
     out = {}
-    models = {
-        "DLRM": (lambda: dlrm.DLRM(schema, a.dim), default_optimizer, sd.SyntheticConfig(schema=schema),
-                 os.path.join(d, "parquet")),
-        "DCNv2": (lambda: dcnv2.DCNv2(schema, a.dcnv2_dim), dcnv2.optimizer(0.005), sd.SyntheticConfig.dcnv2(schema),
-                  os.path.join(d, "dcnv2")),
-    }
-    for name, (build, opt, cfg, files) in models.items():
-        synthetic = sd.for_keras(sd.synthetic(10**9, a.batch, cfg))
-        live = {"synthetic": synthetic,
-                "Parquet": sd.for_keras(sd.read_parquet(files, a.batch, drop_remainder=True).repeat())}
-        if tf.config.list_physical_devices("GPU"):
-            live["Parquet, prefetched to the GPU"] = sd.for_keras(
-                sd.read_parquet(files, a.batch, drop_remainder=True).repeat(), device="/gpu:0")
-        cached = synthetic.take(4).cache().repeat()
-        for spe in (1, a.spe):
-            base = fit_rate(build, opt, cached, a, spe)
-            row = {"cached": base}
-            text = f"  {name:5s} spe {spe:2d}: cached {base:11,.0f}"
-            for src, ds in live.items():
-                try:
-                    r = fit_rate(build, opt, ds, a, spe)
-                except Exception as e:  # noqa: BLE001 (report and go on: one variant must not stop the run)
-                    text += f" | {src}: failed ({type(e).__name__}: {str(e)[:200]})"
-                    continue
-                row[src] = r
-                text += f" | {src} {r:11,.0f} ({r / base:.2f} of cached)"
-            out[f"{name}/spe{spe}"] = row
-            print(text, flush=True)
+    for name, spe in (("DLRM", 1), ("DLRM", a.spe), ("DCNv2", 1), ("DCNv2", a.spe), ("DCNv2-bf16", a.spe)):
+        args = [sys.executable, os.path.abspath(__file__), "--fit-one", name, str(spe), "--data-dir", d]
+        for k in ("batch", "dim", "dcnv2_dim", "max_vocab", "steps"):
+            args += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+        p = subprocess.run(args, capture_output=True, text=True)
+        lines = [l for l in p.stdout.splitlines() if l.startswith("  ") or l.startswith("{")]
+        print("\n".join(l for l in lines if not l.startswith("{")) or p.stderr[-1500:], flush=True)
+        out[f"{name}/spe{spe}"] = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
     return out
 
 
@@ -190,7 +197,14 @@ def main():
     p.add_argument("--sections", nargs="+", default=["readers", "embedding", "fit"],
                    choices=["readers", "embedding", "fit"])
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--fit-one", nargs=2, metavar=("MODEL", "SPE"), help=argparse.SUPPRESS)
+    p.add_argument("--data-dir", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.fit_one:
+        sok.init()
+        schema = sd.CriteoSchema.capped(a.max_vocab)
+        print(json.dumps(fit_one(a, a.data_dir, schema, a.fit_one[0], int(a.fit_one[1]))))
+        return
     a.file_rows = a.file_rows or 8 * a.batch
     sok.init()
     schema = sd.CriteoSchema.capped(a.max_vocab)
@@ -204,7 +218,7 @@ def main():
         if "embedding" in a.sections:
             res["embedding_ms"] = embedding_section(a, schema)
         if "fit" in a.sections:
-            res["fit"] = fit_section(a, d, schema)
+            res["fit"] = fit_section(a, d)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
