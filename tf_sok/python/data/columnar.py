@@ -84,7 +84,7 @@ def _ids(column, name: str, vocab: int, path: str):
     if values.size:
         lo, hi = int(values.min()), int(values.max())
         if lo < 0 or hi >= vocab:
-            raise ValueError(f"Parquet file {path}: column {name} has id {lo if lo < 0 else hi} outside [0, {vocab})")
+            raise ValueError(f"{path}: column {name} has id {lo if lo < 0 else hi} outside [0, {vocab})")
     if lengths is None:
         return values, np.arange(len(values) + 1, dtype=np.int64)
     splits = np.zeros(len(lengths) + 1, np.int64)
@@ -92,49 +92,63 @@ def _ids(column, name: str, vocab: int, path: str):
     return values, splits
 
 
-def _parquet_blocks(path: str, block_rows: int, schema: CriteoSchema) -> Iterator:
-    """Yields blocks of exactly `block_rows` rows (the last one shorter) as flat NumPy arrays."""
+def arrow_block(table, schema: CriteoSchema, where: str):
+    """A table in tf_sok's Parquet layout -> a raw block of flat NumPy arrays (see blocks.py)."""
+    cols = {n: table.column(n).combine_chunks() for n in ("label", *schema.dense_names, *schema.categorical_names)}
+    dense = np.empty((table.num_rows, NUM_DENSE), np.int64)
+    for i, n in enumerate(schema.dense_names):
+        dense[:, i] = cols[n].fill_null(0).to_numpy(zero_copy_only=False)
+    cats = {n: _ids(cols[n], n, v, where) for n, v in zip(schema.categorical_names, schema.vocab_sizes)}
+    label = cols["label"].fill_null(0).to_numpy(zero_copy_only=False).astype(np.float32)
+    return dense, cats, label
+
+
+def exact_blocks(tables: Iterator, block_rows: int) -> Iterator:
+    """Re-cuts a stream of Arrow tables/record batches into tables of exactly `block_rows`
+    rows (the last one shorter), so batches cut from them are whole."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    f = pq.ParquetFile(path)
-    names = set(f.schema_arrow.names)
-    missing = [c for c in ("label", *schema.dense_names, *schema.categorical_names) if c not in names]
-    if missing:
-        raise ValueError(f"Parquet file {path} lacks Criteo columns {missing}")
-    columns = ["label", *schema.dense_names, *schema.categorical_names]
-
-    def block(table):
-        cols = {n: table.column(n).combine_chunks() for n in columns}
-        dense = np.empty((table.num_rows, NUM_DENSE), np.int64)
-        for i, n in enumerate(schema.dense_names):
-            dense[:, i] = cols[n].fill_null(0).to_numpy(zero_copy_only=False)
-        cats = {n: _ids(cols[n], n, v, path) for n, v in zip(schema.categorical_names, schema.vocab_sizes)}
-        label = cols["label"].fill_null(0).to_numpy(zero_copy_only=False).astype(np.float32)
-        return dense, cats, label
 
     pending, rows = [], 0
-    for batch in f.iter_batches(batch_size=block_rows, columns=columns, use_threads=True):
-        pending.append(batch)
-        rows += batch.num_rows
-        if rows >= block_rows:
+    for t in tables:
+        pending.extend(t.to_batches() if isinstance(t, pa.Table) else [t])
+        rows += t.num_rows
+        while rows >= block_rows:
             table = pa.Table.from_batches(pending)
-            yield block(table.slice(0, block_rows))
+            yield table.slice(0, block_rows)
             rest = table.slice(block_rows)
             pending, rows = rest.to_batches(), rest.num_rows
     if rows:
-        yield block(pa.Table.from_batches(pending))
+        yield pa.Table.from_batches(pending)
 
 
-def read_parquet(path_or_files, batch_size: int, schema: Optional[CriteoSchema] = None, parallel_files: int = 4,
+def _parquet_blocks(path: str, block_rows: int, schema: CriteoSchema) -> Iterator:
+    """Yields blocks of exactly `block_rows` rows (the last one shorter) as flat NumPy arrays."""
+    import pyarrow.parquet as pq
+
+    f = pq.ParquetFile(path)
+    columns = ["label", *schema.dense_names, *schema.categorical_names]
+    missing = [c for c in columns if c not in set(f.schema_arrow.names)]
+    if missing:
+        raise ValueError(f"Parquet file {path} lacks Criteo columns {missing}")
+    for table in exact_blocks(f.iter_batches(batch_size=block_rows, columns=columns, use_threads=True), block_rows):
+        yield arrow_block(table, schema, f"Parquet file {path}")
+
+
+def parallel_default(files) -> int:
+    return max(1, min(len(files), os.cpu_count() or 1))
+
+
+def read_parquet(path_or_files, batch_size: int, schema: Optional[CriteoSchema] = None,
+                 parallel_files: Optional[int] = None,
                  deterministic: bool = True, drop_remainder: bool = False,
                  block_rows: int = BLOCK_ROWS) -> tf.data.Dataset:
     """Criteo batches from Parquet files (a directory, a file or a list of files).
 
     `schema=None` reads with the schema the converter stored in the files; a given
     schema (the model's tables) must hold the stored vocabularies, else ValueError
-    names both sizes. `parallel_files` files are read at once (in order when
-    `deterministic`); each file's last batch may be shorter unless `drop_remainder`.
+    names both sizes. `parallel_files` files (default: one per core) are read at
+    once (in order when `deterministic`); each file's last batch may be shorter
+    unless `drop_remainder`.
 
     Example:
         >>> ds = sok.data.read_parquet("criteo_parquet/", batch_size=4096)
@@ -150,8 +164,8 @@ def read_parquet(path_or_files, batch_size: int, schema: Optional[CriteoSchema] 
         return batched_blocks(blocks, batch_size, drop_remainder)
 
     ds = tf.data.Dataset.from_tensor_slices(files).interleave(
-        one, cycle_length=min(parallel_files, len(files)), num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=deterministic)
+        one, cycle_length=min(parallel_files or parallel_default(files), len(files)),
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
@@ -187,7 +201,7 @@ def write_parquet(batches, path: str, schema: CriteoSchema = CriteoSchema()) -> 
 
 
 def read_tfrecord(path_or_files, batch_size: int, schema: Optional[CriteoSchema] = None,
-                  parallel_files: int = 4, deterministic: bool = True,
+                  parallel_files: Optional[int] = None, deterministic: bool = True,
                   drop_remainder: bool = False) -> tf.data.Dataset:
     """Criteo batches from TFRecord files of tf.train.Example (VarLen int64 categoricals),
     parsed a batch at a time by TensorFlow's C++ parser; `schema` as in read_parquet
@@ -206,7 +220,8 @@ def read_tfrecord(path_or_files, batch_size: int, schema: Optional[CriteoSchema]
         return finish(ex["dense"], {n: ex[n] for n in schema.categorical_names}, ex["label"][:, 0])
 
     ds = tf.data.Dataset.from_tensor_slices(files).interleave(
-        tf.data.TFRecordDataset, cycle_length=min(parallel_files, len(files)), num_parallel_calls=tf.data.AUTOTUNE,
+        tf.data.TFRecordDataset, cycle_length=min(parallel_files or parallel_default(files), len(files)),
+        num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=deterministic)
     return ds.batch(batch_size, drop_remainder=drop_remainder).map(
         parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic).prefetch(tf.data.AUTOTUNE)

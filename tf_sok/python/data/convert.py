@@ -10,7 +10,7 @@ converted in parallel by `--workers` processes. Categorical hex values are
 reduced modulo their table sizes on the way (the output holds ids); integer
 features are stored raw. The schema used (table sizes) goes into the output
 (Parquet metadata and `_tf_sok_schema.json`), where the readers find it; reading
-the output gives exactly what `read_tsv` gives with the same schema.
+the output gives exactly what `read_tsv` (which shares this parser) gives with the same schema.
 """
 import argparse
 import concurrent.futures
@@ -97,7 +97,7 @@ def _parse_block(table, schema: CriteoSchema):
 
 
 def _bad_rows(table, schema: CriteoSchema) -> List:
-    """(bad mask, reason of each bad row) by the rules of read_tsv."""
+    """(bad mask, reason of each bad row): the first failing check of each line, in column order."""
     import pyarrow.compute as pc
 
     bad = np.zeros(table.num_rows, bool)
@@ -190,7 +190,7 @@ def tsv_blocks(path: str, schema: CriteoSchema, on_error: str = "raise", counts=
 
         table = read(True)
         parsed = None if table is None else _parse_block(table, schema)
-        if parsed is None:  # some line is bad: find it by read_tsv's rules over the lines as strings
+        if parsed is None:  # some line is bad: find which and why over the lines as strings
             table = read(False)
             bad, reason = _bad_rows(table, schema)
             if on_error == "raise":
