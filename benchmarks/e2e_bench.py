@@ -73,7 +73,7 @@ def readers_section(a, d, schema, tsv, conv_rate):
     print(f"  {'converter TSV -> Parquet':32s} {conv_rate:12,.0f} rows/s")
     out = {"cores": cores, "convert": conv_rate}
     steps = max(2, a.file_rows // a.batch)
-    for name, ds in (("TSV (TF string ops)", sd.read_tsv(tsv, a.batch, schema)),
+    for name, ds in (("TSV (pyarrow parser)", sd.read_tsv(tsv, a.batch, schema)),
                      ("Parquet one-hot", sd.read_parquet(os.path.join(d, "parquet"), a.batch)),
                      ("TFRecord one-hot", sd.read_tfrecord(os.path.join(d, "tfrecord"), a.batch)),
                      ("Parquet DCNv2 multi-hot", sd.read_parquet(os.path.join(d, "dcnv2"), a.batch)),

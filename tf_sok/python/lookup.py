@@ -65,10 +65,16 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
         raise ValueError(f"lookup_sparse: {len(params_list)} tables for {F} features; give one per feature")
     if combiners is None:
         combiners = "mean"
+    if not isinstance(combiners, (str, list, tuple)):
+        raise TypeError(f"lookup_sparse: combiners must be a string or a list of strings, got {combiners!r}")
     comb = [combiners] * F if isinstance(combiners, str) else list(combiners)
     if len(comb) != F:
         raise ValueError(f"lookup_sparse: {len(comb)} combiners for {F} features")
+    if feature_names is not None and (isinstance(feature_names, str) or not isinstance(feature_names, (list, tuple))):
+        raise TypeError(f"lookup_sparse: feature_names must be a list of strings, got {feature_names!r}")
     names = list(feature_names) if feature_names is not None else [f"feature{i}" for i in range(F)]
+    if len(names) != F or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"lookup_sparse: {len(names)} feature_names for {F} features; give one string per feature")
     weights_list = [None] * F if sp_weights is None else _listify(sp_weights)[0]
     if len(weights_list) != F:
         raise ValueError(f"lookup_sparse: {len(weights_list)} weights for {F} features")

@@ -8,9 +8,10 @@ weights and attach the same description, so both kinds are recognised by
 import contextlib
 import dataclasses
 import zlib
-from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import keras
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
@@ -182,6 +183,20 @@ def make_initializer(initializer: Any):
     return keras.initializers.get(initializer)
 
 
+def _table_shape(shape, name) -> List[int]:
+    """[rows, dim] of positive Python / NumPy integers (not bools or floats), else ValueError/TypeError."""
+    if shape is None or isinstance(shape, str) or len(shape) != 2:
+        raise ValueError(f"sok.Variable {name!r}: give initial_value or a 2-D shape [rows, dim], got {shape!r}")
+    out = []
+    for what, v in zip(("rows", "dim"), shape):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"sok.Variable {name!r}: {what} must be an integer, got {v!r} in shape {list(shape)}")
+        if v < 1:
+            raise ValueError(f"sok.Variable {name!r}: {what} must be >= 1, got {v} in shape {list(shape)}")
+        out.append(int(v))
+    return out
+
+
 class Variable(resource_variable_ops.ResourceVariable):
     """An embedding table: a `tf.Variable` that knows its sharding.
 
@@ -223,15 +238,16 @@ class Variable(resource_variable_ops.ResourceVariable):
         if tf.as_dtype(dtype) != tf.float32:
             raise ValueError(f"sok.Variable {name!r}: only float32 tables are supported, got {dtype}")
         if initial_value is None:
-            if shape is None or len(shape) != 2:
-                raise ValueError(f"sok.Variable {name!r}: give initial_value or a 2-D shape [rows, dim]")
-            return None, [int(shape[0]), int(shape[1])]
+            return None, _table_shape(shape, name)
         if callable(initial_value):
             initial_value = initial_value()
         initial_value = tf.convert_to_tensor(initial_value, dtype=tf.float32)
-        if initial_value.shape.rank != 2:
-            raise ValueError(f"sok.Variable {name!r}: initial_value must be [rows, dim], "
+        if initial_value.shape.rank != 2 or min(initial_value.shape.as_list()) < 1:
+            raise ValueError(f"sok.Variable {name!r}: initial_value must be [rows >= 1, dim >= 1], "
                              f"got shape {initial_value.shape}")
+        if shape is not None and _table_shape(shape, name) != initial_value.shape.as_list():
+            raise ValueError(f"sok.Variable {name!r}: shape={list(shape)} conflicts with initial_value's shape "
+                             f"{initial_value.shape.as_list()}")
         return initial_value, initial_value.shape.as_list()
 
     def __init__(self, initial_value=None, *, shape=None, initializer="uniform", dtype=tf.float32,
@@ -243,7 +259,13 @@ class Variable(resource_variable_ops.ResourceVariable):
         local_shape = [meta.local_rows, global_shape[1]]
         if initial_value is None:
             init = make_initializer(initializer)
-            value = lambda: tf.convert_to_tensor(init(local_shape, tf.float32), tf.float32)  # noqa: E731
+
+            def value():
+                v = tf.convert_to_tensor(init(local_shape, tf.float32), tf.float32)
+                if v.shape.as_list() != local_shape:
+                    raise ValueError(f"sok.Variable {table_name!r}: the initializer returned shape {v.shape}, "
+                                     f"expected {local_shape}")
+                return v
         else:
             value = local_shard(initial_value, meta)
         super().__init__(initial_value=value, dtype=tf.float32, name=table_name, trainable=trainable)

@@ -1,4 +1,6 @@
 """Keras facade: model.fit trains tables and dense layers; checkpoints round-trip."""
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -153,3 +155,50 @@ def test_sparse_update_uses_the_followed_rate(rng, follows):
     assert opt.sparse_learning_rate == pytest.approx(lr)
     with pytest.raises(TypeError, match="sparse_lr_follows_dense must be a bool"):
         sok.keras.Optimizer(dense=keras.optimizers.SGD(0.1), sparse=sok.optimizers.SGD(0.4), sparse_lr_follows_dense=1)
+
+
+@pytest.mark.parametrize("policy,rtol", [("mixed_bfloat16", 2e-2), ("mixed_float16", 2e-3)])
+def test_mixed_precision_fit_trains_and_first_outputs_match_float32(rng, policy, rtol):
+    vocab, dim, n = 300, 8, 512
+    lens = rng.integers(1, 4, n)
+    x = tf.RaggedTensor.from_row_lengths(rng.integers(0, vocab, int(lens.sum())), lens)
+    y = (rng.random((n, 1)) < 0.5).astype(np.float32)
+    init = rng.uniform(-0.5, 0.5, (vocab, dim)).astype(np.float32)
+
+    def build():
+        emb = sok.layers.Embedding(vocab, dim, combiner="mean", initializer=keras.initializers.Constant(init),
+                                   name="mp_emb")
+        return emb
+
+    reference = build()(x).numpy()                       # float32 policy
+    np.testing.assert_allclose(reference, np_lookup(init, lens, x.values.numpy(), None, "mean"), rtol=1e-5,
+                               atol=1e-6)
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        emb = build()
+        out = emb(x)
+        assert out.dtype == policy.split("_")[1]          # emitted in the compute dtype
+        assert emb.table.dtype == "float32"                # the table stays float32
+        np.testing.assert_allclose(out.numpy().astype(np.float32), reference, rtol=rtol, atol=rtol)
+
+        class M(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.emb, self.top = emb, keras.layers.Dense(1, activation="sigmoid")
+
+            def call(self, ids):
+                return tf.cast(self.top(self.emb(ids)), tf.float32)
+
+        model = M()
+        opt = sok.keras.Optimizer(dense=keras.optimizers.Adam(1e-2), sparse=sok.optimizers.Adam(0.05))
+        if policy == "mixed_float16":
+            opt = keras.optimizers.LossScaleOptimizer(opt)
+        model.compile(optimizer=opt, loss="binary_crossentropy")
+        before = emb.table.numpy().copy()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*Converting sparse IndexedSlices.*")
+            h = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(64), epochs=4, verbose=0)
+        assert h.history["loss"][-1] < h.history["loss"][0], h.history
+        assert emb.table.dtype == "float32" and not np.array_equal(emb.table.numpy(), before)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

@@ -3,6 +3,7 @@ fused `sok.lookup_sparse` and placement comes from each table's mode."""
 from typing import Dict, Mapping, Optional, Sequence
 
 import keras
+import tensorflow as tf
 
 from tf_sok.python import context as context_lib
 from tf_sok.python.config import TableConfig, check_combiner
@@ -25,6 +26,14 @@ def _add_table(layer: keras.layers.Layer, cfg: TableConfig):
     return make_shards(cfg.name, cfg.vocab_size, cfg.dim, cfg.mode, create)
 
 
+def _in_compute_dtype(layer: keras.layers.Layer, outs):
+    """The pooled outputs in the layer's compute dtype (bfloat16/float16 under a Keras mixed
+    policy); tables, their gradients' rows and optimizer state stay float32."""
+    if layer.compute_dtype == "float32":
+        return list(outs)
+    return [tf.cast(o, layer.compute_dtype) for o in outs]
+
+
 class Embedding(keras.layers.Layer):
     """One table, one feature: ragged/sparse/dense ids -> [batch, dim].
 
@@ -43,8 +52,8 @@ class Embedding(keras.layers.Layer):
         self.table = _add_table(self, self.config)
 
     def call(self, ids, weights=None):
-        return lookup_sparse([self.table], [ids], None if weights is None else [weights],
-                             combiners=[self.config.combiner], feature_names=[self.name])[0]
+        return _in_compute_dtype(self, lookup_sparse([self.table], [ids], None if weights is None else [weights],
+                                                     combiners=[self.config.combiner], feature_names=[self.name]))[0]
 
     def get_config(self):
         c = self.config
@@ -100,4 +109,4 @@ class EmbeddingCollection(keras.layers.Layer):
         w = None if weights is None else [weights.get(f) for f in self.feature_names]
         outs = lookup_sparse([self.tables[self.feature_to_table[f]] for f in self.feature_names], ids, w,
                              combiners=self.combiners, feature_names=self.feature_names)
-        return dict(zip(self.feature_names, outs))
+        return dict(zip(self.feature_names, _in_compute_dtype(self, outs)))

@@ -14,6 +14,12 @@ from tf_sok.python.variable import broadcast_variables, filter_variables, state_
 _log = logging.getLogger("tf_sok")
 
 
+def _tensors(grads):
+    """The tensors behind gradients (an IndexedSlices' values), for control dependencies."""
+    return [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads
+            if isinstance(g, (tf.Tensor, tf.IndexedSlices)) and not isinstance(g, tf.Variable)]
+
+
 class Optimizer(keras.optimizers.Optimizer):
     """Routes tf_sok tables to `sparse` and the other variables to `dense`.
 
@@ -102,13 +108,18 @@ class Optimizer(keras.optimizers.Optimizer):
             else:
                 dense_grads.append(g)
                 dense_vars.append(v)
+        done = []  # what the counters wait for: in a graph, a failed step moves none of them
         if sparse_pairs:
             self.sparse.apply_gradients(sparse_pairs, lr_scale=self._sparse_lr_scale())
+            done.append(self.sparse.iterations.read_value())
         if dense_vars:
             comm = context_lib.context().communicator
             dense_grads = comm.reduce_dense_gradients(dense_grads)
-            self.dense.apply(dense_grads, dense_vars)
-        self.iterations.assign_add(1)
+            with tf.control_dependencies(done + _tensors(dense_grads)):
+                self.dense.apply(dense_grads, dense_vars)
+            done.append(tf.convert_to_tensor(self.dense.iterations))
+        with tf.control_dependencies(done):
+            self.iterations.assign_add(1)
 
     def stateless_apply(self, *args, **kwargs):
         raise NotImplementedError("sok.keras.Optimizer updates tables in place; stateless_apply is not supported")

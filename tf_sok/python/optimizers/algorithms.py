@@ -3,19 +3,34 @@ the rows a batch touched only (Adam keeps its step count per row, like
 SOK's and TensorFlow Addons' LazyAdam)."""
 from typing import List
 
-from tf_sok.python.optimizers.base import SlotSpec, SparseOptimizer
+from tf_sok.python.optimizers.base import SlotSpec, SparseOptimizer, finite_number
 
 
 def _positive(name, value):
+    value = finite_number(name, value)
     if not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")
-    return float(value)
+    return value
+
+
+def _non_negative(name, value):
+    value = finite_number(name, value)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
 
 
 def _unit(name, value):
+    value = finite_number(name, value)
     if not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {value}")
-    return float(value)
+    return value
+
+
+def _flag(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
 
 
 class SGD(SparseOptimizer):
@@ -38,7 +53,7 @@ class Momentum(SparseOptimizer):
     def __init__(self, learning_rate=0.01, momentum=0.9, nesterov=False, name=None):
         super().__init__(learning_rate, name)
         self.momentum = _unit("momentum", momentum)
-        self.nesterov = bool(nesterov)
+        self.nesterov = _flag("nesterov", nesterov)
 
     def slot_specs(self):
         return [SlotSpec("momentum")]
@@ -54,7 +69,7 @@ class Adagrad(SparseOptimizer):
 
     def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7, name=None):
         super().__init__(learning_rate, name)
-        self.initial_accumulator_value = float(initial_accumulator_value)
+        self.initial_accumulator_value = _non_negative("initial_accumulator_value", initial_accumulator_value)
         self.epsilon = _positive("epsilon", epsilon)
 
     def slot_specs(self):
@@ -95,22 +110,14 @@ class Ftrl(SparseOptimizer):
                  l1_regularization_strength=0.0, l2_regularization_strength=0.0,
                  l2_shrinkage_regularization_strength=0.0, beta=0.0, name=None):
         super().__init__(learning_rate, name)
-        if learning_rate_power > 0:
+        self.learning_rate_power = finite_number("learning_rate_power", learning_rate_power)
+        if self.learning_rate_power > 0:
             raise ValueError(f"learning_rate_power must be <= 0, got {learning_rate_power}")
-        if initial_accumulator_value < 0:
-            raise ValueError(f"initial_accumulator_value must be >= 0, got {initial_accumulator_value}")
-        for n, v in (("l1_regularization_strength", l1_regularization_strength),
-                     ("l2_regularization_strength", l2_regularization_strength),
-                     ("l2_shrinkage_regularization_strength", l2_shrinkage_regularization_strength),
-                     ("beta", beta)):
-            if v < 0:
-                raise ValueError(f"{n} must be >= 0, got {v}")
-        self.learning_rate_power = float(learning_rate_power)
-        self.initial_accumulator_value = float(initial_accumulator_value)
-        self.l1 = float(l1_regularization_strength)
-        self.l2 = float(l2_regularization_strength)
-        self.l2_shrinkage = float(l2_shrinkage_regularization_strength)
-        self.beta = float(beta)
+        self.initial_accumulator_value = _non_negative("initial_accumulator_value", initial_accumulator_value)
+        self.l1 = _non_negative("l1_regularization_strength", l1_regularization_strength)
+        self.l2 = _non_negative("l2_regularization_strength", l2_regularization_strength)
+        self.l2_shrinkage = _non_negative("l2_shrinkage_regularization_strength", l2_shrinkage_regularization_strength)
+        self.beta = _non_negative("beta", beta)
 
     def slot_specs(self):
         return [SlotSpec("accumulator", self.initial_accumulator_value), SlotSpec("linear")]
@@ -130,7 +137,7 @@ class RMSprop(SparseOptimizer):
         self.rho = _unit("rho", rho)
         self.momentum = _unit("momentum", momentum)
         self.epsilon = _positive("epsilon", epsilon)
-        self.centered = bool(centered)
+        self.centered = _flag("centered", centered)
 
     def slot_specs(self):
         specs = [SlotSpec("velocity")]

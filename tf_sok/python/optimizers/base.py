@@ -1,6 +1,8 @@
 """Sparse optimizers: per-row state, updates that touch only the batch's rows."""
 import abc
 import dataclasses
+import math
+import numbers
 from typing import Callable, Dict, Iterable, List, Optional
 
 import tensorflow as tf
@@ -23,6 +25,27 @@ SlotFactory = Callable[[str, List[int], float, object], object]
 def _tf_slot(name, shape, initial_value, like):
     with state_placement(like):
         return tf.Variable(tf.fill(shape, tf.constant(initial_value, tf.float32)), trainable=False, name=name)
+
+
+def finite_number(name: str, value) -> float:
+    """A real, finite number (not a bool, string or NaN/inf), as a float; else TypeError/ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_learning_rate(value):
+    """A number (finite, >= 0), a callable (a Keras LearningRateSchedule, a function) or a
+    tf.Variable / tensor."""
+    if callable(value) or isinstance(value, (tf.Variable, tf.Tensor)) or hasattr(value, "dtype"):
+        return value
+    value = finite_number("learning_rate", value)
+    if value < 0:
+        raise ValueError(f"learning_rate must be >= 0, got {value}")
+    return value
 
 
 def _lookup_rows(indices) -> str:
@@ -48,6 +71,21 @@ def _lookup_rows(indices) -> str:
     return ""
 
 
+def _dense_rows(values: tf.Tensor, var) -> tf.Tensor:
+    """The row indices of a dense gradient: it must have the table's shape (else ValueError,
+    or in a graph with unknown shapes an InvalidArgumentError when it runs)."""
+    want = backing_variable(var).shape
+    name = table_meta(var).name
+    if values.shape.rank is not None and not values.shape.is_compatible_with(want):
+        raise ValueError(f"a dense gradient of table {name!r} has shape {values.shape}, the table {want}")
+    rows = tf.shape(values, out_type=tf.int64)[0]
+    check = tf.debugging.assert_equal(tf.shape(values, out_type=tf.int64), tf.shape(backing_variable(var),
+                                                                                     out_type=tf.int64),
+                                      message=f"a dense gradient of table {name} must have the shape of the table")
+    with tf.control_dependencies([check]):
+        return tf.range(rows)
+
+
 class SparseOptimizer(tf.Module, abc.ABC):
     """Base of the tf_sok optimizers.
 
@@ -61,7 +99,7 @@ class SparseOptimizer(tf.Module, abc.ABC):
 
     def __init__(self, learning_rate=0.001, name: Optional[str] = None):
         super().__init__(name=name or type(self).__name__)
-        self.learning_rate = learning_rate
+        self.learning_rate = _check_learning_rate(learning_rate)
         self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="iterations",
                                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         self._slots: Dict[str, List] = {}       # checkpoint key -> the table's state
@@ -136,9 +174,12 @@ class SparseOptimizer(tf.Module, abc.ABC):
         for g, var in pairs:
             if isinstance(g, tf.IndexedSlices):
                 indices, values = g.indices, g.values
+                if not indices.dtype.is_integer:
+                    raise TypeError(f"{type(self).__name__}: the gradient of table {table_meta(var).name!r} has "
+                                    f"{indices.dtype.name} indices; row indices must be int32 or int64")
             else:  # a dense gradient names every row
                 values = tf.convert_to_tensor(g)
-                indices = tf.range(tf.shape(values, out_type=tf.int64)[0])
+                indices = _dense_rows(values, var)
             entry = merged.setdefault(backing_variable(var).ref(), [var, [], []])
             entry[1].append(indices)
             entry[2].append(tf.cast(values, tf.float32))
@@ -152,8 +193,11 @@ class SparseOptimizer(tf.Module, abc.ABC):
                 dense += [s.handle for s, spec in zip(slots, specs) if not spec.per_row]
                 steps += [s.handle for s, spec in zip(slots, specs) if spec.per_row]
             kinds = [_lookup_rows(i) for i in all_indices]   # rows a tf_sok lookup gradient made
-            optimizer_ops.sparse_apply(
+            updated = optimizer_ops.sparse_apply(
                 [backing_variable(v).handle for v in tables], dense, steps, lr, all_indices, all_values,
                 algorithm=self.algorithm, table_names=[table_meta(v).name for v in tables],
                 indices_unique=all(k == "ascending" for k in kinds), checked=all(kinds), **self.hyper())
+            with tf.control_dependencies([updated] if updated is not None else []):
+                self.iterations.assign_add(1)   # only once the update succeeded (a failed one leaves it)
+            return
         self.iterations.assign_add(1)
