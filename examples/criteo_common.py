@@ -142,8 +142,11 @@ def run(name, build_model, a, optimizer=default_optimizer, synthetic_config=None
     sok.init()
     train, test, schema = datasets(a, synthetic_config)
     model = build_model(schema, a.dim)
+    per_epoch = a.steps // a.epochs
+    spe = min(a.steps_per_execution, per_epoch)
+    per_epoch -= per_epoch % spe          # Keras runs whole executions: an epoch is a multiple of them
     model.compile(optimizer=optimizer(), loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc")],
-                  steps_per_execution=a.steps_per_execution)
+                  steps_per_execution=spe)
     out = a.out or os.path.join("out", name)
     os.makedirs(out, exist_ok=True)
     curves = Curves(a.batch_size)
@@ -152,7 +155,6 @@ def run(name, build_model, a, optimizer=default_optimizer, synthetic_config=None
         callbacks.append(keras.callbacks.TensorBoard(os.path.join(out, "tensorboard"), update_freq="epoch"))
     except Exception as e:  # noqa: BLE001 (TensorBoard not installed: train without its logs)
         print(f"TensorBoard logs off: {e}")
-    per_epoch = a.steps // a.epochs
     t0 = time.time()
     model.fit(train, epochs=a.epochs, steps_per_epoch=per_epoch, validation_data=test, callbacks=callbacks,
               verbose=a.verbose)
@@ -160,7 +162,7 @@ def run(name, build_model, a, optimizer=default_optimizer, synthetic_config=None
     png = os.path.join(out, "training.png")
     plot(curves, png, f"{name}, {a.data}, batch {a.batch_size}")
     sps = np.median(curves.sps) if curves.sps else float("nan")
-    print(f"{name}: {per_epoch * a.epochs} steps in {secs:.1f}s ({sps:,.0f} samples/s median, tracing left out); "
+    print(f"{name}: {curves.step[-1] if curves.step else 0} steps in {secs:.1f}s ({sps:,.0f} samples/s median, tracing left out); "
           f"final training loss {curves.loss[-1] if curves.loss else float('nan'):.4f}; "
           f"held-out loss {curves.eval_loss[-1]:.4f}, AUC {curves.eval_auc[-1]:.4f}; plot {png}")
     return {"loss": curves.loss, "eval_auc": curves.eval_auc[-1], "eval_loss": curves.eval_loss[-1], "sps": sps}

@@ -29,16 +29,11 @@ def test_example_runs_and_learns(tmp_path, example, data):
         args += ["--data", SAMPLE, "--format", "tsv"]
     out = run([os.path.join(ROOT, "examples", f"{example}.py"), *args])
     assert held_out_auc(out) > 0.6, out
+    # the sample's 4,000 lines are 16 batches: every 10th is held out, the others train all 30 steps
+    # (3 epochs of 10, whole executions of steps_per_execution=10)
+    assert ": 30 steps in" in out, out
     assert os.path.getsize(tmp_path / "training.png") > 10_000
     assert os.listdir(tmp_path / "tensorboard")
-
-
-def test_readme_sample_command_holds_out_a_fraction_not_the_whole_file(tmp_path):
-    """4,000 lines at batch 256: 16 batches; every 10th is held out, the rest train."""
-    out = run([os.path.join(ROOT, "examples", "dlrm.py"), "--data", SAMPLE, "--steps", "30", "--batch-size", "256",
-               "--out", str(tmp_path), "--verbose", "0", "--max-vocab", "100000"])
-    assert "30 steps" in out or "27 steps" in out, out
-    assert 0.0 < held_out_auc(out) <= 1.0
 
 
 def test_convert_then_train_with_defaults(tmp_path):
