@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 import time
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -31,7 +31,6 @@ for _i, _c in enumerate(b"0123456789abcdef"):
     _HEX_DIGIT[_c] = _i
 for _i, _c in enumerate(b"ABCDEF"):
     _HEX_DIGIT[_c] = 10 + _i
-_IS_HEX = _HEX_DIGIT >= 0
 
 
 class _BadLine(ValueError):
@@ -47,20 +46,30 @@ def _checks(schema: CriteoSchema):
     return out
 
 
-def hex_ids(strings) -> np.ndarray:
-    """int64 values of a pyarrow string array of 1-15 hex digits each (already checked)."""
+def hex_ids(strings) -> Optional[np.ndarray]:
+    """int64 values of a pyarrow string array of 1-15 hex digits each; None if one is not."""
     n = len(strings)
     if n == 0:
         return np.zeros(0, np.int64)
     offsets, data = _string_buffers(strings)
     lengths = np.diff(offsets)
-    if (lengths == 8).all():  # Criteo's tokens: the C hex decoder, 4 bytes each
-        return np.frombuffer(bytes.fromhex(data.tobytes().decode("ascii")), ">u4").astype(np.int64)
-    offsets = offsets - offsets[0]
+    if (lengths == 8).all():  # Criteo's tokens: the C hex decoder (which also checks them), 4 bytes each
+        try:
+            raw = bytes.fromhex(data.tobytes().decode("ascii"))
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if len(raw) != 4 * n:  # fromhex skips spaces
+            return None
+        return np.frombuffer(raw, ">u4").astype(np.int64)
     width = int(lengths.max())
+    if width > 15 or lengths.min() < 1:
+        return None
+    offsets = offsets - offsets[0]
     pos = np.arange(width)
     present = pos < lengths[:, None]
     digits = _HEX_DIGIT[data[np.where(present, offsets[:-1, None] + pos, 0)]]
+    if (digits[present] < 0).any():
+        return None
     value = np.zeros(n, np.int64)
     for k in range(width):
         value = np.where(present[:, k], value * 16 + digits[:, k], value)
@@ -74,24 +83,24 @@ def _string_buffers(strings):
     return offsets, data[offsets[0]:offsets[-1]]
 
 
-def _all_hex(strings) -> bool:
-    """Every string 0-15 hex digits (vectorised over the string buffer)."""
-    offsets, data = _string_buffers(strings)
-    return bool(_IS_HEX[data].all()) and int(np.diff(offsets).max(initial=0)) <= 15
-
-
 def _parse_block(table, schema: CriteoSchema):
-    """(label, integer columns, categorical columns) of a block whose integer columns
-    parsed as int64 (null = missing), or None when a line is bad (then `_bad_rows`
+    """(label, integer columns, [(ids, present)] per categorical) of a block whose integer
+    columns parsed as int64 (null = missing), or None when a line is bad (then `_bad_rows`
     over the block read as strings says which and why)."""
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     label = table.column("label").combine_chunks()
     if label.null_count or not np.isin(label.to_numpy(zero_copy_only=False), (0, 1)).all():
         return None
-    cats = [table.column(n).combine_chunks() for n in schema.categorical_names]
-    if not all(_all_hex(c) for c in cats):
-        return None
+    cats = []
+    for n in schema.categorical_names:
+        col = table.column(n).combine_chunks()
+        present = pc.not_equal(col, "")
+        ids = hex_ids(pc.filter(col, present))
+        if ids is None:
+            return None
+        cats.append((ids, present.to_numpy(zero_copy_only=False)))
     ints = [table.column(n).combine_chunks().fill_null(0) for n in schema.dense_names]
     return label.cast(pa.float32()), ints, cats
 
@@ -112,17 +121,14 @@ def _bad_rows(table, schema: CriteoSchema) -> List:
 def convert_block(parsed, schema: CriteoSchema):
     """A parsed block (see _parse_block) -> the Parquet layout tf_sok reads."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     from tf_sok.python.data.columnar import parquet_fields
     label, ints, cats = parsed
     arrays = [label] + ints
-    for col, vocab in zip(cats, schema.vocab_sizes):  # one id or none per row: nullable integers
-        present = pc.not_equal(col, "")
-        ids = np.zeros(len(col), np.int64)
-        mask = present.to_numpy(zero_copy_only=False)
-        ids[mask] = hex_ids(pc.filter(col, present)) % vocab
-        arrays.append(pa.array(ids, mask=~mask))
+    for (ids, present), vocab in zip(cats, schema.vocab_sizes):  # one id or none per row: nullable integers
+        full = np.zeros(len(present), np.int64)
+        full[present] = ids % vocab
+        arrays.append(pa.array(full, mask=~present))
     return pa.Table.from_arrays(arrays, schema=parquet_fields(schema, multi_hot=False))
 
 
@@ -136,28 +142,29 @@ def _csv_options(schema: CriteoSchema, typed: bool, on_width):
         types.update({n: pa.int64() for n in schema.dense_names}, label=pa.int8())
     return dict(read_options=pcsv.ReadOptions(column_names=names, use_threads=True, block_size=8 << 20),
                 parse_options=pcsv.ParseOptions(delimiter="\t", quote_char=False, escape_char=False,
-                                                double_quote=False, invalid_row_handler=on_width),
+                                                double_quote=False, ignore_empty_lines=False,
+                                                invalid_row_handler=on_width),
                 convert_options=pcsv.ConvertOptions(column_types=types, strings_can_be_null=False,
                                                     null_values=[""], quoted_strings_can_be_null=False))
 
 
 def _line_chunks(path: str):
-    """(first line number, bytes) chunks of whole lines (the last may lack its newline)."""
-    line, carry = 1, b""
+    """(first line number, buffer) chunks of whole lines (the last may lack its newline),
+    without copying: each read ends at its last newline and the next starts after it."""
+    line = 1
     with open(path, "rb") as f:
         while True:
             buf = f.read(_BLOCK_BYTES)
             if not buf:
-                break
-            cut = buf.rfind(b"\n")
-            if cut < 0:
-                carry += buf
-                continue
-            chunk, carry = carry + buf[:cut + 1], buf[cut + 1:]
-            yield line, chunk
-            line += chunk.count(b"\n")
-    if carry:
-        yield line, carry
+                return
+            cut = buf.rfind(b"\n") + 1
+            if cut == 0 or len(buf) < _BLOCK_BYTES:  # a line longer than a chunk, or the file's end
+                rest = f.read()
+                buf, cut = buf + rest, len(buf) + len(rest)
+            view = memoryview(buf)[:cut]
+            f.seek(cut - len(buf), os.SEEK_CUR)
+            yield line, view
+            line += int(np.count_nonzero(np.frombuffer(view, np.uint8) == 10))
 
 
 def tsv_blocks(path: str, schema: CriteoSchema, on_error: str = "raise", counts=None):
@@ -245,13 +252,14 @@ def _convert_one(index: int, path: str, output: str, fmt: str, schema: CriteoSch
             writer.close()
 
     try:
-        for block in tsv_blocks(path, schema, on_error, counts):
+        for block in _ahead(tsv_blocks(path, schema, on_error, counts)):
             while block.num_rows:
                 if writer is None or in_file >= rows_per_file:
                     close()
                     name = os.path.join(output, f"part-{index:05d}-{len(files):05d}.{fmt}")
                     files.append(name)
-                    writer = pq.ParquetWriter(name, block.schema) if fmt == "parquet" else _TFRecordWriter(name)
+                    writer = pq.ParquetWriter(name, block.schema, compression="lz4") if fmt == "parquet" \
+                        else _TFRecordWriter(name)
                     in_file = 0
                 take = min(block.num_rows, rows_per_file - in_file)
                 writer.write_table(block.slice(0, take))
@@ -259,6 +267,33 @@ def _convert_one(index: int, path: str, output: str, fmt: str, schema: CriteoSch
     finally:
         close()
     return {"rows": rows, "skipped": counts["skipped"], "files": files}
+
+
+def _ahead(blocks, depth: int = 2):
+    """The same items, produced by a thread `depth` ahead of the consumer (pyarrow's parsing
+    and Parquet writing release the GIL, so parsing the next chunk overlaps writing this one)."""
+    import queue
+    import threading
+
+    q: "queue.Queue" = queue.Queue(depth)
+    done = object()
+
+    def produce():
+        try:
+            for b in blocks:
+                q.put(b)
+            q.put(done)
+        except BaseException as e:  # noqa: BLE001 (handed to the consumer)
+            q.put(e)
+
+    threading.Thread(target=produce, daemon=True).start()
+    while True:
+        item = q.get()
+        if item is done:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
 
 
 class _TFRecordWriter:
