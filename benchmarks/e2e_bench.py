@@ -190,7 +190,7 @@ def main():
     p.add_argument("--dim", type=int, default=128 if gpu else 16, help="the small DLRM's table width")
     p.add_argument("--dcnv2-dim", type=int, default=128 if gpu else 16)
     p.add_argument("--max-vocab", type=int, default=10_000_000 if gpu else 100_000)
-    p.add_argument("--file-rows", type=int, default=None, help="rows per test file (default 8 batches)")
+    p.add_argument("--file-rows", type=int, default=None, help="rows of the test TSV file (default: 8 batches, at least 262,144)")
     p.add_argument("--steps", type=int, default=20 if gpu else 12, help="fit steps per measurement")
     p.add_argument("--spe", type=int, default=10, help="the recommended steps_per_execution")
     p.add_argument("--loop", type=int, default=10, help="embedding steps per call")
@@ -205,7 +205,7 @@ def main():
         schema = sd.CriteoSchema.capped(a.max_vocab)
         print(json.dumps(fit_one(a, a.data_dir, schema, a.fit_one[0], int(a.fit_one[1]))))
         return
-    a.file_rows = a.file_rows or 8 * a.batch
+    a.file_rows = a.file_rows or max(8 * a.batch, 1 << 18)
     sok.init()
     schema = sd.CriteoSchema.capped(a.max_vocab)
     print(f"e2e_bench: {'GPU ' + tf.config.experimental.get_device_details(tf.config.list_physical_devices('GPU')[0]).get('device_name', '') if gpu else 'CPU only'}, "
