@@ -137,3 +137,17 @@ def test_a_failing_fit_step_moves_no_counter_and_no_schedule(rng):
     assert counters() == before
     assert float(opt.learning_rate) == lr
     np.testing.assert_array_equal(emb.table.numpy(), table)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_weights_must_have_the_ids_rows_not_only_their_count(rng, graph):
+    init = rng.standard_normal((10, 3)).astype(np.float32)
+    table = sok.Variable(init, name="w_rows")
+    ids = tf.ragged.constant([[1, 2], [3]], tf.int64)
+    shifted = tf.ragged.constant([[0.5], [2.0, 3.0]])            # 3 weights, other rows
+    good = tf.ragged.constant([[0.5, 2.0], [3.0]])
+    run = tf.function(lambda w: sok.lookup_sparse(table, ids, w, combiners="sum", feature_names=["clicks"])) \
+        if graph else (lambda w: sok.lookup_sparse(table, ids, w, combiners="sum", feature_names=["clicks"]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"feature clicks: the rows \(row_splits\) of the weights differ"):
+        run(shifted)
+    np.testing.assert_allclose(run(good).numpy(), [0.5 * init[1] + 2.0 * init[2], 3.0 * init[3]], rtol=1e-6)

@@ -31,6 +31,17 @@ def _as_ragged(x, what: str) -> tf.RaggedTensor:
     return rt
 
 
+def _same_rows(id_splits, weight_splits, feature: str):
+    """An assertion that a feature's weights have its ids' rows (row_splits), not only their count:
+    weights are matched to ids row by row, as the structure says (TensorFlow's own lookup only
+    checks counts). InvalidArgumentError eagerly and when a graph runs."""
+    a, b = tf.cast(id_splits, tf.int64), tf.cast(weight_splits, tf.int64)
+    same = tf.cond(tf.equal(tf.size(a), tf.size(b)), lambda: tf.reduce_all(tf.equal(a, b)),
+                   lambda: tf.constant(False))
+    return tf.debugging.Assert(same, [f"lookup_sparse feature {feature}: the rows (row_splits) of the weights differ "
+                                      f"from those of the ids; give each row of ids its own row of weights"])
+
+
 def _listify(x):
     return (list(x), True) if isinstance(x, (list, tuple)) else ([x], False)
 
@@ -111,7 +122,8 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
                 weighted.append(False)
             else:
                 wr = _as_ragged(w, f"lookup_sparse weights of feature {names[f]!r}")
-                weights.append(tf.cast(wr.values, tf.float32))
+                with tf.control_dependencies([_same_rows(splits[f], wr.row_splits, names[f])]):
+                    weights.append(tf.cast(tf.identity(wr.values), tf.float32))
                 weighted.append(True)
         handles = []
         for t in tables:
