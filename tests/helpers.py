@@ -117,3 +117,17 @@ def assert_failing_step_writes_nothing(step, ids, table, opt, match):
     np.testing.assert_array_equal(table.numpy(), before)
     for s, b in zip(opt.slots(table), slots):
         np.testing.assert_array_equal(s.numpy(), b)
+
+
+def embedding_then_dense(emb, out):
+    """A Keras model computing out(emb(ids)) (one tf_sok embedding layer, then a dense head)."""
+    import keras
+
+    class EmbeddingThenDense(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = emb, out
+
+        def call(self, x):
+            return self.out(self.emb(x))
+    return EmbeddingThenDense()

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sok as sok
+from tests.helpers import embedding_then_dense
 
 
 @pytest.mark.parametrize("shape,error,text", [
@@ -112,15 +113,7 @@ def test_a_failing_fit_step_moves_no_counter_and_no_schedule(rng):
     emb = sok.layers.Embedding(50, 4, combiner="sum", name="ctr_emb")
     top = keras.layers.Dense(1)
 
-    class M(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.emb, self.top = emb, top
-
-        def call(self, x):
-            return self.top(self.emb(x))
-
-    m = M()
+    m = embedding_then_dense(emb, top)
     schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=1, decay_rate=0.5)
     opt = sok.keras.Optimizer(dense=keras.optimizers.SGD(schedule), sparse=sok.optimizers.Adagrad(0.1))
     m.compile(optimizer=opt, loss="mse")

@@ -115,6 +115,14 @@ def test_parquet_with_scalar_columns_and_nulls(tmp_path):
     assert label.numpy().ravel().tolist() == [1.0, 0.0, 1.0, 0.0, 1.0]
 
 
+BAD_LINES = [  # (a bad line, what the error says of it): the readers and the converter say the same
+    (line("1", ["1"] * 13, ["ab"] * 25), "has 39 tab-separated fields, expected 40"),
+    (line("1", ["1"] * 13, ["zz"] + ["ab"] * 25), "categorical feature C1 is not a hex string"),
+    (line("1", ["1.5"] + ["1"] * 12, ["ab"] * 26), "integer feature I1 is not an integer"),
+    (line("7", ["1"] * 13, ["ab"] * 26), "the label is not 0 or 1"),
+]
+
+
 class TestBadData:
     def write(self, tmp_path, rng, bad_line, at=5):
         lines = random_lines(rng, 12)
@@ -124,12 +132,7 @@ class TestBadData:
         p.write_text("\n".join(lines) + "\n")
         return str(p), good
 
-    @pytest.mark.parametrize("bad,reason", [
-        (line("1", ["1"] * 13, ["ab"] * 25), "has 39 tab-separated fields, expected 40"),
-        (line("1", ["1"] * 13, ["zz"] + ["ab"] * 25), "categorical feature C1 is not a hex string"),
-        (line("1", ["1.5"] + ["1"] * 12, ["ab"] * 26), "integer feature I1 is not an integer"),
-        (line("7", ["1"] * 13, ["ab"] * 26), "the label is not 0 or 1"),
-    ])
+    @pytest.mark.parametrize("bad,reason", BAD_LINES)
     def test_bad_line_names_file_and_line(self, tmp_path, rng, bad, reason):
         path, _ = self.write(tmp_path, rng, bad)
         with pytest.raises(tf.errors.InvalidArgumentError, match=rf"Criteo TSV {path}, line 6: {reason}"):
@@ -184,12 +187,7 @@ def test_converter_general_hex_widths_and_several_inputs_in_parallel(tmp_path, r
 
 
 class TestConverterBadLines:
-    @pytest.mark.parametrize("bad,reason", [
-        (line("1", ["1"] * 13, ["ab"] * 25), "has 39 tab-separated fields, expected 40"),
-        (line("1", ["1"] * 13, ["zz"] + ["ab"] * 25), "categorical feature C1 is not a hex string"),
-        (line("1", ["1.5"] + ["1"] * 12, ["ab"] * 26), "integer feature I1 is not an integer"),
-        (line("7", ["1"] * 13, ["ab"] * 26), "the label is not 0 or 1"),
-    ])
+    @pytest.mark.parametrize("bad,reason", BAD_LINES)
     def test_raise_names_file_and_line(self, tmp_path, rng, bad, reason):
         lines = random_lines(rng, 12)
         lines.insert(7, bad)

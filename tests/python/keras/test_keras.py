@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import tf_sok as sok
 from examples import dlrm_synthetic as demo
-from tests.helpers import np_lookup, random_ragged, to_ragged
+from tests.helpers import embedding_then_dense, np_lookup, random_ragged, to_ragged
 
 
 def _data(steps, batch, seed):
@@ -60,15 +60,7 @@ def test_embedding_layer_fit_updates_only_touched_rows(rng):
     inp = tf.RaggedTensor.from_row_lengths(ids, lens)
     out_layer = keras.layers.Dense(1)
 
-    class M(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.emb, self.out = emb, out_layer
-
-        def call(self, x):
-            return self.out(self.emb(x))
-
-    model = M()
+    model = embedding_then_dense(emb, out_layer)
     model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.SGD(0.05),
                                                 sparse=sok.optimizers.Adagrad(0.1)), loss="mse")
     model(inp[:2])
@@ -100,19 +92,11 @@ def _lr_model(rng, vocab=200, dim=4):
     emb = sok.layers.Embedding(vocab, dim, combiner="sum", name="lr_emb")
     dense = keras.layers.Dense(1)
 
-    class M(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.emb, self.out = emb, dense
-
-        def call(self, x):
-            return self.out(self.emb(x))
-
     lens = np.ones(256, np.int64)
     ids = rng.integers(0, vocab, 256)
     x = tf.RaggedTensor.from_row_lengths(ids, lens)
     y = rng.standard_normal((256, 1)).astype(np.float32)
-    return M(), tf.data.Dataset.from_tensor_slices((x, y)).batch(64), x
+    return embedding_then_dense(emb, dense), tf.data.Dataset.from_tensor_slices((x, y)).batch(64), x
 
 
 @pytest.mark.parametrize("callback", ["scheduler", "plateau"])
