@@ -35,9 +35,11 @@ def _same_rows(id_splits, weight_splits, feature: str):
     """An assertion that a feature's weights have its ids' rows (row_splits), not only their count:
     weights are matched to ids row by row, as the structure says (TensorFlow's own lookup only
     checks counts). InvalidArgumentError eagerly and when a graph runs."""
+    if weight_splits is id_splits:  # weights made from the ids' own splits (ids.with_values(w)): nothing to check
+        return tf.no_op()
     a, b = tf.cast(id_splits, tf.int64), tf.cast(weight_splits, tf.int64)
-    same = tf.cond(tf.equal(tf.size(a), tf.size(b)), lambda: tf.reduce_all(tf.equal(a, b)),
-                   lambda: tf.constant(False))
+    m = tf.minimum(tf.size(a), tf.size(b))
+    same = tf.logical_and(tf.equal(tf.size(a), tf.size(b)), tf.reduce_all(tf.equal(a[:m], b[:m])))
     return tf.debugging.Assert(same, [f"lookup_sparse feature {feature}: the rows (row_splits) of the weights differ "
                                       f"from those of the ids; give each row of ids its own row of weights"])
 
@@ -122,7 +124,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
                 weighted.append(False)
             else:
                 wr = _as_ragged(w, f"lookup_sparse weights of feature {names[f]!r}")
-                with tf.control_dependencies([_same_rows(splits[f], wr.row_splits, names[f])]):
+                with tf.control_dependencies([_same_rows(ragged[f].row_splits, wr.row_splits, names[f])]):
                     weights.append(tf.cast(tf.identity(wr.values), tf.float32))
                 weighted.append(True)
         handles = []
