@@ -53,6 +53,16 @@ def lookup_grad_op(ids_per_table, lens_per_table, grads_per_table, rows=()):
     return [(i.numpy(), v.numpy()) for i, v in zip(indices, values)]
 
 
+def distinct_rows(indices, values):
+    """A lookup gradient's (indices, values) without its padding, after checking it: distinct
+    indices strictly ascending, then repeats of the last one with zero rows."""
+    indices, values = np.asarray(indices), np.asarray(values)
+    u = len(np.unique(indices))
+    assert (np.diff(indices[:u]) > 0).all(), "distinct indices must come first, strictly ascending"
+    assert (indices[u:] == indices[u - 1]).all() and not values[u:].any(), "padding: the last index, zero rows"
+    return indices[:u], values[:u]
+
+
 def dense_grad(g, rows):
     """IndexedSlices (or dense) -> dense NumPy [rows, dim]."""
     return tf.convert_to_tensor(g).numpy() if not isinstance(g, tf.IndexedSlices) else \

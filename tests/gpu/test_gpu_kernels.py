@@ -5,8 +5,8 @@ import pytest
 import tensorflow as tf
 
 import tf_sok as sok
-from tests.helpers import (assert_failing_step_writes_nothing, clicks_training_step, dense_grad, lookup_grad_op,
-                           np_lookup, np_sum_lookup_grad, random_ragged, to_ragged)
+from tests.helpers import (assert_failing_step_writes_nothing, clicks_training_step, dense_grad, distinct_rows,
+                           lookup_grad_op, np_lookup, np_sum_lookup_grad, random_ragged, to_ragged)
 from tests.python.optimizers.test_optimizers import CASES, multi_table_steps, run_multi_table
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
@@ -69,7 +69,8 @@ def test_lookup_and_gradient_gpu_equals_cpu(rng, id_dtype, weighted, max_len):
     mass = _abs_mass(tables_np, feature_table, ragged, w, combiners, upstream)
     for t, (c, g) in enumerate(zip(cpu_g, gpu_g)):
         assert "GPU" in g.values.device
-        assert sorted(c.indices.numpy().tolist()) == g.indices.numpy().tolist()  # GPU: ascending, unique
+        np.testing.assert_array_equal(g.indices.numpy(), c.indices.numpy())  # distinct ascending, then padding
+        distinct_rows(g.indices.numpy(), g.values.numpy())
         rows = tables_np[t].shape[0]
         diff = np.abs(dense_grad(g, rows) - dense_grad(c, rows))
         assert (diff <= 1e-5 * mass[t] + 1e-6).all(), f"table {t}: max diff {diff.max()}"
@@ -180,11 +181,13 @@ def test_bad_ids_in_a_gpu_training_step_fail_it_before_any_write(rng):
         assert_failing_step_writes_nothing(
             step, to_ragged(lens, bad), table, opt,
             rf"feature 'clicks' has id {bad[at]} \(at position {at}\) outside table 'users' of 64")
-        with pytest.raises(tf.errors.InvalidArgumentError, match=r"id 2199023255552 is outside \[0, 2\^40\)"):
-            ops().tf_sok_fused_lookup_grad(
-                ids=[tf.constant([1, 2**41], tf.int64)], row_splits=[tf.constant([0, 2], tf.int64)],
-                weights=[tf.zeros([0])], output_grads=[tf.ones([1, 16])], num_tables=1, feature_table=[0],
-                combiners=["sum"], weighted=[False], dims=[16])
+        # the gradient op alone (its lookup's check did not run): a GPU drops an id past 2^40, never waiting
+        idx, val = ops().tf_sok_fused_lookup_grad(
+            ids=[tf.constant([1, 2**41], tf.int64)], row_splits=[tf.constant([0, 2], tf.int64)],
+            weights=[tf.zeros([0])], output_grads=[tf.ones([1, 16])], num_tables=1, feature_table=[0],
+            combiners=["sum"], weighted=[False], dims=[16])
+        assert idx[0].numpy().tolist() == [1, 1]
+        np.testing.assert_array_equal(val[0].numpy(), np.stack([np.ones(16), np.zeros(16)]))
         assert np.isfinite(step(to_ragged(lens, ids)).numpy())  # the device is still healthy
 
 
@@ -196,7 +199,8 @@ def test_lookup_gradient_with_known_rows_gpu_equals_cpu(rng, dims, zipf):
     indices and sums as the CPU and NumPy either way, and an id past its table an
     error naming it and the bound. Tables of mixed widths and of one width (groups
     of 32, 4 and 16 lanes with 16-byte loads, 8 with scalar ones); hot ids make
-    distinct ids whose sums span several chunks of the segment sum."""
+    distinct ids whose sums span several chunks of the segment sum. Outputs padded alike:
+    distinct ids, then the last one again with zero rows."""
     rows = [5000, 70, 100_000, 3, 1]
     data = [random_ragged(rng, 3000, r, 4, zipf=zipf) for r in rows]
     grads = [rng.standard_normal((3000, d)).astype(np.float32) for d in dims]
@@ -206,17 +210,28 @@ def test_lookup_gradient_with_known_rows_gpu_equals_cpu(rng, dims, zipf):
         gpu = _on("/GPU:0", lambda: lookup_grad_op(*args, rows=given))
         for t in range(len(rows)):
             np.testing.assert_array_equal(gpu[t][0], cpu[t][0])
+            idx, val = distinct_rows(*gpu[t])
             # float32 sums in another order: within a few ulps of the summed magnitudes
-            mass = np_sum_lookup_grad(*data[t], np.abs(grads[t]), rows[t])[gpu[t][0]]
-            assert (np.abs(gpu[t][1] - cpu[t][1]) <= 1e-5 * mass + 1e-6).all()
-            ref = np_sum_lookup_grad(*data[t], grads[t], rows[t])[gpu[t][0]]
-            assert (np.abs(gpu[t][1] - ref) <= 1e-5 * mass + 1e-6).all()
+            mass = np_sum_lookup_grad(*data[t], np.abs(grads[t]), rows[t])[idx]
+            assert (np.abs(val - distinct_rows(*cpu[t])[1]) <= 1e-5 * mass + 1e-6).all()
+            ref = np_sum_lookup_grad(*data[t], grads[t], rows[t])[idx]
+            assert (np.abs(val - ref) <= 1e-5 * mass + 1e-6).all()
     bad = [ids.copy() for _, ids in data]
     at = int(rng.integers(0, len(bad[2])))
     bad[2][at] = rows[2] + int(rng.integers(0, 1000))
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=rf"lookup gradient: id {bad[2][at]} is outside \[0, {rows[2]}\)"):
-        _on("/GPU:0", lambda: lookup_grad_op(bad, args[1], grads, rows=rows))
+        _on("/CPU:0", lambda: lookup_grad_op(bad, args[1], grads, rows=rows))
+    # a GPU never waits to learn of it: the id is dropped (lookup_sparse's check has failed the step first)
+    gpu = _on("/GPU:0", lambda: lookup_grad_op(bad, args[1], grads, rows=rows))
+    lens = data[2][0]
+    keep = np.ones(len(bad[2]), bool)
+    keep[at] = False
+    idx, val = distinct_rows(*gpu[2])
+    ref = np.zeros((rows[2], dims[2]))
+    np.add.at(ref, bad[2][keep], np.repeat(grads[2], lens, axis=0)[keep])
+    np.testing.assert_array_equal(idx, np.unique(bad[2][keep]))
+    np.testing.assert_allclose(val, ref[idx], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("case", ["adam", "ftrl", "momentum", "rmsprop_centered_momentum"])
@@ -288,7 +303,7 @@ def test_bad_index_of_any_table_on_gpu_changes_no_table(rng):
             opt.apply_gradients([(good, a), (bad, b)])
         with pytest.raises(tf.errors.InvalidArgumentError, match=r"table 'items': indices_unique was set"):
             optimizer_ops.sparse_apply([a.handle, b.handle], [], [], 0.1,
-                                       [tf.constant([1, 2], tf.int64), tf.constant([0, 3, 3], tf.int64)],
+                                       [tf.constant([1, 2], tf.int64), tf.constant([0, 3, 2], tf.int64)],
                                        [tf.ones([2, 4]), tf.ones([3, 8])], algorithm="sgd",
                                        table_names=["users", "items"], indices_unique=True)
         # checked: the GPU does not wait for the verdict, and the bad index still stops every write

@@ -63,7 +63,11 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
       feature_names: used in error messages (default feature0, feature1, ...).
     Returns:
       A [batch, dim] tensor per feature (a list when sp_ids is a list).
-      Gradients reach each table as one `tf.IndexedSlices` of its unique rows.
+      Gradients reach each table as one `tf.IndexedSlices`: its distinct rows read,
+      ascending, then repeats of the last one with zero values, so that its size
+      (the table's id count in the batch, at most its rows) is known before the
+      step runs. Summing repeated rows (what every consumer of IndexedSlices does)
+      gives the exact gradient; tf_sok's optimizers update each row once.
 
     Example:
         >>> ids = tf.ragged.constant([[1, 2], [], [3]], dtype=tf.int64)

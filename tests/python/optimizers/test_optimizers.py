@@ -215,11 +215,39 @@ def test_unique_indices_promise_is_checked(rng):
     var = sok.Variable(table, name="t")
     for checked in (False, True):  # `checked` only spares a GPU its wait: the CPU reports regardless
         with pytest.raises(tf.errors.InvalidArgumentError,
-                           match=r"sgd update of table 't': indices_unique was set but row index 2 \(at position 2\)"):
+                           match=r"sgd update of table 't': indices_unique was set but row index 2 \(at position 2\) is below"):
             optimizer_ops.sparse_apply([var.handle], [], [], 0.1, [tf.constant([1, 4, 2], tf.int64)],
                                        [tf.ones([3, 3])], algorithm="sgd", table_names=["t"], indices_unique=True,
                                        checked=checked)
         np.testing.assert_array_equal(var.numpy(), table)
+
+
+def test_unique_path_updates_each_row_once_and_skips_the_gradients_padding(rng):
+    """The lookup gradient's layout (distinct rows ascending, then the last row repeated with
+    zero rows): each distinct row updated once, the grouped path (eager Adam, repeats summed)
+    agreeing with NumPy; a decreasing index fails before anything is written. (Adam's unique
+    path over padded lookup gradients: the test below.)"""
+    from tf_sok.python.ops import optimizer_ops
+
+    table = rng.standard_normal((12, 4)).astype(np.float32)
+    rows = np.sort(rng.choice(12, 5, replace=False))
+    pad = int(rng.integers(1, 6))
+    indices = np.concatenate([rows, np.full(pad, rows[-1])])
+    values = np.concatenate([rng.standard_normal((5, 4)), np.zeros((pad, 4))]).astype(np.float32)
+    var = sok.Variable(table, name="t")
+    want = table.copy()
+    want[rows] -= 0.1 * values[:5]
+    optimizer_ops.sparse_apply([var.handle], [], [], 0.1, [tf.constant(indices)], [tf.constant(values)],
+                               algorithm="sgd", table_names=["t"], indices_unique=True)
+    np.testing.assert_allclose(var.numpy(), want, rtol=1e-6, atol=1e-7)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"row index \d+ \(at position 5\) is below the one before"):
+        optimizer_ops.sparse_apply([var.handle], [], [], 0.1, [tf.constant(np.append(rows, rows[0]))],
+                                   [tf.ones([6, 4])], algorithm="sgd", table_names=["t"], indices_unique=True)
+    np.testing.assert_array_equal(var.numpy(), want)
+    opt, ref = sok.optimizers.Adam(0.1), NumpyOptimizer("adam", want, 0.1, beta_1=0.9, beta_2=0.999, epsilon=1e-7)
+    opt.apply_gradients([(tf.IndexedSlices(tf.constant(values), tf.constant(indices), [12, 4]), var)])
+    ref.apply(indices, values)
+    np.testing.assert_allclose(var.numpy(), ref.w, rtol=1e-5, atol=1e-6)
 
 
 def test_lookup_gradients_take_the_unique_path_and_match_tensorflow(rng):

@@ -87,6 +87,21 @@ void IdentityGroups(int64_t n, KeyAt key_at, Groups* g) {
   g->offsets[n] = n;
 }
 
+// Non-decreasing keys whose repeats are padding (zero rows): one group per
+// distinct key, its first position only.
+template <typename KeyAt>
+void FirstOfRuns(int64_t n, KeyAt key_at, Groups* g) {
+  g->keys.clear(), g->offsets.clear(), g->order.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = key_at(i);
+    if (i > 0 && k == g->keys.back()) continue;
+    g->offsets.push_back(static_cast<int64_t>(g->order.size()));
+    g->keys.push_back(k);
+    g->order.push_back(i);
+  }
+  g->offsets.push_back(static_cast<int64_t>(g->order.size()));
+}
+
 }  // namespace impl
 }  // namespace tf_sok
 

@@ -73,16 +73,24 @@ struct TableGradInput {
 };
 
 // Phase 1 (Prepare) expands the output gradients to ids and groups equal ids,
-// for every table at once, and returns each table's unique count; the caller
-// allocates [unique] indices and [unique, dim] values per table and calls
-// Finish once for all tables. Indices come out strictly ascending (unique and
-// sorted) on every device. The plan holds scratch valid until the kernel
-// returns. An id outside [0, IdLimit(rows)) fails Prepare (kIdOutOfRange,
-// item = its position in its feature, value = id, limit = that bound).
+// for every table at once, and gives each table's output rows: an upper bound
+// on its distinct ids known without waiting for the device (its ids' count, at
+// most its rows). The caller allocates [rows_out] indices and [rows_out, dim]
+// values per table and calls Finish once for all tables. Each table's output is
+// its distinct ids, strictly ascending, with their summed gradients, then as
+// padding repeats of the last distinct id with zero rows (summing repeats, as
+// every consumer of row-sparse gradients does, changes nothing). The plan holds
+// scratch valid until the kernel returns. An id outside [0, IdLimit(rows)):
+// the CPU fails Prepare (kIdOutOfRange, item = its position in its feature,
+// value = id, limit = that bound); a device drops it (no wait for a verdict:
+// the lookup's own check, which the gradient runs after, has failed the step).
 struct GradPlan {
-  std::vector<int64_t> num_unique;  // per table
-  std::shared_ptr<void> state;      // the device's grouping, alive until Finish
+  std::vector<int64_t> rows_out;  // per table
+  std::shared_ptr<void> state;    // the device's grouping, alive until Finish
 };
+
+// The output rows of a table whose features hold `ids` ids: rows 0 = unknown.
+inline int64_t GradRowsBound(int64_t ids, int64_t rows) { return rows > 0 && rows < ids ? rows : ids; }
 
 template <typename Device, typename Id>
 struct LookupGrad {

@@ -142,6 +142,7 @@ struct FusedLookup<CpuDevice, Id> {
 // row, and the ids grouped.
 struct TableGradPlan {
   int32_t dim = 0;
+  int64_t rows_out = 0;
   const float* coef = nullptr;
   const float* const* rows = nullptr;
   std::shared_ptr<Groups> groups;
@@ -166,7 +167,7 @@ struct LookupGrad<CpuDevice, Id> {
       }
     }
     auto state = std::make_shared<std::vector<TableGradPlan>>(T);
-    plan->num_unique.assign(T, 0);
+    plan->rows_out.assign(T, 0);
     plan->state = state;
     int busy = 0;
     for (const auto& t : tables) busy += t.features.empty() ? 0 : 1;
@@ -184,6 +185,7 @@ struct LookupGrad<CpuDevice, Id> {
       int64_t total = 0;
       for (const auto& ft : in.features) total += ft.num_ids;
       tp.dim = in.dim;
+      tp.rows_out = plan->rows_out[t] = GradRowsBound(total, in.rows);
       if (total == 0) return;
       auto* coef = static_cast<float*>(d.scratch->Allocate(sizeof(float) * total));
       auto* rows = static_cast<const float**>(d.scratch->Allocate(sizeof(float*) * total));
@@ -202,7 +204,6 @@ struct LookupGrad<CpuDevice, Id> {
       }
       tp.groups = std::make_shared<Groups>();
       GroupByKey(total, [keys](int64_t p) { return keys[p]; }, tp.groups.get());
-      plan->num_unique[t] = tp.groups->size();
       tp.coef = coef;
       tp.rows = rows;
     };
@@ -226,13 +227,18 @@ struct LookupGrad<CpuDevice, Id> {
       if (!tp.groups || tp.groups->size() == 0) continue;
       const Groups* g = tp.groups.get();
       const int dim = tp.dim;
+      const int64_t unique = g->size();
       int64_t* idx = indices[t];
       float* vals = values[t];
-      d.parallel_for(g->size(), 4 * dim, [&](int64_t begin, int64_t end) {
+      d.parallel_for(tp.rows_out, 4 * dim, [&](int64_t begin, int64_t end) {
         for (int64_t u = begin; u < end; ++u) {
-          idx[u] = g->keys[u];
           float* __restrict out = vals + u * dim;
           std::fill(out, out + dim, 0.0f);
+          if (u >= unique) {  // padding: the last distinct id again, with a zero row
+            idx[u] = g->keys[unique - 1];
+            continue;
+          }
+          idx[u] = g->keys[u];
           for (int64_t k = g->offsets[u]; k < g->offsets[u + 1]; ++k) {
             const int64_t p = g->order[k];
             const float c = tp.coef[p];

@@ -245,11 +245,11 @@ __global__ void ForwardRowsKernel(const Batch<Id> b, int group, DeviceError* err
 // Backward, per id: its key (table << shift) | id, the output-gradient row it
 // reads, its coefficient. shift holds the largest table's ids (a shorter sort key
 // than kTableShift where the tables' rows are known). An id outside
-// [0, table_rows[f]) is recorded and keyed as row 0 with coefficient 0, so it
-// never reaches another table's keys.
+// [0, table_rows[f]) is keyed past every table of the group (table index
+// num_tables), so it sorts after them and no output receives it.
 template <typename Id>
-__global__ void ExpandKernel(const Batch<Id> b, int shift, long long* keys, float* coef,
-                             const float** grad_rows, DeviceError* err) {
+__global__ void ExpandKernel(const Batch<Id> b, int shift, int num_tables, long long* keys, float* coef,
+                             const float** grad_rows) {
   const long long r = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= b.row_start[b.num_features]) return;
   const int f = FindFeature(b, r);
@@ -270,23 +270,19 @@ __global__ void ExpandKernel(const Batch<Id> b, int shift, long long* keys, floa
     const long long p = b.id_base[f] + i;
     const long long id = static_cast<long long>(b.ids[f][i]);
     const bool bad = id < 0 || id >= limit;
-    if (bad) Raise(err, ErrorKind::kIdOutOfRange, -1, i, id, limit);
-    keys[p] = table | (bad ? 0 : id);
+    keys[p] = bad ? static_cast<long long>(num_tables) << shift : table | id;
     coef[p] = bad ? 0.0f : (weights ? weights[i] : 1.0f) * scale;
     grad_rows[p] = grow;
   }
 }
 
 // Where each table's distinct keys start among a group's sorted distinct keys:
-// starts[t] = first k with unique_keys[k] >= t << shift; starts[T] = count.
+// starts[t] = first k with unique_keys[k] >= t << shift, for t = 0..T (keys
+// from starts[T] on are dropped ids).
 __global__ void TableStartsKernel(Groups g, int num_tables, int shift, int* starts) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t > num_tables) return;
   const int n = *g.num_unique;
-  if (t == num_tables) {
-    starts[t] = n;
-    return;
-  }
   const long long want = static_cast<long long>(t) << shift;
   int lo = 0, hi = n;
   while (lo < hi) {
@@ -297,14 +293,16 @@ __global__ void TableStartsKernel(Groups g, int num_tables, int shift, int* star
 }
 
 // A group's tables' outputs: distinct key k of table t goes to row
-// k - starts[t] of indices[t] / values[t]; or, dense (indices[t] == nullptr),
-// to row `id` of the zeroed [rows[t], dim] values[t] (ids past it are skipped).
+// k - starts[t] of indices[t] / values[t] (row_start: prefix of their rows,
+// an upper bound on the distinct keys); or, dense (indices[t] == nullptr), to
+// row `id` of the zeroed [rows[t], dim] values[t] (ids past it are skipped).
 struct GradOutputs {
   int num_tables;
   long long* indices[kChunk];
   float* values[kChunk];
   int dim[kChunk];
   long long rows[kChunk];
+  long long row_start[kChunk + 1];
 };
 
 // Sums each id group's scaled output-gradient rows. Work is cut into chunks
@@ -334,6 +332,7 @@ __global__ void SegmentSumKernel(Groups g, int total, const float* coef,
     const int end = seg_end < stop ? seg_end : stop;
     const long long key = g.unique_keys[u];
     const int t = static_cast<int>(key >> shift);
+    if (t >= o.num_tables) break;  // dropped ids: sorted last
     const long long id = key & ((1LL << shift) - 1);
     const int dim = o.dim[t];
     const bool dense = o.indices[t] == nullptr;
@@ -371,8 +370,23 @@ __global__ void ZeroSplitRowsKernel(Groups g, const GradOutputs o, const int* st
   if (seg_begin / kSegChunk == (seg_end - 1) / kSegChunk) return;  // inside one chunk
   const long long key = g.unique_keys[u];
   const int t = static_cast<int>(key >> shift);
+  if (t >= o.num_tables) return;
   float* out = o.values[t] + (u - starts[t]) * o.dim[t];
   for (int j = lane; j < o.dim[t]; j += group) out[j] = 0.0f;
+}
+
+// Rows past each table's distinct keys: the last distinct id again, a zero row.
+__global__ void PadKernel(Groups g, const GradOutputs o, const int* starts, int shift, int group) {
+  const long long r = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
+  const int lane = threadIdx.x % group;
+  if (r >= o.row_start[o.num_tables]) return;
+  const int t = SegmentOf(o.row_start, o.num_tables, r);
+  const long long p = r - o.row_start[t];
+  const int count = starts[t + 1] - starts[t];
+  if (p < count) return;
+  float* out = o.values[t] + p * o.dim[t];
+  for (int j = lane; j < o.dim[t]; j += group) out[j] = 0.0f;
+  if (lane == 0) o.indices[t][p] = count > 0 ? g.unique_keys[starts[t + 1] - 1] & ((1LL << shift) - 1) : 0;
 }
 
 template <typename Id>
@@ -489,49 +503,39 @@ struct GradState {
 
 template <typename Id>
 struct LookupGrad<GpuDevice, Id> {
-  // Every group's expand + sort is queued first; the tables' unique counts and
-  // the error flag then come back together, so the stream is waited on once.
+  // Queues every group's expand + sort; the output rows are bounds known on
+  // the host, so nothing waits on the stream.
   Error Prepare(const GpuDevice& d, const std::vector<TableGradInput<Id>>& tables, GradPlan* plan) {
     using namespace gpu;
     const int T = static_cast<int>(tables.size());
     auto state = std::make_shared<GradState>();
-    plan->num_unique.assign(T, 0);
+    plan->rows_out.assign(T, 0);
     plan->state = state;
-    DeviceError* err = NewError(d);
     int* starts = Alloc<int>(d, T + (T + kChunk - 1) / kChunk);
-    if (!err || !starts) return OutOfMemory();
+    if (!starts) return OutOfMemory();
     cudaMemsetAsync(starts, 0, sizeof(int) * (T + (T + kChunk - 1) / kChunk), StreamOf(d));
+    for (int t = 0; t < T; ++t) {
+      int64_t ids = 0;
+      for (const auto& ft : tables[t].features) ids += ft.num_ids;
+      plan->rows_out[t] = GradRowsBound(ids, tables[t].rows);
+    }
     for (int first = 0, slot = 0; first < T; first += kChunk) {
       GradGroup gg;
       gg.first_table = first;
       gg.num_tables = std::min(kChunk, T - first);
       gg.starts = starts + slot;
       slot += gg.num_tables + 1;
-      Error e = PrepareGroup(d, tables, &gg, err);
+      Error e = PrepareGroup(d, tables, &gg);
       if (!e.ok()) return e;
       state->groups.push_back(gg);
     }
     for (const auto& t : tables) state->dims.push_back(t.dim);
-    const int n = T + static_cast<int>(state->groups.size());
-    std::vector<int> host(n, 0);
-    DeviceError host_err{};
-    cudaMemcpyAsync(host.data(), starts, sizeof(int) * n, cudaMemcpyDeviceToHost, StreamOf(d));
-    cudaMemcpyAsync(&host_err, err, sizeof(host_err), cudaMemcpyDeviceToHost, StreamOf(d));
-    cudaError_t c = cudaStreamSynchronize(StreamOf(d));
-    if (c != cudaSuccess) return CudaFailure(c);
-    if (host_err.kind != 0) return FromRecord(host_err);
-    int slot = 0;
-    for (const auto& gg : state->groups) {
-      for (int t = 0; t < gg.num_tables; ++t)
-        plan->num_unique[gg.first_table + t] = host[slot + t + 1] - host[slot + t];
-      slot += gg.num_tables + 1;
-    }
-    return Error();
+    cudaError_t c = cudaGetLastError();
+    return c == cudaSuccess ? Error() : CudaFailure(c);
   }
 
   // Queues one group's expand, sort and per-table starts.
-  Error PrepareGroup(const GpuDevice& d, const std::vector<TableGradInput<Id>>& tables,
-                     GradGroup* gg, gpu::DeviceError* err) {
+  Error PrepareGroup(const GpuDevice& d, const std::vector<TableGradInput<Id>>& tables, GradGroup* gg) {
     using namespace gpu;
     std::vector<FeatureView<Id>> features;
     std::vector<const float*> out_grads;
@@ -571,10 +575,10 @@ struct LookupGrad<GpuDevice, Id> {
       const long long rows = b.row_start[count];
       if (rows > 0) {
         ExpandKernel<Id><<<(rows + kThreads - 1) / kThreads, kThreads, 0, StreamOf(d)>>>(
-            b, gg->shift, keys, gg->coef, gg->grad_rows, err);
+            b, gg->shift, gg->num_tables, keys, gg->coef, gg->grad_rows);
       }
     }
-    const int bits = gg->shift + (gg->num_tables > 1 ? BitsFor(gg->num_tables - 1) : 0);
+    const int bits = gg->shift + BitsFor(gg->num_tables);  // table indices 0..num_tables (dropped ids)
     Error e = GroupByKey(d, keys, static_cast<int>(gg->total), bits, &gg->groups);
     if (!e.ok()) return e;
     TableStartsKernel<<<1, kChunk + 1, 0, StreamOf(d)>>>(gg->groups, gg->num_tables, gg->shift, gg->starts);
@@ -596,18 +600,22 @@ struct LookupGrad<GpuDevice, Id> {
         o.indices[t] = reinterpret_cast<long long*>(indices[gg.first_table + t]);
         o.values[t] = values[gg.first_table + t];
         o.dim[t] = dim;
+        o.row_start[t + 1] = o.row_start[t] + plan.rows_out[gg.first_table + t];
         max_dim = std::max(max_dim, dim);
         vec4 = vec4 && dim % 4 == 0;
       }
-      // one thread group per distinct key (Prepare brought the counts back), not per position
-      long long unique = 0;
-      for (int t = 0; t < gg.num_tables; ++t) unique += plan.num_unique[gg.first_table + t];
+      // one thread group per output row (a bound on the distinct keys), not per position
+      const long long rows = o.row_start[gg.num_tables];
       const int zgroup = GroupWidth(max_dim, 1);
-      if (unique > 0) {
-        ZeroSplitRowsKernel<<<(unique * zgroup + kThreads - 1) / kThreads, kThreads, 0, StreamOf(d)>>>(
+      if (rows > 0) {
+        ZeroSplitRowsKernel<<<(rows * zgroup + kThreads - 1) / kThreads, kThreads, 0, StreamOf(d)>>>(
             gg.groups, o, gg.starts, gg.shift, zgroup);
       }
       SumGroups(d, gg, o, max_dim, vec4);
+      if (rows > 0) {
+        PadKernel<<<(rows * zgroup + kThreads - 1) / kThreads, kThreads, 0, StreamOf(d)>>>(
+            gg.groups, o, gg.starts, gg.shift, zgroup);
+      }
     }
   }
 };
@@ -632,9 +640,8 @@ struct CombineGrad<GpuDevice, Id> {
       in[features[f].table].features.push_back(features[f]);
       in[features[f].table].out_grads.push_back(out_grads[f]);
     }
-    DeviceError* err = NewError(d);
     int* starts = Alloc<int>(d, T + (T + kChunk - 1) / kChunk);
-    if (!err || !starts) return OutOfMemory();
+    if (!starts) return OutOfMemory();
     LookupGrad<GpuDevice, Id> grad;
     for (int first = 0, slot = 0; first < T; first += kChunk) {
       GradGroup gg;
@@ -642,7 +649,7 @@ struct CombineGrad<GpuDevice, Id> {
       gg.num_tables = std::min(kChunk, T - first);
       gg.starts = starts + slot;
       slot += gg.num_tables + 1;
-      Error e = grad.PrepareGroup(d, in, &gg, err);
+      Error e = grad.PrepareGroup(d, in, &gg);
       if (!e.ok()) return e;
       if (gg.total == 0) continue;
       GradOutputs o{};

@@ -152,9 +152,11 @@ struct TableUpdate {
 // table are summed first. Every index of every table is checked before anything
 // is written: one outside [0, rows) fails the call with kIdOutOfRange (group =
 // table, item = position, value = index) and leaves all tables and state as
-// they were. indices_unique: the caller promises each table's indices strictly
-// ascending (as the lookup gradient emits them), so no grouping is needed; a
-// broken promise fails the call the same way with kNotAscending.
+// they were. indices_unique: the caller promises each table's indices as the
+// lookup gradient emits them: strictly ascending, except repeats of an index
+// whose gradient rows are zero (the gradient's padding), which are skipped; no
+// grouping is needed. A decreasing index fails the call the same way with
+// kNotAscending.
 // report = false (indices tf_sok produced itself): a device does not wait to
 // learn the check's verdict; a bad index still stops every write.
 template <typename Device, typename Id>

@@ -59,7 +59,7 @@ Error CheckIndices(const TableUpdate<Id>& t, int32_t table, bool ascending) {
     const int64_t r = static_cast<int64_t>(t.indices[i]);
     if (r < 0 || r >= t.u.rows) {
       e.kind = ErrorKind::kIdOutOfRange;
-    } else if (ascending && i > 0 && r <= static_cast<int64_t>(t.indices[i - 1])) {
+    } else if (ascending && i > 0 && r < static_cast<int64_t>(t.indices[i - 1])) {
       e.kind = ErrorKind::kNotAscending;
     } else {
       continue;
@@ -93,8 +93,10 @@ struct FusedSparseApply<CpuDevice, Id> {
         for (int s = 0; s < NumDenseSlots(h); ++s) AdviseHugePages(in.u.slots[s], table_bytes);
         const Id* indices = in.indices;
         auto key_at = [indices](int64_t i) { return static_cast<int64_t>(indices[i]); };
-        if (indices_unique || StrictlyAscending(in.n, key_at)) {
-          IdentityGroups(in.n, key_at, &groups[t]);  // already unique (e.g. from the lookup gradient)
+        if (indices_unique) {
+          FirstOfRuns(in.n, key_at, &groups[t]);     // the lookup gradient's rows: its padding skipped
+        } else if (StrictlyAscending(in.n, key_at)) {
+          IdentityGroups(in.n, key_at, &groups[t]);  // already unique
         } else {
           GroupByKey(in.n, key_at, &groups[t]);
         }

@@ -46,10 +46,16 @@ __global__ void CheckKernel(const Chunk<Id> c, bool ascending, long long* keys, 
   const long long r = static_cast<long long>(c.indices[t][i]);
   if (r < 0 || r >= c.u[t].rows) {
     Raise(err, ErrorKind::kIdOutOfRange, c.first + t, i, r);
-  } else if (ascending && i > 0 && r <= static_cast<long long>(c.indices[t][i - 1])) {
+  } else if (ascending && i > 0 && r < static_cast<long long>(c.indices[t][i - 1])) {
     Raise(err, ErrorKind::kNotAscending, c.first + t, i, r);
   }
   if (keys) keys[p] = (static_cast<long long>(t) << c.shift) | r;
+}
+
+// Ungrouped (ascending) indices: position i of table t repeats the index before it.
+template <typename Id>
+__device__ __forceinline__ bool IsPadding(const Chunk<Id>& c, int t, long long i) {
+  return i > 0 && c.indices[t][i] == c.indices[t][i - 1];
 }
 
 // VEC consecutive floats of a row (16-byte accesses when VEC == 4; every width
@@ -76,7 +82,8 @@ struct Floats {
 
 // One group of `group` threads per updated row, each thread VEC floats of it at
 // a time. Grouped: row k is the k-th distinct key and its gradient is the sum of
-// its positions' rows. Not grouped: row k is position k (indices known unique).
+// its positions' rows. Not grouped: row k is position k (indices ascending; a
+// repeat of the index before it is the lookup gradient's zero padding, skipped).
 template <typename Id, Algorithm A, bool kGrouped, int VEC>
 __global__ void UpdateKernel(Hyper h, const Chunk<Id> c, Groups g, int group, const DeviceError* err) {
   const long long k = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
@@ -94,6 +101,7 @@ __global__ void UpdateKernel(Hyper h, const Chunk<Id> c, Groups g, int group, co
   } else {
     if (k >= c.start[c.num_tables]) return;
     t = SegmentOf(c.start, c.num_tables, k);
+    if (IsPadding(c, t, k - c.start[t])) return;
     row = static_cast<long long>(c.indices[t][k - c.start[t]]);
   }
   const SparseUpdate& u = c.u[t];
@@ -137,6 +145,7 @@ __global__ void BumpStepKernel(const Chunk<Id> c, Groups g, const DeviceError* e
   } else {
     if (k >= c.start[c.num_tables]) return;
     const int t = SegmentOf(c.start, c.num_tables, k);
+    if (IsPadding(c, t, k - c.start[t])) return;
     c.u[t].step[static_cast<long long>(c.indices[t][k - c.start[t]])] += 1.0f;
   }
 }

@@ -316,7 +316,7 @@ class FusedLookupGradOp : public tf::OpKernel {
     for (int t = 0; t < T; ++t) {
       tf::Tensor* idx = nullptr;
       tf::Tensor* val = nullptr;
-      const int64_t u = plan.num_unique[t];
+      const int64_t u = plan.rows_out[t];
       TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(t, tf::TensorShape({u}), &idx));
       TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(T + t, tf::TensorShape({u, attrs_.dims[t]}), &val));
       indices[t] = idx->flat<int64_t>().data();
@@ -416,18 +416,6 @@ class LookupCheckGpuOp : public tf::AsyncOpKernel {
 };
 #endif
 
-// The gradient waits on the stream for its sizes: on a GPU, a Detached kernel.
-template <typename Device, typename Id>
-struct GradKernel {
-  using type = FusedLookupGradOp<Device, Id>;
-};
-#if TF_SOK_WITH_CUDA
-template <typename Id>
-struct GradKernel<impl::GpuDevice, Id> {
-  using type = Detached<FusedLookupGradOp<impl::GpuDevice, Id>>;
-};
-#endif
-
 #define TF_SOK_REGISTER_LOOKUP(DEV, DEVICE, ID)                        \
   REGISTER_KERNEL_BUILDER(                                                           \
       Name("TfSokFusedLookup").Device(DEV).TypeConstraint<ID>("Tid"),                \
@@ -437,7 +425,7 @@ struct GradKernel<impl::GpuDevice, Id> {
       FusedLookupOp<DEVICE, ID, false>);                                             \
   REGISTER_KERNEL_BUILDER(                                                           \
       Name("TfSokFusedLookupGrad").Device(DEV).TypeConstraint<ID>("Tid"),            \
-      GradKernel<DEVICE, ID>::type);                                                \
+      FusedLookupGradOp<DEVICE, ID>);                                                \
   REGISTER_KERNEL_BUILDER(                                                           \
       Name("TfSokFusedCombineGrad").Device(DEV).TypeConstraint<ID>("Tid"),           \
       FusedCombineGradOp<DEVICE, ID>);

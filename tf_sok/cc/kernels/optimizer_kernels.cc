@@ -139,7 +139,7 @@ class SparseApplyOp : public tf::OpKernel {
     } else if (e.kind == impl::ErrorKind::kNotAscending) {
       ctx->SetStatus(absl::InvalidArgumentError(absl::StrCat(
           what, ": indices_unique was set but row index ", e.value, " (at position ", e.item,
-          ") does not exceed the one before it; nothing was updated")));
+          ") is below the one before it; nothing was updated")));
     } else {
       ctx->SetStatus(absl::InternalError(absl::StrCat(what, ": failed (kind ",
                                                       static_cast<int>(e.kind), ", value ",

@@ -135,10 +135,15 @@ REGISTER_OP("TfSokFusedLookupGrad")
       return absl::OkStatus();
     })
     .Doc(R"doc(
-Row-sparse gradient of TfSokFusedLookup: for each table, the unique ids read
-by its features and the summed gradient of each. rows: the tables' row counts
-where known (empty: unknown, ids then only need to lie in [0, 2^40)); an id
-outside [0, rows[t]) is an error, and smaller tables make a shorter sort key.
+Row-sparse gradient of TfSokFusedLookup: for each table, the distinct ids read
+by its features (strictly ascending) and the summed gradient of each, padded to
+a size known before the step runs (the table's id count, at most its rows) by
+repeats of the last id with zero rows; summing repeated rows, as every user of
+an IndexedSlices does, gives the exact gradient. A GPU never waits on its
+stream for it. rows: the tables' row counts where known (empty: unknown, ids
+then only need to lie in [0, 2^40)); smaller tables make a shorter sort key.
+An id outside [0, rows[t]) is an error on the CPU; a GPU drops it (the lookup's
+check, which lookup_sparse runs before the gradient, has failed the step).
 )doc");
 
 REGISTER_OP("TfSokLookupCheck")

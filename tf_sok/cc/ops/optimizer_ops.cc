@@ -51,9 +51,10 @@ optimizer state in place, all tables in one call. Slots are table-major
 (num_slot_vars = num_tables x slots per table; steps likewise). Duplicate
 indices of a table are summed first; rows not named stay unchanged. An index
 outside [0, rows) of any table fails the call before anything is written.
-indices_unique: every table's indices are strictly ascending (as the lookup
-gradient emits them), so no grouping is done; if they are not, the call fails
-before anything is written.
+indices_unique: every table's indices are as the lookup gradient emits them:
+strictly ascending, then repeats of the last one whose gradient rows are zero
+(padding to a size known before the step runs), which are skipped; no grouping
+is done. A decreasing index fails the call before anything is written.
 checked: the indices are a tf_sok lookup gradient's own rows (in range and
 strictly ascending by construction); a GPU does not wait on its stream to learn
 whether the check found a bad one. The check still runs: a bad index would make

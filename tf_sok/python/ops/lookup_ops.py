@@ -117,7 +117,8 @@ def _static_rows(shapes) -> List[int]:
 
 @tf.RegisterGradient("TfSokFusedLookup")
 def _fused_lookup_grad(op, *out_grads):
-    """Per table an IndexedSlices of the unique rows read."""
+    """Per table an IndexedSlices of the distinct rows read, padded to a size known before the
+    step runs (see TfSokFusedLookupGrad)."""
     tables, ids, splits, weights, grads, attrs = _inputs_and_grads(op, out_grads)
     shape = [resource_variable_ops.variable_shape(h, out_type=tf.int64) for h in tables]
     if op.get_attr("distinct_ids") or op.get_attr("one_id_per_row"):  # each output row: the gradient of its id

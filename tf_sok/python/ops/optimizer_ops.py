@@ -12,7 +12,8 @@ def sparse_apply(var_handles: Sequence, slot_handles: Sequence, step_handles: Se
     """Applies `grads[t]` (rows `indices[t]`) to table t and its state, all tables in one op.
 
     `slot_handles` / `step_handles` are table-major (every slot of table 0, then of table 1, ...).
-    `indices_unique` promises each table's indices strictly ascending (the op checks it).
+    `indices_unique` promises each table's indices as the lookup gradient emits them:
+    ascending, repeats being zero padding (skipped); a decreasing index is an error.
     `checked`: the indices are a tf_sok lookup gradient's own rows; a GPU then does not wait
     for the check's verdict (a bad index still stops every write).
     """
