@@ -53,6 +53,38 @@ def lookup_grad_op(ids_per_table, lens_per_table, grads_per_table, rows=()):
     return [(i.numpy(), v.numpy()) for i, v in zip(indices, values)]
 
 
+def half_precision_case(rng, hotness, batch=517):
+    """Tables of widths 16 (16-byte accesses), 7 (scalar) and 128, five features over them with
+    one id per row (hotness "one") or up to 16 ("multi"), mixed combiners, random weights on
+    two features, and float32 upstream gradients exactly representable in float16 and bfloat16
+    (few mantissa bits)."""
+    tables = [rng.standard_normal(s).astype(np.float32) for s in ((400, 16), (90, 7), (3000, 128))]
+    feature_table, combiners = [0, 1, 2, 0, 2], ["sum", "mean", "sqrtn", "mean", "sum"]
+    ragged, weights, upstream = [], [], []
+    for f, t in enumerate(feature_table):
+        lens = np.ones(batch, np.int64) if hotness == "one" else rng.integers(0, 17, batch)
+        ids = rng.integers(0, tables[t].shape[0], int(lens.sum()))
+        ragged.append(to_ragged(lens, ids))
+        weights.append(to_ragged(lens, rng.uniform(0.5, 2, len(ids)).astype(np.float32)) if f in (1, 4) else None)
+        upstream.append(np.round(rng.standard_normal((batch, tables[t].shape[1])) * 8) / 8)
+    return tables, feature_table, combiners, ragged, weights, [u.astype(np.float32) for u in upstream]
+
+
+def lookup_in(dtype, case):
+    """Outputs of dtype and the tables' gradients (dense NumPy) of sum(output x upstream), the
+    upstream gradients arriving in dtype; on the current device."""
+    import tf_sok as sok
+
+    tables_np, feature_table, combiners, ragged, weights, upstream = case
+    tables = [sok.Variable(t, name=f"t{i}") for i, t in enumerate(tables_np)]
+    with tf.GradientTape() as tape:
+        outs = sok.lookup_sparse([tables[t] for t in feature_table], ragged, weights, combiners=combiners,
+                                 dtype=dtype)
+        loss = tf.add_n([tf.reduce_sum(tf.cast(o * tf.cast(u, dtype), tf.float32)) for o, u in zip(outs, upstream)])
+    grads = tape.gradient(loss, tables)
+    return [o.numpy() for o in outs], [dense_grad(g, t.shape[0]) for g, t in zip(grads, tables_np)]
+
+
 def distinct_rows(indices, values):
     """A lookup gradient's (indices, values) without its padding, after checking it: distinct
     indices strictly ascending, then repeats of the last one with zero rows."""

@@ -6,7 +6,7 @@ import tensorflow as tf
 
 import tf_sok as sok
 from tests.helpers import (assert_failing_step_writes_nothing, clicks_training_step, dense_grad, distinct_rows,
-                           lookup_grad_op, np_lookup, np_sum_lookup_grad, random_ragged, to_ragged)
+                           half_precision_case, lookup_grad_op, lookup_in, np_lookup, np_sum_lookup_grad, random_ragged, to_ragged)
 from tests.python.optimizers.test_optimizers import CASES, multi_table_steps, run_multi_table
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
@@ -20,7 +20,8 @@ def _abs_mass(tables_np, feature_table, ragged, weights, combiners, upstream):
     for f, t in enumerate(feature_table):
         lens = ragged[f].row_lengths().numpy()
         ids = ragged[f].values.numpy()
-        w = np.ones(len(ids)) if weights is None else weights[f].values.numpy().astype(np.float64)
+        w = np.ones(len(ids)) if weights is None or weights[f] is None else \
+            weights[f].values.numpy().astype(np.float64)
         row = np.repeat(np.arange(len(lens)), lens)
         wsum = np.bincount(row, w, len(lens))
         wsq = np.bincount(row, w * w, len(lens))
@@ -74,6 +75,25 @@ def test_lookup_and_gradient_gpu_equals_cpu(rng, id_dtype, weighted, max_len):
         rows = tables_np[t].shape[0]
         diff = np.abs(dense_grad(g, rows) - dense_grad(c, rows))
         assert (diff <= 1e-5 * mass[t] + 1e-6).all(), f"table {t}: max diff {diff.max()}"
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+@pytest.mark.parametrize("hotness", ["one", "multi"])  # the one-id-rows kernel; the unrolled multi-hot one
+def test_half_precision_lookup_and_gradient_gpu_equals_cpu(rng, dtype, hotness):
+    """The GPU writes float16 / bfloat16 outputs and reads their gradients itself: the CPU's
+    values (float32 sums in another order, so outputs within one rounding step), and gradients
+    within a few float32 ulps of the summed magnitudes."""
+    case = half_precision_case(rng, hotness)
+    cpu_out, cpu_g = _on("/CPU:0", lambda: lookup_in(dtype, case))
+    gpu_out, gpu_g = _on("/GPU:0", lambda: lookup_in(dtype, case))
+    step = 2.0 ** -7 if dtype == tf.bfloat16 else 2.0 ** -10
+    for c, g in zip(cpu_out, gpu_out):
+        c, g = c.astype(np.float32), g.astype(np.float32)
+        assert (np.abs(g - c) <= step * np.abs(c) + 1e-4).all(), np.abs(g - c).max()
+    tables_np, feature_table, combiners, ragged, weights, upstream = case
+    mass = _abs_mass(tables_np, feature_table, ragged, weights, combiners, upstream)
+    for t, (c, g) in enumerate(zip(cpu_g, gpu_g)):
+        assert (np.abs(g - c) <= 1e-5 * mass[t] + 1e-6).all(), f"table {t}: max diff {np.abs(g - c).max()}"
 
 
 @pytest.mark.parametrize("dims", [(16, 128, 32), (7, 30)])  # 16-byte loads; scalar loads

@@ -6,7 +6,7 @@ from tensorflow.python.eager import tape as tape_lib
 
 import tf_sok as sok
 from tests.helpers import (assert_failing_step_writes_nothing, clicks_training_step, dense_grad, distinct_rows,
-                           lookup_grad_op, np_lookup, np_sum_lookup_grad, random_ragged, to_ragged)
+                           half_precision_case, lookup_grad_op, lookup_in, np_lookup, np_sum_lookup_grad, random_ragged, to_ragged)
 
 
 def _tables(rng, specs):
@@ -224,6 +224,24 @@ def test_fused_combine_over_tensors_matches_numpy_and_its_dense_gradient(rng, id
     for t, (g, r) in enumerate(zip(grads, ref_grads)):
         assert isinstance(g, tf.Tensor) and g.shape == params_np[t].shape   # dense: no IndexedSlices
         np.testing.assert_allclose(g.numpy(), dense_grad(r, params_np[t].shape[0]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+@pytest.mark.parametrize("hotness", ["one", "multi"])
+def test_half_precision_outputs_are_the_float32_outputs_rounded_and_their_gradient_is_exact(rng, dtype, hotness):
+    """float16 / bfloat16 outputs: the float32 pooling rounded once to nearest even (TensorFlow's
+    own cast as the reference); the gradient of upstream gradients in that type equals the float32
+    gradient of the same (exactly representable) upstream values."""
+    case = half_precision_case(rng, hotness)
+    half_out, half_grads = lookup_in(dtype, case)
+    f32_out, f32_grads = lookup_in(tf.float32, case)
+    for h, f in zip(half_out, f32_out):
+        assert h.dtype == dtype.as_numpy_dtype
+        np.testing.assert_array_equal(h, tf.cast(f, dtype).numpy())
+    for h, f in zip(half_grads, f32_grads):
+        np.testing.assert_allclose(h, f, rtol=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match="dtype must be float32, float16 or bfloat16, got float64"):
+        sok.lookup_sparse(sok.Variable(case[0][0], name="x"), case[3][0], dtype=tf.float64)
 
 
 def test_lookup_gradient_bounds_ids_by_the_tables_rows_when_known(rng):

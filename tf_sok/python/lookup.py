@@ -49,7 +49,7 @@ def _listify(x):
 
 
 def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequence[str], None] = None,
-                  name: Optional[str] = None, feature_names: Optional[Sequence[str]] = None):
+                  name: Optional[str] = None, feature_names: Optional[Sequence[str]] = None, dtype=tf.float32):
     """Looks up and combines many features in ONE fused op.
 
     Args:
@@ -61,6 +61,9 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
       combiners: "sum" | "mean" | "sqrtn", one per feature or one for all
         (default "mean", as `tf.nn.embedding_lookup_sparse`).
       feature_names: used in error messages (default feature0, feature1, ...).
+      dtype: the outputs' type: float32, or float16 / bfloat16 (for Keras mixed
+        policies: rows are summed in float32 and rounded once, by the kernel;
+        tables, their gradients and optimizer state stay float32).
     Returns:
       A [batch, dim] tensor per feature (a list when sp_ids is a list).
       Gradients reach each table as one `tf.IndexedSlices`: its distinct rows read,
@@ -96,9 +99,12 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
     if len(weights_list) != F:
         raise ValueError(f"lookup_sparse: {len(weights_list)} weights for {F} features")
 
+    dtype = tf.as_dtype(dtype)
+    if dtype not in (tf.float32, tf.float16, tf.bfloat16):
+        raise TypeError(f"lookup_sparse: dtype must be float32, float16 or bfloat16, got {dtype.name}")
     ctx = context_lib.context()
     if ctx.communicator.outside_replicas():
-        return _outside_replicas(params_list, ids_list, names, as_list)
+        return _outside_replicas(params_list, ids_list, names, as_list, dtype)
 
     tables, table_index, feature_table = [], {}, []
     for f, p in enumerate(params_list):
@@ -143,14 +149,15 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
                 ctx.communicator, handles, metas, feature_table, [tf.cast(v, tf.int64) for v in ids], splits,
                 [w if on else None for w, on in zip(weights, weighted)], comb, names,
                 ctx.sparse_grad_reduction, ctx.collective_index())
+            outs = [tf.cast(o, dtype) for o in outs]   # pooled from received float32 vectors
         else:
             outs = lookup_ops.fused_lookup(
                 handles, ids, splits, weights, feature_table=feature_table, combiners=comb, weighted=weighted,
-                dims=[m.dim for m in metas], feature_names=names, table_names=[m.name for m in metas])
+                dims=[m.dim for m in metas], feature_names=names, table_names=[m.name for m in metas], dtype=dtype)
     return outs if as_list else outs[0]
 
 
-def _outside_replicas(params_list, ids_list, names, as_list):
+def _outside_replicas(params_list, ids_list, names, as_list, dtype):
     """A lookup under tf.distribute outside strategy.run: tables are sharded over
     the replicas, so there is nothing to compute here. Eagerly that is an error;
     while Keras traces a model for its output shapes, the result has the right
@@ -165,5 +172,5 @@ def _outside_replicas(params_list, ids_list, names, as_list):
             if meta is None:
                 raise TypeError(f"lookup_sparse: the table of feature {names[f]!r} is not a tf_sok variable")
             rows = _as_ragged(x, f"lookup_sparse feature {names[f]!r}").nrows()
-            outs.append(tf.zeros(tf.stack([rows, tf.constant(meta.dim, rows.dtype)]), tf.float32))
+            outs.append(tf.zeros(tf.stack([rows, tf.constant(meta.dim, rows.dtype)]), dtype))
     return outs if as_list else outs[0]

@@ -48,6 +48,7 @@ enum class ErrorKind : int32_t {
   kOutOfMemory = 3,
   kCudaError = 4,        // value = cudaError_t
   kNotAscending = 5,     // indices promised strictly ascending are not; value = the index
+  kUnsupported = 6,      // a functor asked for what it does not do (a caller's bug)
 };
 
 // Keys that name a row of one of several tables: (table << kTableShift) | row.

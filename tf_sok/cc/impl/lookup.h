@@ -14,6 +14,11 @@ namespace impl {
 
 enum class Combiner : int32_t { kSum = 0, kMean = 1, kSqrtn = 2 };
 
+// The element type of pooled outputs and of their gradients. Sums run in
+// float32 either way; float16 / bfloat16 outputs are rounded once, to nearest
+// even. The CPU functors take float32 only (the CPU kernels convert).
+enum class Precision : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
 struct TableView {
   const float* data;  // [rows, dim] row-major
   int64_t rows;
@@ -42,7 +47,8 @@ template <typename Device, typename Id>
 struct FusedLookup {
   Error operator()(const Device& d, const std::vector<TableView>& tables,
                    const std::vector<FeatureView<Id>>& features,
-                   const std::vector<float*>& outputs, ErrorRecord* record);
+                   const std::vector<void*>& outputs, ErrorRecord* record,
+                   Precision precision = Precision::kFloat32);
 };
 
 // GPU: copies a recorded error to host memory (pinned, for an asynchronous
@@ -69,7 +75,8 @@ struct TableGradInput {
   int32_t dim = 0;
   int64_t rows = 0;  // 0: not known (ids then only need to fit kRowMask)
   std::vector<FeatureView<Id>> features;
-  std::vector<const float*> out_grads;  // [batch_f, dim] per feature
+  std::vector<const void*> out_grads;  // [batch_f, dim] per feature
+  Precision precision = Precision::kFloat32;  // of out_grads
 };
 
 // Phase 1 (Prepare) expands the output gradients to ids and groups equal ids,

@@ -13,6 +13,13 @@ namespace {
 
 constexpr int64_t kPrefetch = 4;
 
+// A precision the CPU functors do not take (the CPU kernels convert to float32).
+Error Unsupported() {
+  Error e;
+  e.kind = ErrorKind::kUnsupported;
+  return e;
+}
+
 // Keeps the error with the smallest (feature, position) seen by any thread.
 class FirstError {
  public:
@@ -88,7 +95,9 @@ template <typename Id>
 struct FusedLookup<CpuDevice, Id> {
   Error operator()(const CpuDevice& d, const std::vector<TableView>& tables,
                    const std::vector<FeatureView<Id>>& features,
-                   const std::vector<float*>& outputs, ErrorRecord* /*the CPU returns errors*/) {
+                   const std::vector<void*>& outputs, ErrorRecord* /*the CPU returns errors*/,
+                   Precision precision) {
+    if (precision != Precision::kFloat32) return Unsupported();
     Error e = CheckSplits(features);
     if (!e.ok()) return e;
     for (const auto& t : tables) AdviseHugePages(t.data, sizeof(float) * static_cast<size_t>(t.rows) * t.dim);
@@ -106,7 +115,7 @@ struct FusedLookup<CpuDevice, Id> {
         const TableView& t = tables[ft.table];
         const int64_t b = r - start[f];
         const int dim = t.dim;
-        float* __restrict out = outputs[f] + b * dim;
+        float* __restrict out = static_cast<float*>(outputs[f]) + b * dim;
         std::fill(out, out + dim, 0.0f);
         float wsum = 0.0f, wsq = 0.0f;
         for (int64_t i = ft.splits[b]; i < ft.splits[b + 1]; ++i) {
@@ -185,6 +194,10 @@ struct LookupGrad<CpuDevice, Id> {
       int64_t total = 0;
       for (const auto& ft : in.features) total += ft.num_ids;
       tp.dim = in.dim;
+      if (in.precision != Precision::kFloat32) {
+        errors[t] = Unsupported();
+        return;
+      }
       tp.rows_out = plan->rows_out[t] = GradRowsBound(total, in.rows);
       if (total == 0) return;
       auto* coef = static_cast<float*>(d.scratch->Allocate(sizeof(float) * total));
@@ -198,7 +211,7 @@ struct LookupGrad<CpuDevice, Id> {
       for (size_t f = 0; f < in.features.size(); ++f) {
         const auto& ft = in.features[f];
         inner.parallel_for(ft.batch, 16, [&, base](int64_t b0, int64_t b1) {
-          ExpandFeature(ft, in.out_grads[f], in.dim, b0, b1, base, coef, rows, keys);
+          ExpandFeature(ft, static_cast<const float*>(in.out_grads[f]), in.dim, b0, b1, base, coef, rows, keys);
         });
         base += ft.num_ids;
       }

@@ -1,6 +1,9 @@
 // CUDA functors for the fused lookup and its gradient. One launch covers up to
 // kChunk features of any tables: a group of G threads per (feature, row), each
 // thread holding VEC floats of the accumulator (16-byte loads when VEC == 4).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <algorithm>
 
 #include "tf_sok/cc/impl/gpu_util.cuh"
@@ -22,7 +25,7 @@ struct Batch {
   const Id* ids[kChunk];
   const long long* splits[kChunk];
   const float* weights[kChunk];
-  float* rows_out[kChunk];          // forward: outputs; backward: output gradients
+  void* rows_out[kChunk];           // forward: outputs; backward: output gradients (of type Out / In)
   const float* table[kChunk];
   long long table_rows[kChunk];
   long long num_ids[kChunk];
@@ -70,6 +73,78 @@ struct Vec<4> {
   }
 };
 
+// Pooled rows stored or loaded VEC elements at once as float32, float16 or
+// bfloat16 (converted from float32 to nearest even; sums stay float32).
+template <typename T>
+struct Half;
+template <>
+struct Half<__half> {
+  using T2 = __half2;
+  __device__ static T2 Pack(float a, float b) { return __floats2half2_rn(a, b); }
+  __device__ static float2 Unpack(T2 h) { return __half22float2(h); }
+  __device__ static __half One(float v) { return __float2half_rn(v); }
+  __device__ static float Float(__half h) { return __half2float(h); }
+};
+template <>
+struct Half<__nv_bfloat16> {
+  using T2 = __nv_bfloat162;
+  __device__ static T2 Pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
+  __device__ static float2 Unpack(T2 h) { return __bfloat1622float2(h); }
+  __device__ static __nv_bfloat16 One(float v) { return __float2bfloat16_rn(v); }
+  __device__ static float Float(__nv_bfloat16 h) { return __bfloat162float(h); }
+};
+
+template <typename T, int VEC>
+struct Elems {  // float16 / bfloat16, one at a time
+  __device__ static float Load(const T* p) { return Half<T>::Float(*p); }
+  __device__ static void StoreStream(T* p, float v) { *p = Half<T>::One(v); }
+};
+template <typename T>
+struct Elems<T, 4> {  // float16 / bfloat16, four (8 bytes) at a time
+  using H = Half<T>;
+  __device__ static float4 Load(const T* p) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+    const float2 a = H::Unpack(*reinterpret_cast<const typename H::T2*>(&u.x));
+    const float2 b = H::Unpack(*reinterpret_cast<const typename H::T2*>(&u.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+  }
+  __device__ static void StoreStream(T* p, float4 v) {
+    const typename H::T2 a = H::Pack(v.x, v.y), b = H::Pack(v.z, v.w);
+    uint2 u;
+    u.x = *reinterpret_cast<const unsigned*>(&a);
+    u.y = *reinterpret_cast<const unsigned*>(&b);
+    __stcs(reinterpret_cast<uint2*>(p), u);
+  }
+};
+template <int VEC>
+struct FloatElems {
+  __device__ static typename Vec<VEC>::T Load(const float* p) { return Vec<VEC>::Load(p); }
+  __device__ static void StoreStream(float* p, typename Vec<VEC>::T v) { Vec<VEC>::StoreStream(p, v); }
+};
+template <>
+struct Elems<float, 1> : FloatElems<1> {};
+template <>
+struct Elems<float, 4> : FloatElems<4> {};
+
+// Calls fn(Type<T>()) with T the C++ type of a precision.
+template <typename T>
+struct Type {
+  using type = T;
+};
+template <typename Fn>
+void WithElement(Precision p, Fn fn) {
+  switch (p) {
+    case Precision::kFloat16:
+      fn(Type<__half>());
+      break;
+    case Precision::kBFloat16:
+      fn(Type<__nv_bfloat16>());
+      break;
+    default:
+      fn(Type<float>());
+  }
+}
+
 template <typename Id>
 __device__ __forceinline__ int FindFeature(const Batch<Id>& b, long long r) {
   int f = 0;
@@ -102,7 +177,7 @@ __device__ __forceinline__ bool CheckRow(const Batch<Id>& b, int f, long long ro
 // of several ids on average): kUnroll ids of a row at a time, their
 // loads and then their rows' loads issued together, instead of a chain of
 // dependent loads per id; sums run in the same order either way.
-template <typename Id, int VEC, bool kMulti>
+template <typename Id, int VEC, bool kMulti, typename Out>
 __device__ __forceinline__ void PoolRow(const Batch<Id>& b, int f, long long row, long long s, long long e,
                                         int lane, int group, DeviceError* err) {
   using V = Vec<VEC>;
@@ -110,7 +185,7 @@ __device__ __forceinline__ void PoolRow(const Batch<Id>& b, int f, long long row
   const float* table = b.table[f];
   const float* weights = b.weights[f];
   const Id* ids = b.ids[f];
-  float* out = b.rows_out[f] + row * dim;
+  Out* out = static_cast<Out*>(b.rows_out[f]) + row * dim;
   const long long rows = b.table_rows[f];
   for (int j0 = lane * VEC; j0 < dim; j0 += group * VEC) {
     typename V::T acc = V::Zero();
@@ -153,11 +228,12 @@ __device__ __forceinline__ void PoolRow(const Batch<Id>& b, int f, long long row
       }
       V::Fma(acc, w, V::Load(table + id * dim + j0));
     }
-    V::StoreStream(out + j0, V::Scale(acc, CombinerScale(static_cast<Combiner>(b.combiner[f]), wsum, wsq)));
+    Elems<Out, VEC>::StoreStream(out + j0,
+                                 V::Scale(acc, CombinerScale(static_cast<Combiner>(b.combiner[f]), wsum, wsq)));
   }
 }
 
-template <typename Id, int VEC, bool kMulti>
+template <typename Id, int VEC, bool kMulti, typename Out>
 __global__ void ForwardKernel(const Batch<Id> b, int group, DeviceError* err) {
   const long long r = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
   const int lane = threadIdx.x % group;
@@ -165,7 +241,7 @@ __global__ void ForwardKernel(const Batch<Id> b, int group, DeviceError* err) {
   const int f = FindFeature(b, r);
   const long long row = r - b.row_start[f];
   const long long s = b.splits[f][row], e = b.splits[f][row + 1];
-  if (CheckRow(b, f, row, s, e, err)) PoolRow<Id, VEC, kMulti>(b, f, row, s, e, lane, group, err);
+  if (CheckRow(b, f, row, s, e, err)) PoolRow<Id, VEC, kMulti, Out>(b, f, row, s, e, lane, group, err);
 }
 
 // Rows of about one id each, when one pass of the group covers every width
@@ -178,7 +254,7 @@ __global__ void ForwardKernel(const Batch<Id> b, int group, DeviceError* err) {
 // 396 -> 271 us against 4 rows per thread group with their own loads.)
 constexpr int kRows = 4;
 
-template <typename Id, int VEC>
+template <typename Id, int VEC, typename Out>
 __global__ void ForwardRowsKernel(const Batch<Id> b, int group, DeviceError* err) {
   using V = Vec<VEC>;
   constexpr unsigned kAll = 0xffffffffu;
@@ -229,7 +305,8 @@ __global__ void ForwardRowsKernel(const Batch<Id> b, int group, DeviceError* err
       if (rk[k] < 0) continue;
       typename V::T acc = V::Zero();
       V::Fma(acc, wk[k], x[k]);
-      V::StoreStream(b.rows_out[fk[k]] + rk[k] * b.dim[fk[k]] + j0, V::Scale(acc, ck[k]));
+      Elems<Out, VEC>::StoreStream(static_cast<Out*>(b.rows_out[fk[k]]) + rk[k] * b.dim[fk[k]] + j0,
+                                   V::Scale(acc, ck[k]));
     }
   }
   // the (here few) empty and several-id rows, one per thread group
@@ -238,7 +315,7 @@ __global__ void ForwardRowsKernel(const Batch<Id> b, int group, DeviceError* err
     if (!((others >> k) & 1u)) continue;
     const int fo = __shfl_sync(kAll, f, k);
     const long long ro = __shfl_sync(kAll, row, k), so = __shfl_sync(kAll, s, k), eo = __shfl_sync(kAll, e, k);
-    if (n++ % groups == g) PoolRow<Id, VEC, false>(b, fo, ro, so, eo, lane, group, err);
+    if (n++ % groups == g) PoolRow<Id, VEC, false, Out>(b, fo, ro, so, eo, lane, group, err);
   }
 }
 
@@ -247,9 +324,9 @@ __global__ void ForwardRowsKernel(const Batch<Id> b, int group, DeviceError* err
 // than kTableShift where the tables' rows are known). An id outside
 // [0, table_rows[f]) is keyed past every table of the group (table index
 // num_tables), so it sorts after them and no output receives it.
-template <typename Id>
+template <typename Id, typename In>
 __global__ void ExpandKernel(const Batch<Id> b, int shift, int num_tables, long long* keys, float* coef,
-                             const float** grad_rows) {
+                             const void** grad_rows) {
   const long long r = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= b.row_start[b.num_features]) return;
   const int f = FindFeature(b, r);
@@ -263,7 +340,7 @@ __global__ void ExpandKernel(const Batch<Id> b, int shift, int num_tables, long 
     wsq += w * w;
   }
   const float scale = CombinerScale(static_cast<Combiner>(b.combiner[f]), wsum, wsq);
-  const float* grow = b.rows_out[f] + row * b.dim[f];
+  const In* grow = static_cast<const In*>(b.rows_out[f]) + row * b.dim[f];
   const long long table = static_cast<long long>(b.key_table[f]) << shift;
   const long long limit = b.table_rows[f];
   for (long long i = s; i < e; ++i) {
@@ -315,9 +392,9 @@ struct GradOutputs {
 // longer chunks leave too few thread groups for the cold ids.
 constexpr int kSegChunk = 64;
 
-template <int VEC>
+template <int VEC, typename In>
 __global__ void SegmentSumKernel(Groups g, int total, const float* coef,
-                                 const float* const* grad_rows, const GradOutputs o,
+                                 const void* const* grad_rows, const GradOutputs o,
                                  const int* starts, int shift, int group) {
   using V = Vec<VEC>;
   const long long chunk = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
@@ -347,7 +424,7 @@ __global__ void SegmentSumKernel(Groups g, int total, const float* coef,
       typename V::T acc = V::Zero();
       for (int q = k; q < end; ++q) {
         const int p = g.order[q];
-        V::Fma(acc, coef[p], V::Load(grad_rows[p] + j0));
+        V::Fma(acc, coef[p], Elems<In, VEC>::Load(static_cast<const In*>(grad_rows[p]) + j0));
       }
       if (whole) {
         V::Store(out + j0, acc);
@@ -420,7 +497,7 @@ template <typename Id>
 struct FusedLookup<GpuDevice, Id> {
   Error operator()(const GpuDevice& d, const std::vector<TableView>& tables,
                    const std::vector<FeatureView<Id>>& features,
-                   const std::vector<float*>& outputs, ErrorRecord* record) {
+                   const std::vector<void*>& outputs, ErrorRecord* record, Precision precision) {
     using namespace gpu;
     DeviceError* err = record ? record : NewError(d);
     if (!err) return OutOfMemory();
@@ -445,15 +522,18 @@ struct FusedLookup<GpuDevice, Id> {
       long long ids_in_launch = 0;
       for (size_t k = 0; k < count; ++k) ids_in_launch += b.num_ids[k];
       const bool multi = ids_in_launch >= kUnroll * total;  // kUnroll ids per row or more on average
-      if (!multi && max_dim <= group * (vec4 ? 4 : 1)) {  // rows of about one id, one pass per row
-        const long long row_blocks = ((total + 31) / 32 * 32 + kThreads - 1) / kThreads;
-        auto rows_kernel = vec4 ? ForwardRowsKernel<Id, 4> : ForwardRowsKernel<Id, 1>;
-        rows_kernel<<<row_blocks, kThreads, 0, StreamOf(d)>>>(b, group, err);
-        continue;
-      }
-      auto kernel = vec4 ? (multi ? ForwardKernel<Id, 4, true> : ForwardKernel<Id, 4, false>)
-                         : (multi ? ForwardKernel<Id, 1, true> : ForwardKernel<Id, 1, false>);
-      kernel<<<blocks, kThreads, 0, StreamOf(d)>>>(b, group, err);
+      WithElement(precision, [&](auto type) {
+        using Out = typename decltype(type)::type;
+        if (!multi && max_dim <= group * (vec4 ? 4 : 1)) {  // rows of about one id, one pass per row
+          const long long row_blocks = ((total + 31) / 32 * 32 + kThreads - 1) / kThreads;
+          auto rows_kernel = vec4 ? ForwardRowsKernel<Id, 4, Out> : ForwardRowsKernel<Id, 1, Out>;
+          rows_kernel<<<row_blocks, kThreads, 0, StreamOf(d)>>>(b, group, err);
+          return;
+        }
+        auto kernel = vec4 ? (multi ? ForwardKernel<Id, 4, true, Out> : ForwardKernel<Id, 4, false, Out>)
+                           : (multi ? ForwardKernel<Id, 1, true, Out> : ForwardKernel<Id, 1, false, Out>);
+        kernel<<<blocks, kThreads, 0, StreamOf(d)>>>(b, group, err);
+      });
     }
     cudaError_t c = cudaGetLastError();
     return c == cudaSuccess ? Error() : CudaFailure(c);
@@ -472,7 +552,8 @@ struct GradGroup {
   int first_table = 0, num_tables = 0;
   long long total = 0;
   float* coef = nullptr;
-  const float** grad_rows = nullptr;
+  const void** grad_rows = nullptr;
+  Precision precision = Precision::kFloat32;  // of the output gradients grad_rows point into
   gpu::Groups groups;
   int* starts = nullptr;  // device [num_tables + 1]
   int shift = kTableShift;  // keys: (table in group << shift) | id
@@ -486,14 +567,12 @@ inline void SumGroups(const GpuDevice& d, const GradGroup& gg, const gpu::GradOu
   const int group = GroupWidth(max_dim, vec4 ? 4 : 1);
   const long long chunks = (total + kSegChunk - 1) / kSegChunk;
   const long long blocks = (chunks * group + kThreads - 1) / kThreads;
-  const auto* rows = static_cast<const float* const*>(gg.grad_rows);
-  if (vec4) {
-    SegmentSumKernel<4><<<blocks, kThreads, 0, StreamOf(d)>>>(gg.groups, total, gg.coef, rows, o, gg.starts,
-                                                               gg.shift, group);
-  } else {
-    SegmentSumKernel<1><<<blocks, kThreads, 0, StreamOf(d)>>>(gg.groups, total, gg.coef, rows, o, gg.starts,
-                                                               gg.shift, group);
-  }
+  const auto* rows = static_cast<const void* const*>(gg.grad_rows);
+  WithElement(gg.precision, [&](auto type) {
+    using In = typename decltype(type)::type;
+    auto kernel = vec4 ? SegmentSumKernel<4, In> : SegmentSumKernel<1, In>;
+    kernel<<<blocks, kThreads, 0, StreamOf(d)>>>(gg.groups, total, gg.coef, rows, o, gg.starts, gg.shift, group);
+  });
 }
 
 struct GradState {
@@ -538,13 +617,14 @@ struct LookupGrad<GpuDevice, Id> {
   Error PrepareGroup(const GpuDevice& d, const std::vector<TableGradInput<Id>>& tables, GradGroup* gg) {
     using namespace gpu;
     std::vector<FeatureView<Id>> features;
-    std::vector<const float*> out_grads;
+    std::vector<const void*> out_grads;
     std::vector<int> key_table, dims;
     std::vector<long long> limits;
     long long max_limit = 1;
     for (int t = 0; t < gg->num_tables; ++t) {
       const auto& in = tables[gg->first_table + t];
       max_limit = std::max<long long>(max_limit, IdLimit(in.rows));
+      gg->precision = in.precision;  // one type for all of an op's output gradients
       for (size_t f = 0; f < in.features.size(); ++f) {
         features.push_back(in.features[f]);
         out_grads.push_back(in.out_grads[f]);
@@ -558,14 +638,14 @@ struct LookupGrad<GpuDevice, Id> {
     if (gg->total == 0) return Error();
     auto* keys = Alloc<long long>(d, gg->total);
     gg->coef = Alloc<float>(d, gg->total);
-    gg->grad_rows = Alloc<const float*>(d, gg->total);
+    gg->grad_rows = Alloc<const void*>(d, gg->total);
     if (!keys || !gg->coef || !gg->grad_rows) return OutOfMemory();
     long long base = 0;
     for (size_t first = 0; first < features.size(); first += kChunk) {
       const size_t count = std::min<size_t>(kChunk, features.size() - first);
       Batch<Id> b = MakeBatch(features, first, count);
       for (size_t k = 0; k < count; ++k) {
-        b.rows_out[k] = const_cast<float*>(out_grads[first + k]);
+        b.rows_out[k] = const_cast<void*>(out_grads[first + k]);
         b.dim[k] = dims[first + k];
         b.key_table[k] = key_table[first + k];
         b.table_rows[k] = limits[first + k];
@@ -574,8 +654,11 @@ struct LookupGrad<GpuDevice, Id> {
       }
       const long long rows = b.row_start[count];
       if (rows > 0) {
-        ExpandKernel<Id><<<(rows + kThreads - 1) / kThreads, kThreads, 0, StreamOf(d)>>>(
-            b, gg->shift, gg->num_tables, keys, gg->coef, gg->grad_rows);
+        WithElement(gg->precision, [&](auto type) {
+          ExpandKernel<Id, typename decltype(type)::type><<<(rows + kThreads - 1) / kThreads, kThreads, 0,
+                                                            StreamOf(d)>>>(b, gg->shift, gg->num_tables, keys,
+                                                                           gg->coef, gg->grad_rows);
+        });
       }
     }
     const int bits = gg->shift + BitsFor(gg->num_tables);  // table indices 0..num_tables (dropped ids)

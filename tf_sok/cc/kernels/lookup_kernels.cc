@@ -1,10 +1,13 @@
 // Kernels of TfSokFusedLookup / TfSokFusedLookupGrad: read attributes, check
 // shapes, allocate outputs, call the impl functor, explain its errors.
+#define EIGEN_USE_THREADS
+
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "tensorflow/core/framework/device.h"
+#include "tensorflow/core/framework/tensor_types.h"
 #include "tf_sok/cc/impl/lookup.h"
 #include "tf_sok/cc/kernels/kernel_util.h"
 
@@ -102,16 +105,38 @@ struct LookupAttrs : LookupNames {
   }
 };
 
-// Output gradient f of a pooling op: [batch, dim], as the forward produced it.
+// The element type of the pooled outputs of a kernel of type T.
+template <typename T>
+constexpr impl::Precision PrecisionOf() {
+  return std::is_same<T, Eigen::half>::value       ? impl::Precision::kFloat16
+         : std::is_same<T, tf::bfloat16>::value ? impl::Precision::kBFloat16
+                                                : impl::Precision::kFloat32;
+}
+
+// The CPU functors pool in float32 only: outputs of another type are pooled
+// into float32 scratch and converted, output gradients converted first.
+template <typename Device, typename T>
+constexpr bool kConverts = std::is_same<Device, impl::CpuDevice>::value && !std::is_same<T, float>::value;
+
+// Output gradient f of a pooling op: [batch, dim], as the forward produced it;
+// `converted` receives its float32 copy where the device pools in float32 only.
+template <typename Device, typename T>
 absl::Status OutputGrad(tf::OpKernelContext* ctx, int input, int f, int64_t batch, int dim,
-                        const float** out) {
+                        tf::Tensor* converted, const void** out) {
   const tf::Tensor& g = ctx->input(input);
   if (g.dims() != 2 || g.dim_size(0) != batch || g.dim_size(1) != dim) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tf_sok lookup gradient: output gradient of feature ", f, " has shape ",
         g.shape().DebugString(), ", expected [", batch, ", ", dim, "]"));
   }
-  *out = g.flat<float>().data();
+  if (!kConverts<Device, T>) {
+    *out = g.data();
+    return absl::OkStatus();
+  }
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(tf::DT_FLOAT, g.shape(), converted));
+  converted->flat<float>().device(ctx->eigen_device<Eigen::ThreadPoolDevice>()) =
+      g.flat<T>().template cast<float>();
+  *out = converted->data();
   return absl::OkStatus();
 }
 
@@ -174,7 +199,7 @@ absl::Status TableInput(tf::OpKernelContext* ctx, int t, bool from_variable, con
   return absl::OkStatus();
 }
 
-template <typename Device, typename Id, bool kFromVariables>
+template <typename Device, typename Id, bool kFromVariables, typename TOut = float>
 class FusedLookupOp : public tf::OpKernel {
  public:
   explicit FusedLookupOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
@@ -198,14 +223,18 @@ class FusedLookupOp : public tf::OpKernel {
     }
     std::vector<impl::FeatureView<Id>> features;
     OP_REQUIRES_OK(ctx, attrs_.Features<Id>(ctx, T, &features));
-    std::vector<float*> outputs(attrs_.num_features);
+    std::vector<void*> outputs(attrs_.num_features);
+    std::vector<tf::Tensor> pooled(kConverts<Device, TOut> ? attrs_.num_features : 0);  // float32, converted after
     for (int f = 0; f < attrs_.num_features; ++f) {
       tf::Tensor* out = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                              f, tf::TensorShape({features[f].batch,
-                                                  attrs_.dims[features[f].table]}),
-                              &out));
-      outputs[f] = out->flat<float>().data();
+      const tf::TensorShape shape({features[f].batch, attrs_.dims[features[f].table]});
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(f, shape, &out));
+      if (kConverts<Device, TOut>) {
+        OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_FLOAT, shape, &pooled[f]));
+        outputs[f] = pooled[f].data();
+      } else {
+        outputs[f] = out->data();
+      }
     }
     tf::Tensor* status = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(attrs_.num_features,
@@ -214,9 +243,14 @@ class FusedLookupOp : public tf::OpKernel {
     if (std::is_same<Device, impl::CpuDevice>::value) *record = impl::ErrorRecord{};
     TensorScratch scratch(ctx);
     const Device d = MakeDevice<Device>(ctx, &scratch);
+    constexpr impl::Precision precision = kConverts<Device, TOut> ? impl::Precision::kFloat32 : PrecisionOf<TOut>();
     OP_REQUIRES_OK(ctx, Explain(attrs_, impl::FusedLookup<Device, Id>()(d, tables, features, outputs,
-                                                                        checked_ ? nullptr : record),
+                                                                        checked_ ? nullptr : record, precision),
                                 tables));
+    for (size_t f = 0; f < pooled.size(); ++f) {
+      ctx->mutable_output(f)->flat<TOut>().device(ctx->eigen_device<Eigen::ThreadPoolDevice>()) =
+          pooled[f].flat<float>().template cast<TOut>();
+    }
   }
 
  private:
@@ -250,8 +284,10 @@ class FusedCombineGradOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, attrs_.Features<Id>(ctx, T, &features));
     std::vector<const float*> out_grads(F);
     for (int f = 0; f < F; ++f) {
-      OP_REQUIRES_OK(ctx, OutputGrad(ctx, T + 3 * F + f, f, features[f].batch,
-                                     attrs_.dims[features[f].table], &out_grads[f]));
+      const void* g = nullptr;
+      OP_REQUIRES_OK(ctx, (OutputGrad<Device, float>(ctx, T + 3 * F + f, f, features[f].batch,
+                                                     attrs_.dims[features[f].table], nullptr, &g)));
+      out_grads[f] = static_cast<const float*>(g);
     }
     TensorScratch scratch(ctx);
     const Device d = MakeDevice<Device>(ctx, &scratch);
@@ -264,7 +300,7 @@ class FusedCombineGradOp : public tf::OpKernel {
   LookupAttrs attrs_;
 };
 
-template <typename Device, typename Id>
+template <typename Device, typename Id, typename TOut>
 class FusedLookupGradOp : public tf::OpKernel {
  public:
   explicit FusedLookupGradOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
@@ -290,11 +326,14 @@ class FusedLookupGradOp : public tf::OpKernel {
     for (int t = 0; t < T; ++t) {
       tables[t].dim = attrs_.dims[t];
       tables[t].rows = rows_.empty() ? 0 : rows_[t];
+      tables[t].precision = kConverts<Device, TOut> ? impl::Precision::kFloat32 : PrecisionOf<TOut>();
     }
+    std::vector<tf::Tensor> converted(F);  // float32 output gradients, where the device needs them
     for (int f = 0; f < F; ++f) {
       const int t = all[f].table;
-      const float* g = nullptr;
-      TF_SOK_REQUIRES_OK(ctx, OutputGrad(ctx, 3 * F + f, f, all[f].batch, attrs_.dims[t], &g));
+      const void* g = nullptr;
+      TF_SOK_REQUIRES_OK(ctx, (OutputGrad<Device, TOut>(ctx, 3 * F + f, f, all[f].batch, attrs_.dims[t],
+                                                        &converted[f], &g)));
       tables[t].features.push_back(all[f]);
       tables[t].out_grads.push_back(g);
     }
@@ -416,18 +455,23 @@ class LookupCheckGpuOp : public tf::AsyncOpKernel {
 };
 #endif
 
-#define TF_SOK_REGISTER_LOOKUP(DEV, DEVICE, ID)                        \
-  REGISTER_KERNEL_BUILDER(                                                           \
-      Name("TfSokFusedLookup").Device(DEV).TypeConstraint<ID>("Tid"),                \
-      FusedLookupOp<DEVICE, ID, true>);                                              \
-  REGISTER_KERNEL_BUILDER(                                                           \
-      Name("TfSokFusedCombine").Device(DEV).TypeConstraint<ID>("Tid"),               \
-      FusedLookupOp<DEVICE, ID, false>);                                             \
-  REGISTER_KERNEL_BUILDER(                                                           \
-      Name("TfSokFusedLookupGrad").Device(DEV).TypeConstraint<ID>("Tid"),            \
-      FusedLookupGradOp<DEVICE, ID>);                                                \
-  REGISTER_KERNEL_BUILDER(                                                           \
-      Name("TfSokFusedCombineGrad").Device(DEV).TypeConstraint<ID>("Tid"),           \
+#define TF_SOK_REGISTER_POOLED_TYPE(DEV, DEVICE, ID, T)                                         \
+  REGISTER_KERNEL_BUILDER(                                                                     \
+      Name("TfSokFusedLookup").Device(DEV).TypeConstraint<ID>("Tid").TypeConstraint<T>("T"),   \
+      FusedLookupOp<DEVICE, ID, true, T>);                                                     \
+  REGISTER_KERNEL_BUILDER(                                                                     \
+      Name("TfSokFusedLookupGrad").Device(DEV).TypeConstraint<ID>("Tid").TypeConstraint<T>("T"), \
+      FusedLookupGradOp<DEVICE, ID, T>);
+
+#define TF_SOK_REGISTER_LOOKUP(DEV, DEVICE, ID)                                \
+  TF_SOK_REGISTER_POOLED_TYPE(DEV, DEVICE, ID, float)                          \
+  TF_SOK_REGISTER_POOLED_TYPE(DEV, DEVICE, ID, Eigen::half)                    \
+  TF_SOK_REGISTER_POOLED_TYPE(DEV, DEVICE, ID, tf::bfloat16)                   \
+  REGISTER_KERNEL_BUILDER(                                                     \
+      Name("TfSokFusedCombine").Device(DEV).TypeConstraint<ID>("Tid"),         \
+      FusedLookupOp<DEVICE, ID, false>);                                       \
+  REGISTER_KERNEL_BUILDER(                                                     \
+      Name("TfSokFusedCombineGrad").Device(DEV).TypeConstraint<ID>("Tid"),     \
       FusedCombineGradOp<DEVICE, ID>);
 
 REGISTER_KERNEL_BUILDER(Name("TfSokLookupCheck").Device(tf::DEVICE_CPU), LookupCheckOp);
@@ -442,6 +486,7 @@ TF_SOK_REGISTER_LOOKUP(tf::DEVICE_GPU, impl::GpuDevice, int32_t)
 TF_SOK_REGISTER_LOOKUP(tf::DEVICE_GPU, impl::GpuDevice, int64_t)
 #endif
 #undef TF_SOK_REGISTER_LOOKUP
+#undef TF_SOK_REGISTER_POOLED_TYPE
 
 }  // namespace
 }  // namespace tf_sok

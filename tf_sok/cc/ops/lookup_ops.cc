@@ -50,11 +50,12 @@ absl::Status PooledOutputShapes(InferenceContext* c) {
 }
 
 // Everything but the tables' input that the two forward pooling ops share.
-#define TF_SOK_POOLED_FORWARD                             \
+// OUT: the outputs' type.
+#define TF_SOK_POOLED_FORWARD(OUT)                        \
   .Input("ids: num_features * Tid")                       \
       .Input("row_splits: num_features * int64")          \
       .Input("weights: num_features * float")             \
-      .Output("outputs: num_features * float")            \
+      .Output("outputs: num_features * " OUT)             \
       .Output("status: int64")                            \
           TF_SOK_POOLING_ATTRS                            \
       .Attr("feature_names: list(string)")                \
@@ -64,13 +65,16 @@ absl::Status PooledOutputShapes(InferenceContext* c) {
 
 REGISTER_OP("TfSokFusedLookup")
     .Input("tables: num_tables * resource")
-    TF_SOK_POOLED_FORWARD
+    TF_SOK_POOLED_FORWARD("T")
+    .Attr("T: {float, half, bfloat16} = DT_FLOAT")
     .Attr("distinct_ids: bool = false")
     .Attr("one_id_per_row: bool = false")
     .Doc(R"doc(
 Looks up every feature's ragged ids in its table and combines each row
 (sum, mean or sqrtn, optionally weighted) into one [batch, dim] output per
-feature. Unweighted features pass an empty weights tensor.
+feature. Unweighted features pass an empty weights tensor. T: the outputs'
+type (float16/bfloat16 for Keras mixed policies): rows are summed in float32
+and rounded once (to nearest even); tables stay float32.
 
 status: the first bad id or row split the kernels met, as TfSokLookupCheck reads
   it. The CPU kernel fails at once instead (status is then all zeros); a GPU
@@ -87,7 +91,7 @@ one_id_per_row: as distinct_ids, but the ids may repeat and come in any order:
 
 REGISTER_OP("TfSokFusedCombine")
     .Input("params: num_tables * float")
-    TF_SOK_POOLED_FORWARD
+    TF_SOK_POOLED_FORWARD("float")
     .Doc(R"doc(
 TfSokFusedLookup over plain float tensors instead of variables: pools rows of
 `params` (e.g. vectors received from other ranks) per feature and row.
@@ -118,10 +122,11 @@ REGISTER_OP("TfSokFusedLookupGrad")
     .Input("ids: num_features * Tid")
     .Input("row_splits: num_features * int64")
     .Input("weights: num_features * float")
-    .Input("output_grads: num_features * float")
+    .Input("output_grads: num_features * T")
     .Output("indices: num_tables * int64")
     .Output("values: num_tables * float")
     TF_SOK_POOLING_ATTRS
+    .Attr("T: {float, half, bfloat16} = DT_FLOAT")
     .Attr("rows: list(int) = []")
     .SetShapeFn([](InferenceContext* c) {
       int num_tables;
@@ -144,6 +149,7 @@ stream for it. rows: the tables' row counts where known (empty: unknown, ids
 then only need to lie in [0, 2^40)); smaller tables make a shorter sort key.
 An id outside [0, rows[t]) is an error on the CPU; a GPU drops it (the lookup's
 check, which lookup_sparse runs before the gradient, has failed the step).
+T: the output gradients' type (the forward's outputs'); values are float32.
 )doc");
 
 REGISTER_OP("TfSokLookupCheck")

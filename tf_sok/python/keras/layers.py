@@ -26,14 +26,6 @@ def _add_table(layer: keras.layers.Layer, cfg: TableConfig):
     return make_shards(cfg.name, cfg.vocab_size, cfg.dim, cfg.mode, create)
 
 
-def _in_compute_dtype(layer: keras.layers.Layer, outs):
-    """The pooled outputs in the layer's compute dtype (bfloat16/float16 under a Keras mixed
-    policy); tables, their gradients' rows and optimizer state stay float32."""
-    if layer.compute_dtype == "float32":
-        return list(outs)
-    return [tf.cast(o, layer.compute_dtype) for o in outs]
-
-
 class Embedding(keras.layers.Layer):
     """One table, one feature: ragged/sparse/dense ids -> [batch, dim].
 
@@ -52,8 +44,10 @@ class Embedding(keras.layers.Layer):
         self.table = _add_table(self, self.config)
 
     def call(self, ids, weights=None):
-        return _in_compute_dtype(self, lookup_sparse([self.table], [ids], None if weights is None else [weights],
-                                                     combiners=[self.config.combiner], feature_names=[self.name]))[0]
+        # outputs in the compute dtype (bfloat16/float16 under a Keras mixed policy) straight from the
+        # kernel; tables, their gradients' rows and optimizer state stay float32
+        return lookup_sparse([self.table], [ids], None if weights is None else [weights],
+                             combiners=[self.config.combiner], feature_names=[self.name], dtype=self.compute_dtype)[0]
 
     def get_config(self):
         c = self.config
@@ -108,5 +102,5 @@ class EmbeddingCollection(keras.layers.Layer):
         ids = [inputs[f] for f in self.feature_names]
         w = None if weights is None else [weights.get(f) for f in self.feature_names]
         outs = lookup_sparse([self.tables[self.feature_to_table[f]] for f in self.feature_names], ids, w,
-                             combiners=self.combiners, feature_names=self.feature_names)
-        return dict(zip(self.feature_names, _in_compute_dtype(self, outs)))
+                             combiners=self.combiners, feature_names=self.feature_names, dtype=self.compute_dtype)
+        return dict(zip(self.feature_names, outs))   # in the compute dtype, as Embedding's

@@ -47,10 +47,10 @@ def fused_lookup(handles: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], row_spl
                  weights: Sequence[tf.Tensor], *, feature_table: Sequence[int], combiners: Sequence[str],
                  weighted: Sequence[bool], dims: Sequence[int], feature_names: Sequence[str],
                  table_names: Sequence[str], checked: bool = False, distinct_ids: bool = False,
-                 one_id_per_row: bool = False) -> List[tf.Tensor]:
-    """One [batch_f, dim] output per feature; see TfSokFusedLookup. `checked`,
-    `distinct_ids` and `one_id_per_row` are for ids tf_sok produced itself (the
-    exchange path's owner side)."""
+                 one_id_per_row: bool = False, dtype=tf.float32) -> List[tf.Tensor]:
+    """One [batch_f, dim] output per feature, of `dtype` (float32, float16 or bfloat16: pooled in
+    float32, rounded once); see TfSokFusedLookup. `checked`, `distinct_ids` and `one_id_per_row`
+    are for ids tf_sok produced itself (the exchange path's owner side)."""
     if (distinct_ids or one_id_per_row) and (list(feature_table) != list(range(len(handles)))
                                              or set(combiners) != {"sum"} or any(weighted)):
         raise ValueError("fused_lookup: distinct_ids and one_id_per_row need feature t to read table t, summed "
@@ -59,7 +59,7 @@ def fused_lookup(handles: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], row_spl
         tables=list(handles), ids=list(ids), row_splits=list(row_splits), weights=list(weights),
         feature_table=list(feature_table), combiners=list(combiners), weighted=list(weighted),
         dims=list(dims), feature_names=list(feature_names), table_names=list(table_names), checked=checked,
-        distinct_ids=distinct_ids, one_id_per_row=one_id_per_row)
+        distinct_ids=distinct_ids, one_id_per_row=one_id_per_row, T=tf.as_dtype(dtype))
     return _checked(result, checked, feature_table, feature_names, table_names)
 
 
@@ -91,12 +91,13 @@ def _inputs_and_grads(op, out_grads):
     feature_table = op.get_attr("feature_table")
     ins = list(op.inputs)
     tables, ids, splits, weights = ins[:T], ins[T:T + F], ins[T + F:T + 2 * F], ins[T + 2 * F:T + 3 * F]
+    dtype = op.outputs[0].dtype   # the pooled outputs' type, and so their gradients'
     grads = []
     for f, g in enumerate(out_grads):
         if g is None:
             g = tf.zeros(tf.stack([tf.shape(splits[f], out_type=tf.int64)[0] - 1,
-                                   tf.constant(dims[feature_table[f]], tf.int64)]), tf.float32)
-        grads.append(g)
+                                   tf.constant(dims[feature_table[f]], tf.int64)]), dtype)
+        grads.append(tf.cast(g, dtype))
     attrs = dict(feature_table=feature_table, combiners=op.get_attr("combiners"),
                  weighted=op.get_attr("weighted"), dims=dims)
     return tables, ids, splits, weights, grads, attrs
@@ -124,7 +125,8 @@ def _fused_lookup_grad(op, *out_grads):
     if op.get_attr("distinct_ids") or op.get_attr("one_id_per_row"):  # each output row: the gradient of its id
         name = ASCENDING_ROWS if op.get_attr("distinct_ids") else CHECKED_ROWS
         rows = [tf.identity(tf.cast(i, tf.int64), name=name) for i in ids]
-        return [tf.IndexedSlices(g, r, dense_shape=s) for g, r, s in zip(grads, rows, shape)] + [None] * (3 * len(ids))
+        return [tf.IndexedSlices(tf.cast(g, tf.float32), r, dense_shape=s)
+                for g, r, s in zip(grads, rows, shape)] + [None] * (3 * len(ids))
     with tf.control_dependencies(_checks_of(op)):
         indices, values = ops().tf_sok_fused_lookup_grad(
             ids=ids, row_splits=splits, weights=weights, output_grads=grads, num_tables=len(tables),
