@@ -172,7 +172,9 @@ def fit_section(a, d):
     print(f"\n3. model.fit samples/s, batch {a.batch} (steps_per_execution 1 and {a.spe}; the first execution "
           f"left out; one process per model and setting)", flush=True)
     out = {}
-    for name, spe in (("DLRM", 1), ("DLRM", a.spe), ("DCNv2", 1), ("DCNv2", a.spe), ("DCNv2-bf16", a.spe)):
+    runs = [r.split(":") for r in a.fit_runs] if a.fit_runs else \
+        [("DLRM", 1), ("DLRM", a.spe), ("DCNv2", 1), ("DCNv2", a.spe), ("DCNv2-bf16", a.spe)]
+    for name, spe in runs:
         args = [sys.executable, os.path.abspath(__file__), "--fit-one", name, str(spe), "--data-dir", d]
         for k in ("batch", "dim", "dcnv2_dim", "max_vocab", "steps"):
             args += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
@@ -196,6 +198,8 @@ def main():
     p.add_argument("--loop", type=int, default=10, help="embedding steps per call")
     p.add_argument("--sections", nargs="+", default=["readers", "embedding", "fit"],
                    choices=["readers", "embedding", "fit"])
+    p.add_argument("--fit-runs", nargs="+", metavar="MODEL:SPE",
+                   help="the fit runs (default DLRM:1 DLRM:<spe> DCNv2:1 DCNv2:<spe> DCNv2-bf16:<spe>)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--fit-one", nargs=2, metavar=("MODEL", "SPE"), help=argparse.SUPPRESS)
     p.add_argument("--data-dir", help=argparse.SUPPRESS)

@@ -2,7 +2,7 @@
 # The GPU work of a release, in the order a lease should spend its time: the GPU-marked
 # tests, then the end-to-end and kernel benchmarks. Run on the GPU machine from the repo
 # root with a CUDA build of the op library: bash benchmarks/gpu_suite.sh <part> [out_dir]
-#   part: tests | e2e-readers | e2e-fit | kernels
+#   part: tests | e2e-readers | e2e-fit [MODEL:SPE ...] | kernels | profile
 set -uo pipefail
 part=$1
 out=${2:-out/gpu}
@@ -11,7 +11,9 @@ quiet() { grep -v -E "^(W|I|E)0000|WARNING: All log|retracing|UserWarning|self\.
 case $part in
   tests)       python3 -m pytest -q -m gpu tests 2>&1 | tail -40 | tee "$out/gpu_tests.txt" ;;
   e2e-readers) python3 benchmarks/e2e_bench.py --sections readers embedding --json "$out/e2e_readers.json" 2>&1 | quiet | tee "$out/e2e_readers.txt" ;;
-  e2e-fit)     python3 benchmarks/e2e_bench.py --sections fit --json "$out/e2e_fit.json" 2>&1 | quiet | tee "$out/e2e_fit.txt" ;;
+  e2e-fit)     shift 2; runs=${*:+--fit-runs $*}
+               python3 benchmarks/e2e_bench.py --sections fit $runs --json "$out/e2e_fit.json" 2>&1 | quiet | tee -a "$out/e2e_fit.txt" ;;
   kernels)     python3 benchmarks/gpu_bench.py --sections train --json "$out/gpu_train.json" 2>&1 | quiet | tee "$out/gpu_train.txt" ;;
+  profile)     python3 benchmarks/fit_profile.py 2>&1 | quiet | tee "$out/fit_profile.txt" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

@@ -144,3 +144,58 @@ def test_weights_must_have_the_ids_rows_not_only_their_count(rng, graph):
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"feature clicks: the rows \(row_splits\) of the weights differ"):
         run(shifted)
     np.testing.assert_allclose(run(good).numpy(), [0.5 * init[1] + 2.0 * init[2], 3.0 * init[3]], rtol=1e-6)
+
+
+def _random_sparse(rng, batch, cols, vocab, gaps):
+    """A random [batch, cols] SparseTensor of ids with entries in shuffled order; with gaps, a row's
+    columns need not start at 0 or be consecutive."""
+    mask = rng.random((batch, cols)) < 0.5
+    if not gaps:
+        mask = np.arange(cols)[None, :] < mask.sum(1, keepdims=True)
+    idx = np.argwhere(mask)
+    rng.shuffle(idx)
+    return idx, rng.integers(0, vocab, len(idx)), rng.uniform(0.5, 2, len(idx)).astype(np.float32)
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+@pytest.mark.parametrize("graph", [False, True])
+def test_any_valid_sparse_tensor_gives_tensorflows_result(rng, gaps, graph):
+    """SparseTensor ids in any entry order, with or without gaps in their columns, weighted or
+    not: TensorFlow's own lookup of the reordered tensor."""
+    init = rng.standard_normal((50, 4)).astype(np.float32)
+    table = sok.Variable(init, name="sp")
+    idx, ids, w = _random_sparse(rng, 23, 6, 50, gaps)
+    sp = tf.SparseTensor(idx, ids, [23, 6])
+    spw = tf.SparseTensor(idx, w, [23, 6])
+    run = (tf.function if graph else (lambda f: f))(
+        lambda s, sw: sok.lookup_sparse([table, table], [s, s], [None, sw], combiners=["mean", "sum"]))
+    got = run(sp, spw)
+    ref = tf.Variable(init)
+    ordered, ordered_w = tf.sparse.reorder(sp), tf.sparse.reorder(spw)
+    want = [tf.nn.embedding_lookup_sparse(ref, ordered, None, combiner="mean"),
+            tf.nn.embedding_lookup_sparse(ref, ordered, ordered_w, combiner="sum")]
+    for g, r in zip(got, want):
+        full = np.zeros((23, 4), np.float32)
+        full[:r.shape[0]] = r.numpy()        # TensorFlow leaves out trailing empty rows
+        np.testing.assert_allclose(g.numpy(), full, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_invalid_sparse_tensors_are_rejected_naming_the_feature(rng, graph):
+    """An index past dense_shape (row or column, or negative), an index given twice, and weights
+    at other indices than the ids: InvalidArgumentError naming the feature, nothing computed."""
+    table = sok.Variable(rng.standard_normal((20, 3)).astype(np.float32), name="sp_bad")
+    run = (tf.function if graph else (lambda f: f))(
+        lambda s, w=None: sok.lookup_sparse(table, s, w, feature_names=["clicks"]))
+    good = [[0, 0], [2, 1], [1, 0]]
+    for bad, text in (([[0, 0], [5, 0], [1, 0]], r"entry.*1.*has index.*5,? 0.*outside dense_shape.*4,? 3"),
+                      ([[0, 0], [2, 3], [1, 0]], r"has index.*2,? 3.*outside dense_shape"),
+                      ([[0, 0], [2, -1], [1, 0]], r"has index.*2,? -1.*outside dense_shape"),
+                      ([[0, 0], [2, 1], [0, 0]], r"SparseTensor index.*0,? 0.*appears more than once")):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"(?s)feature clicks.*" + text):
+            run(tf.SparseTensor(tf.constant(bad, tf.int64), tf.constant([1, 2, 3], tf.int64), [4, 3]))
+    ids = tf.SparseTensor(tf.constant(good, tf.int64), tf.constant([1, 2, 3], tf.int64), [4, 3])
+    other = tf.SparseTensor(tf.constant([[0, 0], [2, 2], [1, 0]], tf.int64), tf.constant([1.0, 2.0, 3.0]), [4, 3])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"feature clicks: the weights SparseTensor indices differ"):
+        run(ids, other)
+    assert run(ids).shape == (4, 3)

@@ -12,13 +12,45 @@ from tf_sok.python.ops import lookup_ops
 from tf_sok.python.variable import backing_variable, table_meta
 
 
+def _sparse_rows(sp: tf.SparseTensor, what: str):
+    """A [batch, max_ids] SparseTensor as (row ids, order): every entry checked (row in
+    [0, dense_shape[0]), column in [0, dense_shape[1]), no index twice), and the order that puts
+    entries in row-major order (TensorFlow allows any order; columns may have gaps).
+    InvalidArgumentError naming the feature and the entry, eagerly and when a graph runs."""
+    if sp.shape.rank is not None and sp.shape.rank != 2:
+        raise ValueError(f"{what}: a SparseTensor of ids must be [batch, max_ids], got rank {sp.shape.rank}")
+    idx = tf.cast(sp.indices, tf.int64)
+    shape = tf.cast(sp.dense_shape, tf.int64)
+    rows, cols = idx[:, 0], idx[:, 1]
+    outside = tf.where(tf.logical_or(tf.logical_or(rows < 0, rows >= shape[0]),
+                                     tf.logical_or(cols < 0, cols >= shape[1])))[:, 0]
+    first = tf.concat([outside, [-1]], 0)[0]
+    checks = [tf.debugging.Assert(tf.equal(tf.size(outside), 0), [
+        f"{what}: SparseTensor entry", first, "has index", tf.gather(idx, tf.maximum(first, 0)),
+        "outside dense_shape", shape])]
+    key = rows * tf.maximum(shape[1], 1) + cols          # row-major position
+    order = tf.argsort(key, stable=True)
+    with tf.control_dependencies(checks):
+        sorted_key = tf.gather(key, order)
+    repeated = tf.where(sorted_key[1:] <= sorted_key[:-1])[:, 0]
+    checks.append(tf.debugging.Assert(tf.equal(tf.size(repeated), 0), [
+        f"{what}: SparseTensor index", tf.gather(idx, tf.gather(order, tf.concat([repeated, [0]], 0)[0])),
+        "appears more than once"]))
+    with tf.control_dependencies(checks):
+        return tf.gather(rows, order), tf.identity(order), shape[0]
+
+
+def _sparse_to_ragged(sp: tf.SparseTensor, what: str):
+    """(ragged [batch, (ids)], the order of sp's entries in it)."""
+    rows, order, nrows = _sparse_rows(sp, what)
+    return tf.RaggedTensor.from_value_rowids(tf.gather(sp.values, order), rows, nrows=nrows, validate=False), order
+
+
 def _as_ragged(x, what: str) -> tf.RaggedTensor:
     if isinstance(x, tf.RaggedTensor):
         rt = x
     elif isinstance(x, tf.SparseTensor):
-        if x.shape.rank is not None and x.shape.rank != 2:
-            raise ValueError(f"{what}: a SparseTensor of ids must be [batch, max_ids], got rank {x.shape.rank}")
-        rt = tf.RaggedTensor.from_sparse(x)
+        rt = _sparse_to_ragged(x, what)[0]
     else:
         t = tf.convert_to_tensor(x)
         if t.shape.rank == 1:
@@ -42,6 +74,19 @@ def _same_rows(id_splits, weight_splits, feature: str):
     same = tf.logical_and(tf.equal(tf.size(a), tf.size(b)), tf.reduce_all(tf.equal(a[:m], b[:m])))
     return tf.debugging.Assert(same, [f"lookup_sparse feature {feature}: the rows (row_splits) of the weights differ "
                                       f"from those of the ids; give each row of ids its own row of weights"])
+
+
+def _sparse_weights(ids: tf.SparseTensor, w: tf.SparseTensor, order: tf.Tensor, feature: str):
+    """SparseTensor weights of SparseTensor ids: the same indices, entry by entry (as TensorFlow's
+    lookup assumes; here an InvalidArgumentError otherwise), put in the ids' row-major order."""
+    same = tf.logical_and(tf.equal(tf.shape(w.indices)[0], tf.shape(ids.indices)[0]),
+                          tf.reduce_all(tf.equal(tf.shape(w.indices), tf.shape(ids.indices))))
+    same = tf.cond(same, lambda: tf.reduce_all(tf.equal(tf.cast(w.indices, tf.int64),
+                                                        tf.cast(ids.indices, tf.int64))), lambda: False)
+    check = tf.debugging.Assert(same, [f"lookup_sparse feature {feature}: the weights SparseTensor indices differ "
+                                       f"from those of the ids; give each id its weight at the same index"])
+    with tf.control_dependencies([check]):
+        return tf.cast(tf.gather(w.values, order), tf.float32)
 
 
 def _listify(x):
@@ -120,7 +165,14 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
         check_combiner(comb[f], f"lookup_sparse feature {names[f]!r}")
 
     with tf.name_scope(name or "sok_lookup_sparse"):
-        ragged = [_as_ragged(x, f"lookup_sparse feature {names[f]!r}") for f, x in enumerate(ids_list)]
+        ragged, sparse_order = [], {}   # SparseTensor ids: the order their entries take
+        for f, x in enumerate(ids_list):
+            if isinstance(x, tf.SparseTensor):
+                rt, sparse_order[f] = _sparse_to_ragged(x, f"lookup_sparse feature {names[f]}")  # no quotes: graph
+                # assertions print their strings with quotes escaped
+                ragged.append(rt)
+            else:
+                ragged.append(_as_ragged(x, f"lookup_sparse feature {names[f]!r}"))
         id_dtype = tf.int64 if any(r.dtype == tf.int64 for r in ragged) else tf.int32
         for f, r in enumerate(ragged):
             if r.dtype not in (tf.int32, tf.int64):
@@ -133,6 +185,10 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
                 weights.append(tf.zeros([0], tf.float32))
                 weighted.append(False)
             else:
+                if isinstance(w, tf.SparseTensor) and isinstance(ids_list[f], tf.SparseTensor):
+                    weights.append(_sparse_weights(ids_list[f], w, sparse_order[f], names[f]))
+                    weighted.append(True)
+                    continue
                 wr = _as_ragged(w, f"lookup_sparse weights of feature {names[f]!r}")
                 with tf.control_dependencies([_same_rows(ragged[f].row_splits, wr.row_splits, names[f])]):
                     weights.append(tf.cast(tf.identity(wr.values), tf.float32))

@@ -1,0 +1,142 @@
+"""Where a model.fit step of the DLRM example spends its time: TensorFlow's profiler over a few
+executions of cached batches, read back from its trace (no TensorBoard needed).
+
+Prints, per step: wall time, the time the GPU is busy (union of its kernels and copies), and so
+the time it waits for the host; the kernels taking most GPU time, grouped as tf_sok's or
+TensorFlow's/Keras'; and the same model's dense part alone (its embeddings replaced by a cached
+input of the same shape), which is what Keras and TensorFlow cost without tf_sok.
+
+    python benchmarks/fit_profile.py [--batch 65536] [--spe 10] [--executions 3]
+"""
+import argparse
+import collections
+import glob
+import os
+import sys
+import tempfile
+import time
+
+import keras
+import tensorflow as tf
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+import tf_sok as sok  # noqa: E402
+import tf_sok.data as sd  # noqa: E402
+
+OURS = ("TfSok", "tf_sok", "impl::gpu")   # kernel / op names of tf_sok
+
+
+def busy_intervals(plane):
+    """[(start_ps, end_ps)] of every event on a device plane's lines, merged."""
+    spans = []
+    for line in plane.lines:
+        base = line.timestamp_ns * 1000
+        for ev in line.events:
+            spans.append((base + ev.offset_ps, base + ev.offset_ps + ev.duration_ps))
+    spans.sort()
+    merged = []
+    for s, e in spans:
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return merged
+
+
+def read_trace(logdir):
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    path = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True))[-1]
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    return space
+
+
+def summarize(space, steps, wall_s):
+    gpu = [p for p in space.planes if p.name.startswith("/device:GPU")]
+    print(f"  wall {wall_s / steps * 1e3:8.2f} ms per step profiled")
+    if not gpu:
+        print("  (no GPU plane in the trace: CPU only)")
+        return
+    plane = gpu[0]
+    merged = busy_intervals(plane)
+    busy = sum(e - s for s, e in merged) / 1e9 / steps
+    print(f"  GPU busy {busy:8.2f} ms per step ({busy / (wall_s / steps * 1e3):.0%} of wall); "
+          f"waiting for the host {wall_s / steps * 1e3 - busy:.2f} ms")
+    names = {k: v.name for k, v in plane.event_metadata.items()}
+    total = collections.Counter()
+    for line in plane.lines:
+        for ev in line.events:
+            total[names.get(ev.metadata_id, "?")] += ev.duration_ps
+    ours = sum(v for k, v in total.items() if any(o in k for o in OURS))
+    print(f"  kernel time per step: tf_sok {ours / 1e9 / steps:.2f} ms, "
+          f"others {(sum(total.values()) - ours) / 1e9 / steps:.2f} ms; the largest:")
+    for name, ps in total.most_common(12):
+        print(f"    {ps / 1e9 / steps:7.3f} ms  {name[:110]}")
+
+
+def profiled_fit(model, ds, spe, executions):
+    model.fit(ds, epochs=1, steps_per_epoch=2 * spe, verbose=0)          # trace + warm up
+    logdir = tempfile.mkdtemp(prefix="fit_profile_")
+    steps = executions * spe
+    t0 = time.perf_counter()
+    model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0)
+    print(f"  wall {(time.perf_counter() - t0) / steps * 1e3:8.2f} ms per step without the profiler")
+    tf.profiler.experimental.start(logdir)
+    t0 = time.perf_counter()
+    model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0)
+    wall = time.perf_counter() - t0
+    tf.profiler.experimental.stop()
+    return read_trace(logdir), steps, wall
+
+
+class DenseTwin(keras.Model):
+    """The DLRM's dense part with its embeddings as an input: what Keras and TensorFlow cost."""
+
+    def __init__(self, dlrm):
+        super().__init__()
+        self.bottom, self.top, self.pairs = dlrm.bottom, dlrm.top, dlrm.pairs
+
+    def call(self, x):
+        b = self.bottom(x["dense"])
+        stack = tf.concat([b[:, None, :], x["emb"]], axis=1)
+        dots = tf.matmul(stack, stack, transpose_b=True)
+        inter = tf.transpose(tf.gather_nd(tf.transpose(dots, [1, 2, 0]), self.pairs))
+        return self.top(tf.concat([b, inter], axis=1))
+
+
+def main():
+    import dlrm
+    from criteo_common import default_optimizer
+
+    gpu = bool(tf.config.list_physical_devices("GPU"))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=65536 if gpu else 4096)
+    p.add_argument("--dim", type=int, default=128 if gpu else 16)
+    p.add_argument("--max-vocab", type=int, default=10_000_000 if gpu else 100_000)
+    p.add_argument("--spe", type=int, default=10)
+    p.add_argument("--executions", type=int, default=3)
+    a = p.parse_args()
+    sok.init()
+    schema = sd.CriteoSchema.capped(a.max_vocab)
+    model = dlrm.DLRM(schema, a.dim)
+    model.compile(optimizer=default_optimizer(), loss="binary_crossentropy", steps_per_execution=a.spe)
+    ds = sd.for_keras(sd.synthetic(10**9, a.batch, sd.SyntheticConfig(schema=schema))).take(4).cache().repeat()
+    print(f"fit_profile: DLRM, 26 tables of dim {a.dim} (at most {a.max_vocab:,} rows), batch {a.batch}, "
+          f"steps_per_execution {a.spe}, {a.executions} executions profiled")
+    print("1. the whole model")
+    summarize(*profiled_fit(model, ds, a.spe, a.executions))
+
+    twin = DenseTwin(model)
+    twin.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy", steps_per_execution=a.spe)
+    x, y = next(iter(ds))
+    emb = tf.random.uniform([a.batch, len(schema.categorical_names), a.dim], -0.05, 0.05)
+    dense_ds = tf.data.Dataset.from_tensors(({"dense": x["dense"], "emb": emb}, y)).repeat()
+    print("2. its dense part alone (embeddings as a cached input): Keras' and TensorFlow's own cost")
+    summarize(*profiled_fit(twin, dense_ds, a.spe, a.executions))
+
+
+if __name__ == "__main__":
+    main()
