@@ -187,6 +187,8 @@ def fit_section(a, d):
 
 def main():
     gpu = bool(tf.config.list_physical_devices("GPU"))
+    for g in tf.config.list_physical_devices("GPU"):   # the fit runs are child processes: leave them the memory
+        tf.config.experimental.set_memory_growth(g, True)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=65536 if gpu else 4096)
     p.add_argument("--dim", type=int, default=128 if gpu else 16, help="the small DLRM's table width")
