@@ -93,16 +93,13 @@ class DLRM(keras.Model):
         self.top = keras.Sequential([keras.layers.Dense(64, activation="relu"),
                                      keras.layers.Dense(32, activation="relu"),
                                      keras.layers.Dense(1, activation="sigmoid")])
-        n = len(features) + 1
-        self.pairs = np.array([(i, j) for i in range(n) for j in range(i + 1, n)], np.int32)
+        self.interaction = sok.layers.DotInteraction()
 
     def call(self, x: Dict):
         b = self.bottom(x["dense"])
         emb = self.embeddings({k: x[k] for k in self.feature_names})
         stack = tf.stack([b] + [emb[k] for k in self.feature_names], axis=1)   # [batch, n, dim]
-        dots = tf.matmul(stack, stack, transpose_b=True)                       # [batch, n, n]
-        inter = tf.gather_nd(tf.transpose(dots, [1, 2, 0]), self.pairs)         # [pairs, batch]
-        return self.top(tf.concat([b, tf.transpose(inter)], axis=1))
+        return self.top(tf.concat([b, self.interaction(stack)], axis=1))
 
 
 def build_model(dense_lr: float = 1e-3, sparse_lr: float = 0.01) -> DLRM:

@@ -186,3 +186,24 @@ def test_mixed_precision_fit_trains_and_first_outputs_match_float32(rng, policy,
         assert emb.table.dtype == "float32" and not np.array_equal(emb.table.numpy(), before)
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("self_interaction", [False, True])
+def test_dot_interaction_matches_numpy_and_tensorflows_gather_gradient(rng, self_interaction):
+    n, dim = int(rng.integers(2, 9)), int(rng.integers(1, 17))
+    x = tf.constant(rng.standard_normal((33, n, dim)).astype(np.float32))
+    pairs = [(i, j) for i in range(n) for j in range(i if self_interaction else i + 1, n)]
+    layer = sok.layers.DotInteraction(self_interaction=self_interaction)
+    up = tf.constant(rng.standard_normal((33, len(pairs))).astype(np.float32))
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        got = layer(x)
+        dots = tf.matmul(x, x, transpose_b=True)
+        ref = tf.transpose(tf.gather_nd(tf.transpose(dots, [1, 2, 0]), pairs))   # TensorFlow's own pick
+        loss, ref_loss = tf.reduce_sum(got * up), tf.reduce_sum(ref * up)
+    xn = x.numpy().astype(np.float64)
+    want = np.stack([(xn[:, i] * xn[:, j]).sum(-1) for i, j in pairs], axis=1)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(tape.gradient(loss, x).numpy(), tape.gradient(ref_loss, x).numpy(), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"expects \[batch, n, dim\]"):
+        layer(tf.zeros([3, 4]))

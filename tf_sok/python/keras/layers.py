@@ -3,6 +3,7 @@ fused `sok.lookup_sparse` and placement comes from each table's mode."""
 from typing import Dict, Mapping, Optional, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_sok.python import context as context_lib
@@ -104,3 +105,37 @@ class EmbeddingCollection(keras.layers.Layer):
         outs = lookup_sparse([self.tables[self.feature_to_table[f]] for f in self.feature_names], ids, w,
                              combiners=self.combiners, feature_names=self.feature_names, dtype=self.compute_dtype)
         return dict(zip(self.feature_names, outs))   # in the compute dtype, as Embedding's
+
+
+class DotInteraction(keras.layers.Layer):
+    """DLRM's feature interaction: the pairwise dot products of [batch, n, dim] vectors (the
+    bottom MLP's output and the embeddings), each distinct pair once: [batch, n(n-1)/2], pairs
+    (i, j), i < j, in row-major order; with `self_interaction`, i <= j.
+
+    The products are picked from the [n, n] matrix of all dots by one matmul with a constant 0/1
+    matrix, so the backward pass is a matmul too: a `gather_nd` of the pairs has a scatter of
+    atomic adds as its gradient (on an H200, 25 of the 44 ms of a DLRM step at batch 65,536).
+
+    Example:
+        >>> inter = sok.layers.DotInteraction()(tf.stack([bottom] + embeddings, axis=1))
+    """
+
+    def __init__(self, self_interaction: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.self_interaction = bool(self_interaction)
+
+    def pairs(self, n: int):
+        return [(i, j) for i in range(n) for j in range(i if self.self_interaction else i + 1, n)]
+
+    def call(self, vectors):
+        if vectors.shape.rank != 3 or vectors.shape[1] is None:
+            raise ValueError(f"DotInteraction: expects [batch, n, dim] with n known, got {vectors.shape}")
+        n = int(vectors.shape[1])
+        pairs = self.pairs(n)
+        pick = np.zeros((n * n, len(pairs)), np.float32)
+        pick[[i * n + j for i, j in pairs], np.arange(len(pairs))] = 1.0
+        dots = tf.reshape(tf.matmul(vectors, vectors, transpose_b=True), [-1, n * n])
+        return tf.matmul(dots, tf.constant(pick, dots.dtype))
+
+    def get_config(self):
+        return {**super().get_config(), "self_interaction": self.self_interaction}
