@@ -5,6 +5,7 @@
     table = sok.Variable(shape=[100_000, 32], initializer="uniform")
     emb = sok.lookup_sparse([table], [ragged_ids], combiners=["mean"])
 """
+from tf_sok.python.checkpoint import restore
 from tf_sok.python.config import TableConfig
 from tf_sok.python.context import context, init
 from tf_sok.python.lookup import lookup_sparse
@@ -15,7 +16,7 @@ from tf_sok.python.variable import (ReplicaTable, Variable, broadcast_variables,
 __version__ = "0.1.0"
 
 __all__ = ["init", "context", "Variable", "ReplicaTable", "TableConfig", "lookup_sparse", "filter_variables",
-           "broadcast_variables", "local_shard", "table_meta", "build_info", "optimizers", "OptimizerWrapper", "layers", "keras"]
+           "broadcast_variables", "local_shard", "table_meta", "build_info", "restore", "optimizers", "OptimizerWrapper", "layers", "keras"]
 
 
 def __getattr__(name):

@@ -199,3 +199,42 @@ def test_invalid_sparse_tensors_are_rejected_naming_the_feature(rng, graph):
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"feature clicks: the weights SparseTensor indices differ"):
         run(ids, other)
     assert run(ids).shape == (4, 3)
+
+
+def _trained_model(rng, vocab, dim):
+    import keras
+
+    model = embedding_then_dense(sok.layers.Embedding(vocab, dim, name="items"), keras.layers.Dense(1))
+    model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.Adam(1e-2), sparse=sok.optimizers.Adam(0.05)),
+                  loss="mse")
+    lens = rng.integers(1, 3, 16)
+    x = tf.RaggedTensor.from_row_lengths(rng.integers(0, min(vocab, 40), int(lens.sum())), lens)
+    model.fit(tf.data.Dataset.from_tensors((x, tf.ones([16, 1]))).repeat(int(rng.integers(1, 4))), verbose=0)
+    return model
+
+
+def _state(model):
+    opt = model.optimizer
+    return [v.numpy().copy() for v in model.weights] + [int(opt.iterations), int(opt.sparse.iterations)]
+
+
+@pytest.mark.parametrize("other", [(60, 4), (40, 5)])
+def test_restore_is_all_or_nothing(rng, tmp_path, other):
+    """A checkpoint of another table size or width: sok.restore raises one ValueError naming the
+    table and both shapes and changes nothing (dense weights, tables, counters); a fitting one
+    restores every value."""
+    saved = _trained_model(rng, 40, 4)
+    path = tf.train.Checkpoint(model=saved, optimizer=saved.optimizer).save(str(tmp_path / "c"))
+    target = _trained_model(rng, *other)
+    before = _state(target)
+    with pytest.raises(ValueError, match=rf"table 'items'\): checkpoint \[40, 4\], model \[{other[0]}, {other[1]}\].*"
+                                         r"nothing was restored|nothing was restored.*table 'items'"):
+        sok.restore(tf.train.Checkpoint(model=target, optimizer=target.optimizer), path)
+    for a, b in zip(_state(target), before):
+        np.testing.assert_array_equal(a, b)
+    fitting = _trained_model(rng, 40, 4)
+    sok.restore(tf.train.Checkpoint(model=fitting, optimizer=fitting.optimizer), path).assert_existing_objects_matched()
+    for a, b in zip(_state(fitting), _state(saved)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="save_path is empty"):
+        sok.restore(tf.train.Checkpoint(model=fitting), None)
