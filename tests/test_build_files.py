@@ -41,4 +41,4 @@ def test_kernels_run_as_async_kernels_never_use_tensorflows_op_requires():
             wrapped += 1
             bad = re.findall(r"\bOP_REQUIRES(?:_OK)?\(\s*ctx\b", body)
             assert not bad, f"{path.name}: {name} uses {bad[0]}...) in a kernel Detached wraps"
-    assert wrapped >= 5
+    assert wrapped >= 4   # the collectives (the lookup gradient no longer waits: not wrapped)

@@ -22,6 +22,12 @@
 
 namespace tf_sok {
 namespace impl {
+
+// Embedding widths one planned exchange handles (its layout kernel keeps
+// per-width arrays); the Python side (comm/nccl.py MAX_WIDTHS) falls back to
+// the routed exchange above it.
+constexpr int kMaxExchangeWidths = 64;
+
 namespace key_exchange {
 
 struct Spec {

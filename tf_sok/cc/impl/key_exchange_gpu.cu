@@ -75,7 +75,7 @@ struct Layout {
   long long* sender_acc;  // [T]: running count of table t's keys from earlier senders
 };
 
-constexpr int kMaxGroups = 64;  // LayoutKernel's per-group arrays
+constexpr int kMaxGroups = kMaxExchangeWidths;  // LayoutKernel's per-group arrays
 
 // One thread, O(ranks x tables): cnt(s, p, t) = distinct keys of table t rank s
 // sends rank p, read from the all-gathered rows of width W.

@@ -24,7 +24,8 @@ def library_path() -> str:
 
 
 def build_info() -> dict:
-    """What the op library was built against: TensorFlow version and CUDA archs.
+    """What the op library was built against: TensorFlow version and CUDA archs, and the
+    constants its kernels use that the Python side must agree with (a test checks them).
 
     Example:
         >>> build_info()["tensorflow"]
@@ -34,10 +35,14 @@ def build_info() -> dict:
     so = ctypes.CDLL(library_path())
     so.TfSokBuiltTfVersion.restype = ctypes.c_char_p
     so.TfSokBuiltCudaArchs.restype = ctypes.c_char_p
+    so.TfSokConstant.restype = ctypes.c_longlong
+    so.TfSokConstant.argtypes = [ctypes.c_char_p]
     archs = so.TfSokBuiltCudaArchs().decode()
     return {"tensorflow": so.TfSokBuiltTfVersion().decode(),
             "cuda": bool(so.TfSokBuiltWithCuda()),
-            "cuda_archs": [a for a in archs.split(",") if a]}
+            "cuda_archs": [a for a in archs.split(",") if a],
+            "constants": {n: so.TfSokConstant(n.encode())
+                          for n in ("table_shift", "status_words", "max_exchange_widths")}}
 
 
 @functools.lru_cache(maxsize=None)
