@@ -1,0 +1,299 @@
+"""A seeded, bounded fuzzer over tf_sok's public calls: `lookup_sparse`, every sparse optimizer's
+`apply_gradients` and `sok.Variable`, eagerly and in `tf.function`.
+
+Each case is drawn from its seed alone. A valid case must give the independent reference's result
+(NumPy); a faulty one (an id out of range, negative or at the int64 extremes, corrupt row_splits
+built with validate=False, a SparseTensor index past its shape, mismatched weights, float ids or
+indices, a bad shape) must raise the documented error type, and after it every table and slot is
+bit-identical to before. `run_cases` runs cases in child processes, so a crash is counted (with
+its seed) instead of ending the run.
+
+    python -m tests.fuzz.fuzzer --cases 500 --first-seed 0        (one child's work; prints JSON)
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ERRORS = ("InvalidArgumentError", "ValueError", "TypeError")   # the documented error types
+OPTIMIZERS = {
+    "sgd": ("SGD", {}),
+    "momentum": ("Momentum", {"momentum": 0.8}),
+    "adagrad": ("Adagrad", {"initial_accumulator_value": 0.1, "epsilon": 1e-7}),
+    "adam": ("Adam", {"beta_1": 0.9, "beta_2": 0.99, "epsilon": 1e-7}),
+    "ftrl": ("Ftrl", {"learning_rate_power": -0.5, "initial_accumulator_value": 0.1,
+                      "l1_regularization_strength": 0.01, "l2_regularization_strength": 0.02,
+                      "l2_shrinkage_regularization_strength": 0.0}),
+    "rmsprop": ("RMSprop", {"rho": 0.9, "epsilon": 1e-7, "momentum": 0.0, "centered": False}),
+}
+LOOKUP_FAULTS = ("id_past_rows", "negative_id", "int64_max", "int64_min", "splits_decrease", "splits_start",
+                 "splits_end", "weights_count", "float_ids", "sparse_past_shape")
+APPLY_FAULTS = ("index_past_rows", "negative_index", "float_indices", "dense_wrong_shape")
+
+
+def np_lookup(table, lens, ids, weights, combiner):
+    out = np.zeros((len(lens), table.shape[1]))
+    pos = 0
+    for b, n in enumerate(lens):
+        w = np.ones(n) if weights is None else weights[pos:pos + n].astype(np.float64)
+        acc = (w[:, None] * table[ids[pos:pos + n]].astype(np.float64)).sum(0) if n else 0.0
+        denom = {"sum": 1.0, "mean": w.sum(), "sqrtn": np.sqrt((w * w).sum())}[combiner]
+        out[b] = acc / denom if denom != 0 else 0.0
+        pos += n
+    return out
+
+
+class Case:
+    """What one seed draws: kind, mode (eager / graph), fault (None: valid) and the arguments."""
+
+    def __init__(self, seed):
+        self.seed = seed
+        self.rng = rng = np.random.default_rng(seed)
+        self.kind = str(rng.choice(["lookup", "apply", "variable"], p=[0.5, 0.4, 0.1]))
+        self.graph = bool(rng.random() < 0.3)
+        faults = {"lookup": LOOKUP_FAULTS, "apply": APPLY_FAULTS, "variable": ("bad_shape",)}[self.kind]
+        self.fault = str(rng.choice(faults)) if rng.random() < 0.5 else None
+
+
+def _snapshot(variables):
+    return [v.numpy().copy() for v in variables]
+
+
+def _unchanged(before, variables):
+    return all(np.array_equal(a, b.numpy(), equal_nan=True) for a, b in zip(before, variables))
+
+
+def run_lookup(case, tf, sok):
+    rng = case.rng
+    rows, dim = int(rng.integers(1, 40)), int(rng.integers(1, 9))
+    table_np = rng.standard_normal((rows, dim)).astype(np.float32)
+    table = sok.Variable(table_np, name="fuzz")
+    F = int(rng.integers(1, 4))
+    feats = []
+    for _ in range(F):
+        batch = int(rng.integers(0, 12))
+        lens = rng.integers(0, 5, batch)
+        ids = rng.integers(0, rows, int(lens.sum())).astype(rng.choice([np.int32, np.int64]))
+        # positive weights: a row's weights summing to about zero would make float32 and float64
+        # means differ by more than any tolerance, which says nothing about the kernel
+        w = rng.uniform(0.1, 2, len(ids)).astype(np.float32) if rng.random() < 0.4 else None
+        if w is not None and len(w) and rng.random() < 0.1:
+            w[int(rng.integers(0, len(w)))] = rng.choice([np.nan, np.inf])
+        feats.append([lens, ids, w, str(rng.choice(["sum", "mean", "sqrtn"]))])
+    f = int(rng.integers(0, F))
+    lens, ids, w, _ = feats[f]
+    fault = case.fault
+    if fault and not len(ids):   # faults at an id need one: a batch of one row of one id
+        lens, ids = feats[f][0], feats[f][1] = np.array([1]), np.array([0], ids.dtype)
+        if w is not None:
+            w = feats[f][2] = np.ones(1, np.float32)
+    at = int(rng.integers(0, max(len(ids), 1)))
+    if fault == "id_past_rows":
+        ids = ids.astype(np.int64)
+        ids[at] = rows + int(rng.integers(0, 2**33))
+    elif fault == "negative_id":
+        ids[at] = -int(rng.integers(1, 2**30))
+    elif fault == "int64_max":
+        ids = ids.astype(np.int64)
+        ids[at] = np.iinfo(np.int64).max
+    elif fault == "int64_min":
+        ids = ids.astype(np.int64)
+        ids[at] = np.iinfo(np.int64).min
+    feats[f][1] = ids
+
+    def ragged(k):
+        lens_k, ids_k, w_k, _ = feats[k]
+        splits = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int64)
+        if k == f and fault in ("splits_decrease", "splits_start", "splits_end"):
+            if fault == "splits_start" or len(splits) < 3:
+                splits[0] = 1 if fault != "splits_end" else splits[0]
+            if fault == "splits_decrease" and len(splits) >= 3:
+                splits[1] = splits[2] + 1
+            if fault == "splits_end":
+                splits[-1] += 1
+        vals = ids_k.astype(np.float32) if (k == f and fault == "float_ids") else ids_k
+        rt = tf.RaggedTensor.from_row_splits(vals, splits, validate=False)
+        if k == f and fault == "sparse_past_shape":
+            sp = tf.RaggedTensor.from_row_splits(ids_k, splits).to_sparse()
+            idx = sp.indices.numpy().copy()
+            if len(idx):
+                idx[int(rng.integers(0, len(idx))), 0] = int(sp.dense_shape[0]) + int(rng.integers(0, 5))
+            return tf.SparseTensor(idx, sp.values, sp.dense_shape), w_k
+        wt = None
+        if w_k is not None:
+            wv = w_k[:-1] if (k == f and fault == "weights_count" and len(w_k)) else w_k
+            if k == f and fault == "weights_count" and not len(w_k):
+                wv = np.ones(1, np.float32)
+            wt = tf.RaggedTensor.from_row_lengths(wv, [len(wv)] if len(wv) != len(ids_k) else lens_k,
+                                                  validate=False)
+        elif k == f and fault == "weights_count":
+            wt = tf.RaggedTensor.from_row_lengths(np.ones(len(ids_k) + 1, np.float32), [len(ids_k) + 1])
+        return rt, wt
+
+    inputs = [ragged(k) for k in range(F)]
+    combiners = [x[3] for x in feats]
+
+    def call(*args):
+        return sok.lookup_sparse([table] * F, [a[0] for a in inputs], [a[1] for a in inputs], combiners=combiners)
+
+    before = _snapshot([table])
+    try:
+        outs = (tf.function(call) if case.graph else call)()
+        outs = [o.numpy() for o in outs]
+    except Exception as e:  # noqa: BLE001 (every exception is a verdict to check)
+        return _verdict(case, e, _unchanged(before, [table]))
+    if fault:
+        return "accepted_fault"
+    for k, o in enumerate(outs):
+        want = np_lookup(table_np, feats[k][0], feats[k][1].astype(np.int64), feats[k][2], combiners[k])
+        if o.shape != want.shape or not np.allclose(o, want, rtol=1e-4, atol=1e-4, equal_nan=True):
+            return "wrong_result"
+    return "ok"
+
+
+def run_apply(case, tf, sok):
+    from tests.python.optimizers.reference import NumpyOptimizer
+
+    rng = case.rng
+    name = str(rng.choice(list(OPTIMIZERS)))
+    cls, hp = OPTIMIZERS[name]
+    rows, dim = int(rng.integers(1, 30)), int(rng.integers(1, 9))
+    table_np = rng.standard_normal((rows, dim)).astype(np.float32)
+    table = sok.Variable(table_np, name="fuzz")
+    opt = getattr(sok.optimizers, cls)(0.05, **hp)
+    n = int(rng.integers(0, 20))
+    indices = rng.integers(0, rows, n)
+    values = rng.standard_normal((n, dim)).astype(np.float32)
+    fault = case.fault
+    if fault in ("index_past_rows", "negative_index", "float_indices") and n == 0:
+        n, indices, values = 1, np.zeros(1, np.int64), np.ones((1, dim), np.float32)
+    if fault == "index_past_rows":
+        indices[int(rng.integers(0, n))] = rows + int(rng.integers(0, 1000))
+    elif fault == "negative_index":
+        indices[int(rng.integers(0, n))] = -int(rng.integers(1, 1000))
+    if fault == "float_indices":
+        grad = tf.IndexedSlices(tf.constant(values), tf.constant(indices.astype(np.float32) + 0.5), [rows, dim])
+    elif fault == "dense_wrong_shape":
+        grad = tf.constant(rng.standard_normal((rows + 1, dim)).astype(np.float32))
+    else:
+        grad = tf.IndexedSlices(tf.constant(values), tf.constant(indices.astype(np.int64)), [rows, dim])
+    opt.apply_gradients([(tf.IndexedSlices(tf.zeros([0, dim]), tf.zeros([0], tf.int64), [rows, dim]), table)])
+    state = [table] + list(opt.slots(table))   # built by an update of no rows (it changes none)
+    before = _snapshot(state)
+    iterations = int(opt.iterations)
+    try:
+        if case.graph:
+            tf.function(lambda: opt.apply_gradients([(grad, table)]))()
+        else:
+            opt.apply_gradients([(grad, table)])
+    except Exception as e:  # noqa: BLE001
+        verdict = _verdict(case, e, _unchanged(before, state))
+        return verdict if int(opt.iterations) == iterations or verdict != "ok" else "counter_moved"
+    if fault:
+        return "accepted_fault"
+    ref = NumpyOptimizer(name, table_np, 0.05, **hp)
+    if n:
+        ref.apply(indices, values)
+    ok = np.allclose(table.numpy(), ref.w, rtol=2e-4, atol=2e-5)
+    return "ok" if ok and int(opt.iterations) == iterations + 1 else "wrong_result"
+
+
+def run_variable(case, tf, sok):
+    rng = case.rng
+    if case.fault:   # a non-positive, fractional or boolean row count or width (or both)
+        rows_opts, dim_opts = [-1, 0, 2.5, True, 10], [0, -3, 4.0, False, 3]
+        shape = [rows_opts[int(rng.integers(len(rows_opts)))], dim_opts[int(rng.integers(len(dim_opts)))]]
+        if shape == [10, 3]:
+            shape[1] = 0
+    else:
+        shape = [int(rng.integers(1, 50)), int(rng.integers(1, 9))]
+    try:
+        v = sok.Variable(shape=shape, name="fuzz")
+    except Exception as e:  # noqa: BLE001
+        return _verdict(case, e, True)
+    if case.fault:
+        return "accepted_fault"
+    return "ok" if list(v.shape) == shape else "wrong_result"
+
+
+def _verdict(case, error, unchanged):
+    if not case.fault:
+        return f"error_on_valid:{type(error).__name__}:{str(error)[:160]}"
+    if type(error).__name__ not in ERRORS:
+        return f"undocumented_error:{type(error).__name__}:{str(error)[:160]}"
+    return "ok" if unchanged else "state_changed"
+
+
+def run_one(seed, tf, sok):
+    case = Case(seed)
+    return case, {"lookup": run_lookup, "apply": run_apply, "variable": run_variable}[case.kind](case, tf, sok)
+
+
+def child(first, count, progress):
+    """Runs seeds first..first+count-1, appending each seed before running it to `progress` (so a
+    parent can name the case that crashed) and prints one JSON line of the verdicts."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    import tf_sok as sok
+
+    sok.init()
+    counts, failures = {}, []
+    with open(progress, "a") as log:
+        for seed in range(first, first + count):
+            log.write(f"{seed}\n")
+            log.flush()
+            case, verdict = run_one(seed, tf, sok)
+            key = f"{case.kind}/{'graph' if case.graph else 'eager'}/{case.fault or 'valid'}"
+            counts[key] = counts.get(key, 0) + 1
+            if verdict != "ok":
+                failures.append({"seed": seed, "case": key, "verdict": verdict})
+    print(json.dumps({"counts": counts, "failures": failures}))
+
+
+def run_cases(count, first_seed=0, per_child=400, device="cpu", time_limit=None):
+    """Runs `count` cases in child processes of `per_child` each; a child that dies counts its
+    current case as a crash and the run goes on after it. Returns {counts, failures, crashes}."""
+    import tempfile
+
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    total = {"counts": {}, "failures": [], "crashes": []}
+    seed, end, t0 = first_seed, first_seed + count, time.time()
+    while seed < end and (time_limit is None or time.time() - t0 < time_limit):
+        n = min(per_child, end - seed)
+        with tempfile.NamedTemporaryFile("r", suffix=".progress") as progress:
+            p = subprocess.run([sys.executable, "-m", "tests.fuzz.fuzzer", "--child", str(seed), str(n),
+                                progress.name], env=env, cwd=root, capture_output=True, text=True)
+            done = [int(x) for x in open(progress.name).read().split()]
+        if p.returncode == 0:
+            out = json.loads(p.stdout.strip().splitlines()[-1])
+            for k, v in out["counts"].items():
+                total["counts"][k] = total["counts"].get(k, 0) + v
+            total["failures"] += out["failures"]
+            seed += n
+        else:
+            crashed = done[-1] if done else seed
+            total["crashes"].append({"seed": crashed, "returncode": p.returncode, "stderr": p.stderr[-800:]})
+            seed = crashed + 1
+    total["cases"] = sum(total["counts"].values()) + len(total["crashes"])
+    return total
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--child", nargs=3, metavar=("FIRST", "COUNT", "PROGRESS"), help=argparse.SUPPRESS)
+    a, _ = p.parse_known_args()
+    if a.child:
+        child(int(a.child[0]), int(a.child[1]), a.child[2])
+
+
+if __name__ == "__main__":
+    main()
