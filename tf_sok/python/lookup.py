@@ -79,10 +79,9 @@ def _same_rows(id_splits, weight_splits, feature: str):
 def _sparse_weights(ids: tf.SparseTensor, w: tf.SparseTensor, order: tf.Tensor, feature: str):
     """SparseTensor weights of SparseTensor ids: the same indices, entry by entry (as TensorFlow's
     lookup assumes; here an InvalidArgumentError otherwise), put in the ids' row-major order."""
-    same = tf.logical_and(tf.equal(tf.shape(w.indices)[0], tf.shape(ids.indices)[0]),
-                          tf.reduce_all(tf.equal(tf.shape(w.indices), tf.shape(ids.indices))))
-    same = tf.cond(same, lambda: tf.reduce_all(tf.equal(tf.cast(w.indices, tf.int64),
-                                                        tf.cast(ids.indices, tf.int64))), lambda: False)
+    same = tf.cond(tf.reduce_all(tf.equal(tf.shape(w.indices), tf.shape(ids.indices))),   # same [n, rank]
+                   lambda: tf.reduce_all(tf.equal(tf.cast(w.indices, tf.int64), tf.cast(ids.indices, tf.int64))),
+                   lambda: False)
     check = tf.debugging.Assert(same, [f"lookup_sparse feature {feature}: the weights SparseTensor indices differ "
                                        f"from those of the ids; give each id its weight at the same index"])
     with tf.control_dependencies([check]):
