@@ -55,21 +55,23 @@ def make_files(d: str, a, schema, tfrecord: bool = True):
     tsv = os.path.join(d, "day.tsv")
     sd.write_criteo_tsv(tsv, rows, sd.SyntheticConfig(schema=schema), seed=1)
     t0 = time.perf_counter()
-    convert([tsv], os.path.join(d, "parquet"), "parquet", schema, rows_per_file=rows // 4 + 1)
+    per_file = -(-rows // a.files)
+    convert([tsv], os.path.join(d, "parquet"), "parquet", schema, rows_per_file=per_file)
     conv = rows / (time.perf_counter() - t0)
     if tfrecord:
-        convert([tsv], os.path.join(d, "tfrecord"), "tfrecord", schema, rows_per_file=rows // 4 + 1)
+        convert([tsv], os.path.join(d, "tfrecord"), "tfrecord", schema, rows_per_file=per_file)
     os.makedirs(os.path.join(d, "dcnv2"))
     cfg = sd.SyntheticConfig.dcnv2(schema)
-    for k in range(4):
-        sd.write_parquet(sd.raw_batches(rows // 4, a.batch, cfg, seed=10 + k),
+    for k in range(a.files):
+        sd.write_parquet(sd.raw_batches(rows // a.files, a.batch, cfg, seed=10 + k),
                          os.path.join(d, "dcnv2", f"part-{k}.parquet"), schema)
     return tsv, conv
 
 
 def readers_section(a, d, schema, tsv, conv_rate):
     cores = len(os.sched_getaffinity(0))
-    print(f"\n1. readers ({cores} cores, batch {a.batch}; rows/s pulled in a graph loop)")
+    print(f"\n1. readers ({cores} cores, batch {a.batch}, {a.file_rows:,} rows in {a.files} files; "
+          f"rows/s pulled in a graph loop)")
     print(f"  {'converter TSV -> Parquet':32s} {conv_rate:12,.0f} rows/s")
     out = {"cores": cores, "convert": conv_rate}
     steps = max(2, a.file_rows // a.batch)
@@ -139,13 +141,15 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
     import dlrm
     from criteo_common import default_optimizer
 
-    if name.endswith("-bf16"):  # Keras' mixed policy for the dense part
+    base, *options = name.split("-")   # e.g. DCNv2-bf16-xla
+    if "bf16" in options:  # Keras' mixed policy for the dense part
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    if name == "DLRM":
-        model, opt = dlrm.DLRM(schema, a.dim), default_optimizer()
+    jit = "xla" in options  # the dense part compiled by XLA
+    if base == "DLRM":
+        model, opt = dlrm.DLRM(schema, a.dim, jit_dense=jit), default_optimizer()
         cfg, files = sd.SyntheticConfig(schema=schema), os.path.join(d, "parquet")
     else:
-        model, opt = dcnv2.DCNv2(schema, a.dcnv2_dim), dcnv2.optimizer(0.005)()
+        model, opt = dcnv2.DCNv2(schema, a.dcnv2_dim, jit_dense=jit), dcnv2.optimizer(0.005)()
         cfg, files = sd.SyntheticConfig.dcnv2(schema), os.path.join(d, "dcnv2")
     model.compile(optimizer=opt, loss="binary_crossentropy", steps_per_execution=spe)
     synthetic = sd.for_keras(sd.synthetic(10**9, a.batch, cfg))
@@ -154,7 +158,7 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
     if tf.config.list_physical_devices("GPU"):
         sources["Parquet, prefetched to the GPU"] = sd.for_keras(
             sd.read_parquet(files, a.batch, drop_remainder=True).repeat(), device="/gpu:0")
-    row, text = {}, f"  {name:5s} spe {spe:2d}:"
+    row, text = {}, f"  {name:14s} spe {spe:2d}:"
     for src, ds in sources.items():
         try:
             row[src] = r = fit_rate(model, ds, a, spe)
@@ -194,14 +198,18 @@ def main():
     p.add_argument("--dim", type=int, default=128 if gpu else 16, help="the small DLRM's table width")
     p.add_argument("--dcnv2-dim", type=int, default=128 if gpu else 16)
     p.add_argument("--max-vocab", type=int, default=10_000_000 if gpu else 100_000)
-    p.add_argument("--file-rows", type=int, default=None, help="rows of the test TSV file (default: 8 batches, at least 262,144)")
+    p.add_argument("--file-rows", type=int, default=None,
+                   help="rows of the test TSV file (default: 8 batches, at least 262,144 and 2 batches per file)")
+    p.add_argument("--files", type=int, default=4, help="Parquet/TFRecord files the test rows are split into "
+                                                        "(the readers read one file per core at once)")
     p.add_argument("--steps", type=int, default=20 if gpu else 12, help="fit steps per measurement")
     p.add_argument("--spe", type=int, default=10, help="the recommended steps_per_execution")
     p.add_argument("--loop", type=int, default=10, help="embedding steps per call")
     p.add_argument("--sections", nargs="+", default=["readers", "embedding", "fit"],
                    choices=["readers", "embedding", "fit"])
     p.add_argument("--fit-runs", nargs="+", metavar="MODEL:SPE",
-                   help="the fit runs (default DLRM:1 DLRM:<spe> DCNv2:1 DCNv2:<spe> DCNv2-bf16:<spe>)")
+                   help="the fit runs (default DLRM:1 DLRM:<spe> DCNv2:1 DCNv2:<spe> DCNv2-bf16:<spe>); a model "
+                        "name may end in -bf16 (Keras mixed_bfloat16) and/or -xla (the dense part compiled by XLA)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--fit-one", nargs=2, metavar=("MODEL", "SPE"), help=argparse.SUPPRESS)
     p.add_argument("--data-dir", help=argparse.SUPPRESS)
@@ -211,7 +219,7 @@ def main():
         schema = sd.CriteoSchema.capped(a.max_vocab)
         print(json.dumps(fit_one(a, a.data_dir, schema, a.fit_one[0], int(a.fit_one[1]))))
         return
-    a.file_rows = a.file_rows or max(8 * a.batch, 1 << 18)
+    a.file_rows = a.file_rows or max(8 * a.batch, 1 << 18, 2 * a.files * a.batch)
     sok.init()
     schema = sd.CriteoSchema.capped(a.max_vocab)
     print(f"e2e_bench: {'GPU ' + tf.config.experimental.get_device_details(tf.config.list_physical_devices('GPU')[0]).get('device_name', '') if gpu else 'CPU only'}, "

@@ -2,7 +2,8 @@
 # The GPU work of a release, in the order a lease should spend its time: the GPU-marked
 # tests, then the end-to-end and kernel benchmarks. Run on the GPU machine from the repo
 # root with a CUDA build of the op library: bash benchmarks/gpu_suite.sh <part> [out_dir]
-#   part: tests | e2e-readers | e2e-fit [MODEL:SPE ...] | kernels | profile
+#   part: tests | e2e-readers [e2e_bench args] | e2e-fit [MODEL:SPE ...] | kernels | profile [args]
+#         | fuzz CASES MINUTES | soak MINUTES      (E2E_ARGS: more e2e_bench arguments for e2e-fit)
 set -uo pipefail
 part=$1
 out=${2:-out/gpu}
@@ -10,10 +11,13 @@ mkdir -p "$out"
 quiet() { grep -v -E "^(W|I|E)0000|WARNING: All log|retracing|UserWarning|self\._interrupted" ; }
 case $part in
   tests)       python3 -m pytest -q -m gpu tests 2>&1 | tail -40 | tee "$out/gpu_tests.txt" ;;
-  e2e-readers) python3 benchmarks/e2e_bench.py --sections readers embedding --json "$out/e2e_readers.json" 2>&1 | quiet | tee "$out/e2e_readers.txt" ;;
+  e2e-readers) shift 2; python3 benchmarks/e2e_bench.py --sections readers embedding "$@" --json "$out/e2e_readers.json" 2>&1 | quiet | tee -a "$out/e2e_readers.txt" ;;
   e2e-fit)     shift 2; runs=${*:+--fit-runs $*}
-               python3 benchmarks/e2e_bench.py --sections fit $runs --json "$out/e2e_fit.json" 2>&1 | quiet | tee -a "$out/e2e_fit.txt" ;;
+               python3 benchmarks/e2e_bench.py --sections fit ${E2E_ARGS:-} $runs --json "$out/e2e_fit.json" 2>&1 | quiet | tee -a "$out/e2e_fit.txt" ;;
   kernels)     python3 benchmarks/gpu_bench.py --sections train --json "$out/gpu_train.json" 2>&1 | quiet | tee "$out/gpu_train.txt" ;;
-  profile)     python3 benchmarks/fit_profile.py 2>&1 | quiet | tee "$out/fit_profile.txt" ;;
+  profile)     shift 2; python3 benchmarks/fit_profile.py "$@" 2>&1 | quiet | tee -a "$out/fit_profile.txt" ;;
+  fuzz)        python3 benchmarks/fuzz.py --device gpu --calls "$3" --minutes "$4" --jobs 4 --first-seed 300000 \
+                 --json "$out/fuzz_gpu.json" 2>&1 | quiet | tail -30 | tee "$out/fuzz_gpu.txt" ;;
+  soak)        python3 benchmarks/soak.py --minutes "$3" --out "$out/soak" 2>&1 | quiet | tee "$out/soak.txt" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

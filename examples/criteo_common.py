@@ -30,6 +30,8 @@ def parse_args(description, argv=None, dim=16, batch_size=2048, steps_per_execut
     p.add_argument("--dim", type=int, default=dim)
     p.add_argument("--steps-per-execution", type=int, default=steps_per_execution,
                    help="steps per model.fit call into TensorFlow (the fast setting; 1 for Keras' default)")
+    p.add_argument("--jit-dense", choices=["auto", "on", "off"], default="auto",
+                   help="compile the model's dense part with XLA (auto: on when a GPU is visible)")
     p.add_argument("--out", default=None, help="where plots and TensorBoard logs go (default out/<example>)")
     p.add_argument("--verbose", type=int, default=2)
     a = p.parse_args(argv)
@@ -38,6 +40,15 @@ def parse_args(description, argv=None, dim=16, batch_size=2048, steps_per_execut
     if a.steps < a.epochs:
         p.error(f"--steps ({a.steps}) must be at least --epochs ({a.epochs})")
     return a
+
+
+def jit_dense(a) -> bool:
+    """Whether the dense part is compiled by XLA (--jit-dense; auto: where a GPU is visible)."""
+    if a.jit_dense == "auto":
+        import tensorflow as tf
+
+        return bool(tf.config.list_physical_devices("GPU"))
+    return a.jit_dense == "on"
 
 
 def _format(a) -> str:

@@ -16,6 +16,7 @@ the converter's schema) so the tables fit the machine.
     python examples/dcnv2.py --data criteo_parquet/                              # the converter's output
 """
 import argparse
+import functools
 import sys
 
 import keras
@@ -23,7 +24,7 @@ import tensorflow as tf
 
 import tf_sok as sok
 import tf_sok.data as sd
-from criteo_common import parse_args, run
+from criteo_common import jit_dense, parse_args, run
 
 
 class LowRankCross(keras.layers.Layer):
@@ -50,8 +51,12 @@ def mlp(widths, last_activation="relu"):
 
 
 class DCNv2(keras.Model):
-    def __init__(self, schema, dim, cross_layers=3, cross_rank=512, **kwargs):
+    """`jit_dense`: the dense part (bottom MLP, cross layers, top MLP) compiled by XLA into a few
+    fused kernels; the fused lookup stays outside it (tf_sok's ops have no XLA kernels)."""
+
+    def __init__(self, schema, dim, cross_layers=3, cross_rank=512, jit_dense=False, **kwargs):
         super().__init__(**kwargs)
+        self.dim = dim
         self.names = list(schema.categorical_names)
         self.embeddings = sok.layers.EmbeddingCollection(
             tables=[sok.TableConfig(n, v, dim, combiner="sum",
@@ -61,14 +66,26 @@ class DCNv2(keras.Model):
         self.bottom = mlp((512, 256, dim))
         self.cross = [LowRankCross(cross_rank, name=f"cross_{i}") for i in range(cross_layers)]
         self.top = mlp((1024, 1024, 512, 256, 1), last_activation="sigmoid")
+        self.dense_part = tf.function(self._dense_part, jit_compile=True) if jit_dense else self._dense_part
 
-    def call(self, x):
-        emb = self.embeddings({k: x[k] for k in self.names})
-        x0 = tf.concat([self.bottom(x["dense"])] + [tf.cast(emb[k], self.compute_dtype) for k in self.names], axis=1)
+    def build(self, input_shape):
+        # the dense layers get their weights here, outside any compiled function
+        width = self.dim * (len(self.names) + 1)
+        self.bottom.build((None, input_shape["dense"][-1]))
+        for layer in self.cross:
+            layer.build((None, width))
+        self.top.build((None, width))
+
+    def _dense_part(self, dense, embs):
+        x0 = tf.concat([self.bottom(dense)] + [tf.cast(e, self.compute_dtype) for e in embs], axis=1)
         h = x0
         for layer in self.cross:
             h = layer(x0, h)
         return tf.cast(self.top(h), tf.float32)
+
+    def call(self, x):
+        emb = self.embeddings({k: x[k] for k in self.names})
+        return self.dense_part(x["dense"], [emb[k] for k in self.names])
 
 
 def optimizer(lr):
@@ -91,7 +108,8 @@ def main(argv=None):
     if extra.mixed_precision == "fp16":  # float16 needs loss scaling; bfloat16 does not
         base = opt
         opt = lambda: keras.optimizers.LossScaleOptimizer(base())  # noqa: E731
-    return run("dcnv2", DCNv2, a, optimizer=opt, synthetic_config=sd.SyntheticConfig.dcnv2)
+    return run("dcnv2", functools.partial(DCNv2, jit_dense=jit_dense(a)), a, optimizer=opt,
+               synthetic_config=sd.SyntheticConfig.dcnv2)
 
 
 if __name__ == "__main__":

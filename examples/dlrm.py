@@ -4,19 +4,23 @@
     python examples/dlrm.py --data examples/data/criteo_sample.tsv --format tsv --steps 100 --batch-size 256
     python examples/dlrm.py --data criteo_parquet/ --format parquet
 """
+import functools
+
 import keras
 import tensorflow as tf
 
 import tf_sok as sok
-from criteo_common import parse_args, run
+from criteo_common import jit_dense, parse_args, run
 
 
 class DLRM(keras.Model):
     """Bottom MLP on the 13 integer features, 26 embeddings in one fused lookup,
-    pairwise dot interaction, top MLP."""
+    pairwise dot interaction, top MLP. `jit_dense`: the dense part (both MLPs and the
+    interaction) compiled by XLA; the fused lookup stays outside it."""
 
-    def __init__(self, schema, dim, **kwargs):
+    def __init__(self, schema, dim, jit_dense=False, **kwargs):
         super().__init__(**kwargs)
+        self.dim = dim
         self.names = list(schema.categorical_names)
         self.embeddings = sok.layers.EmbeddingCollection(
             tables=[sok.TableConfig(n, v, dim, combiner="mean", initializer=keras.initializers.RandomUniform(-0.05, 0.05))
@@ -27,16 +31,26 @@ class DLRM(keras.Model):
         self.top = keras.Sequential([keras.layers.Dense(128, activation="relu"), keras.layers.Dense(64, activation="relu"),
                                      keras.layers.Dense(1, activation="sigmoid")])
         self.interaction = sok.layers.DotInteraction()
+        self.dense_part = tf.function(self._dense_part, jit_compile=True) if jit_dense else self._dense_part
 
-    def interact(self, b, embs):
-        """Bottom output b [batch, dim] and embeddings [batch, features, dim] -> the top MLP's input."""
-        return tf.concat([b, self.interaction(tf.concat([b[:, None, :], embs], axis=1))], axis=1)
+    def build(self, input_shape):
+        # the dense layers get their weights here, outside any compiled function
+        n = len(self.names) + 1
+        self.bottom.build((None, input_shape["dense"][-1]))
+        self.interaction.build((None, n, self.dim))
+        self.top.build((None, self.dim + n * (n - 1) // 2))
+
+    def _dense_part(self, dense, embs):
+        """Bottom MLP over the dense features, interaction with the embeddings, top MLP."""
+        b = self.bottom(dense)
+        stack = tf.concat([b[:, None, :], tf.stack(embs, axis=1)], axis=1)
+        return self.top(tf.concat([b, self.interaction(stack)], axis=1))
 
     def call(self, x):
-        b = self.bottom(x["dense"])
         emb = self.embeddings({k: x[k] for k in self.names})
-        return self.top(self.interact(b, tf.stack([emb[k] for k in self.names], axis=1)))
+        return self.dense_part(x["dense"], [emb[k] for k in self.names])
 
 
 if __name__ == "__main__":
-    run("dlrm", DLRM, parse_args(__doc__.splitlines()[0]))
+    args = parse_args(__doc__.splitlines()[0])
+    run("dlrm", functools.partial(DLRM, jit_dense=jit_dense(args)), args)

@@ -1,6 +1,7 @@
 """Multi-process behaviour through the real launcher (horovodrun, Gloo): N ranks
 must give what one process gives on the concatenated global batch."""
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -40,11 +41,12 @@ EXCHANGES = {"nccl": "NcclCommunicator", "framework": "HorovodCommunicator"} if 
     {"auto": "HorovodCommunicator"}
 
 
-def launch(n, args, timeout=600, exchange="auto"):
+def launch(n, args, timeout=600, exchange="auto", **env_vars):
     """horovodrun -np n over Gloo (as `python -m horovod.runner.launch`, same interpreter). Ranks use the CPU unless TF_SOK_TEST_HOROVOD_GPU=1, where
     each rank takes GPU local_rank (the two-GPU machine)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-               TF_CPP_MIN_LOG_LEVEL="2", TF_SOK_EXCHANGE=exchange)
+    env = {k: v for k, v in os.environ.items() if k != "TF_SOK_COLLECTIVE_TIMEOUT"}
+    env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               TF_CPP_MIN_LOG_LEVEL="2", TF_SOK_EXCHANGE=exchange, **env_vars)
     if os.environ.get("TF_SOK_TEST_HOROVOD_GPU") != "1":
         env["CUDA_VISIBLE_DEVICES"] = ""
     else:
@@ -175,3 +177,25 @@ def test_a_dead_rank_stops_the_job_in_bounded_time(tmp_path):
     assert p.returncode != 0
     assert "exit with status code 3" in p.stdout + p.stderr or "Exit code: 3" in p.stdout + p.stderr
     assert time.time() - t0 < 120
+
+
+@pytest.mark.parametrize("mode_seed,timeout", [(0, "5"), (1, "5"), (1, None)],
+                         ids=["eager", "function", "function-default-timeout"])
+def test_ranks_waiting_on_different_collectives_end_in_bounded_time(tmp_path, mode_seed, timeout):
+    """Rank 1 runs a lookup fewer and then an allreduce of its own: rank 0's watchdog ends it
+    after TF_SOK_COLLECTIVE_TIMEOUT (default 90 s) naming the collective, and horovodrun stops
+    the job."""
+    from tf_sok.python.comm.watchdog import DEFAULT_TIMEOUT_S, EXIT_CODE
+
+    limit = float(timeout or DEFAULT_TIMEOUT_S)
+    t0 = time.time()
+    p = launch(2, ["-m", "tests.horovod.worker", "rank_skips_lookup", str(mode_seed), str(tmp_path)],
+               timeout=limit + 120, **({"TF_SOK_COLLECTIVE_TIMEOUT": timeout} if timeout else {}))
+    elapsed = time.time() - t0
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert "the diverged step returned" not in out
+    assert re.search(r"tf_sok: Horovod allgather 'tf_sok\.check\.\d+' on rank 0 of 2 has waited \d+ s", out), \
+        out[-3000:]
+    assert f"Exit code: {EXIT_CODE}" in out or f"exit with status code {EXIT_CODE}" in out, out[-3000:]
+    assert elapsed < limit + 30, elapsed  # start-up and the first lookup included

@@ -190,6 +190,25 @@ def rank_dies(seed, out):
     sok.lookup_sparse(table, ids)
 
 
+def rank_skips_lookup(seed, out):
+    """Rank 1 runs one lookup fewer, then a collective of its own (eagerly or in a tf.function):
+    the ranks wait on different collectives until rank 0's collective watchdog ends the job."""
+    sok.init()
+    table = sok.Variable(shape=[10, 4], name="t")
+    ids = tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)
+    sok.lookup_sparse(table, ids)
+    mode = "function" if seed % 2 else "eager"
+
+    def step():
+        if hvd.rank() == 0:
+            return sok.lookup_sparse(table, ids)
+        return hvd.allreduce(tf.ones([3]), name="user_allreduce")
+
+    print(f"rank {hvd.rank()}: stepping ({mode})", flush=True)
+    (tf.function(step) if mode == "function" else step)()
+    print(f"rank {hvd.rank()}: the diverged step returned", flush=True)
+
+
 if __name__ == "__main__":
     scenario, seed, outdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     globals()[scenario](seed, os.path.join(outdir, f"{scenario}.rank{hvd.rank()}.npz"))

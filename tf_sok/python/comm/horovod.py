@@ -2,13 +2,16 @@
 import tensorflow as tf
 
 from tf_sok.python.comm.base import Communicator, check_reduction
+from tf_sok.python.comm.watchdog import watched
 
 
 class HorovodCommunicator(Communicator):
     """Wraps an initialised `horovod.tensorflow` (call `hvd.init()` first).
 
     Collectives are named by the caller so that every rank matches the same
-    operation whatever its graph looks like.
+    operation whatever its graph looks like, and each runs under the collective
+    watchdog (`tf_sok.python.comm.watchdog`): a rank left waiting by its peers ends
+    after TF_SOK_COLLECTIVE_TIMEOUT seconds, naming the collective.
     """
 
     def __init__(self, hvd=None):
@@ -26,19 +29,25 @@ class HorovodCommunicator(Communicator):
     def size(self) -> int:
         return self._hvd.size()
 
+    def _what(self, kind: str, name) -> str:
+        return f"Horovod {kind} {name!r} on rank {self.rank} of {self.size}"
+
     def alltoall(self, tensor, splits, name=None, recv_splits=None):
-        return self._hvd.alltoall(tensor, splits=tf.cast(splits, tf.int32), name=name, ignore_name_scope=True)
+        return watched(self._what("alltoall", name), lambda: self._hvd.alltoall(
+            tensor, splits=tf.cast(splits, tf.int32), name=name, ignore_name_scope=True), [tensor, splits])
 
     def allgather(self, tensor, name=None):
-        return self._hvd.allgather(tensor, name=name, ignore_name_scope=True)
+        return watched(self._what("allgather", name),
+                       lambda: self._hvd.allgather(tensor, name=name, ignore_name_scope=True), [tensor])
 
     def allreduce(self, tensors, op="mean", name=None):
         check_reduction(op)
         tensors = list(tensors)
         if not tensors:
             return []
-        return self._hvd.grouped_allreduce(tensors, op=self._hvd.Average if op == "mean" else self._hvd.Sum,
-                                           name=name)
+        return watched(self._what("allreduce", name), lambda: self._hvd.grouped_allreduce(
+            tensors, op=self._hvd.Average if op == "mean" else self._hvd.Sum, name=name), tensors)
 
     def broadcast(self, tensor, root=0, name=None):
-        return self._hvd.broadcast(tensor, root, name=name, ignore_name_scope=True)
+        return watched(self._what("broadcast", name),
+                       lambda: self._hvd.broadcast(tensor, root, name=name, ignore_name_scope=True), [tensor])
