@@ -55,3 +55,43 @@ def test_dcnv2_small_runs_and_learns(tmp_path):
     out = run([os.path.join(ROOT, "examples", "dcnv2.py"), "--steps", "60", "--batch-size", "512", "--dim", "16",
                "--max-vocab", "5000", "--out", str(tmp_path), "--verbose", "0"])
     assert held_out_auc(out) > 0.6, out
+
+
+@pytest.mark.parametrize("example", ["dlrm", "dcnv2"])
+def test_dense_part_under_xla_trains_as_the_plain_model(example):
+    """--jit-dense: the same weights give the same predictions and the same three training steps
+    as the model without XLA (XLA's fused float32 kernels may round differently: tolerance 1e-4)."""
+    import numpy as np
+    import keras
+    import tensorflow as tf
+
+    import tf_sok as sok
+    import tf_sok.data as sd
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    module = __import__(example)
+
+    sok.init()
+    schema = sd.CriteoSchema.capped(500)
+    kwargs = {"cross_rank": 8} if example == "dcnv2" else {}
+    cfg = (sd.SyntheticConfig.dcnv2 if example == "dcnv2" else sd.SyntheticConfig)(schema=schema)
+    batches = list(sd.for_keras(sd.synthetic(3 * 128, 128, cfg, seed=int(np.random.default_rng().integers(1 << 30)))))
+    models = []
+    for jit in (False, True):
+        model = getattr(module, "DCNv2" if example == "dcnv2" else "DLRM")(schema, 8, jit_dense=jit, **kwargs)
+        model(batches[0][0])
+        if models:
+            model.set_weights(models[0].get_weights())
+        # SGD: Adagrad's first steps from a zero accumulator take the sign of near-zero gradients,
+        # which float rounding may flip
+        model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.SGD(0.05), sparse=sok.optimizers.SGD(0.05)),
+                      loss="binary_crossentropy")
+        models.append(model)
+    plain, xla = models
+    np.testing.assert_allclose(xla.predict_on_batch(batches[0][0]), plain.predict_on_batch(batches[0][0]),
+                               rtol=1e-4, atol=1e-5)
+    for x, y in batches:
+        lp, lx = plain.train_on_batch(x, y), xla.train_on_batch(x, y)
+        np.testing.assert_allclose(lx, lp, rtol=1e-4)
+    for a, b in zip(xla.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
