@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sok.data as sd
+from tf_sok.python.data import columnar
 from tf_sok.python.data.convert import convert, main as convert_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -249,6 +250,26 @@ def test_parquet_matches_python_reference_over_files_and_row_groups(tmp_path, rn
     # several files at once, not in order: the same rows
     unordered = collect(sd.read_parquet(str(tmp_path), batch, SCHEMA, parallel_files=3, deterministic=False))
     assert_same(in_row_order(unordered), in_row_order(got))
+
+
+@pytest.mark.parametrize("multi_hot", [True, False])
+def test_parquet_pieces_of_one_file_give_its_whole_batches(tmp_path, rng, multi_hot):
+    """Fewer files than parallel readers: each file is read as several runs of row groups side by
+    side; between them they give every row once, in whole batches (the file's last one shorter)."""
+    n = int(rng.integers(150, 400))
+    want = _write_random_parquet(rng, str(tmp_path / "one.parquet"), n, SCHEMA, multi_hot)
+    batch, parallel = int(rng.integers(3, 50)), int(rng.integers(2, 6))
+    pieces = columnar._pieces([str(tmp_path / "one.parquet")], parallel, int(rng.integers(1, 100)))
+    assert len(pieces) > 1 and all(groups is not None for _, groups in pieces)
+    for deterministic in (True, False):
+        ds = sd.read_parquet(str(tmp_path), batch, SCHEMA, parallel_files=parallel, deterministic=deterministic,
+                             block_rows=int(rng.integers(1, 100)))
+        sizes = sorted(int(b[2].shape[0]) for b in ds)
+        assert sizes == sorted([batch] * (n // batch) + [n % batch][:n % batch]), (sizes, n, batch)
+        assert_same(in_row_order(collect(ds)), in_row_order(want))
+    dropped = [int(b[2].shape[0]) for b in sd.read_parquet(str(tmp_path), batch, SCHEMA, parallel_files=parallel,
+                                                           drop_remainder=True)]
+    assert dropped == [batch] * (n // batch)
 
 
 def in_row_order(batches):

@@ -121,8 +121,12 @@ def exact_blocks(tables: Iterator, block_rows: int) -> Iterator:
         yield pa.Table.from_batches(pending)
 
 
-def _parquet_blocks(path: str, block_rows: int, schema: CriteoSchema) -> Iterator:
-    """Yields blocks of exactly `block_rows` rows (the last one shorter) as flat NumPy arrays."""
+def _parquet_blocks(path: str, block_rows: int, schema: CriteoSchema, groups=None, batch_size: int = 1) -> Iterator:
+    """Yields blocks of exactly `block_rows` rows (the last one shorter) as flat NumPy arrays.
+
+    groups=(first, end): only the batches (of `batch_size` rows, counted from the file's start)
+    that start in those row groups, the last one completed from the next row group: pieces of
+    one file read side by side give the file's whole batches between them."""
     import pyarrow.parquet as pq
 
     f = pq.ParquetFile(path)
@@ -130,8 +134,60 @@ def _parquet_blocks(path: str, block_rows: int, schema: CriteoSchema) -> Iterato
     missing = [c for c in columns if c not in set(f.schema_arrow.names)]
     if missing:
         raise ValueError(f"Parquet file {path} lacks Criteo columns {missing}")
-    for table in exact_blocks(f.iter_batches(batch_size=block_rows, columns=columns, use_threads=True), block_rows):
+    if groups is None:
+        stream = f.iter_batches(batch_size=block_rows, columns=columns, use_threads=True)
+    else:
+        stream = _row_range(f, columns, groups, batch_size, block_rows)
+    for table in exact_blocks(stream, block_rows):
         yield arrow_block(table, schema, f"Parquet file {path}")
+
+
+def _row_range(f, columns, groups, batch_size: int, chunk: int) -> Iterator:
+    """Record batches of the rows [begin, end) of file `f` that row groups [first, end) own: from
+    the first batch boundary at or after their first row to the first one at or after their end."""
+    sizes = [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    first, last = groups
+    up = lambda r: min(-(-int(r) // batch_size) * batch_size, int(starts[-1]))  # noqa: E731
+    begin, end = up(starts[first]), up(starts[last])
+    if begin >= end:
+        return
+    g0 = int(np.searchsorted(starts, begin, side="right")) - 1
+    g1 = int(np.searchsorted(starts, end, side="left"))
+    for g in range(g0, g1):
+        lo, hi = max(begin, int(starts[g])) - int(starts[g]), min(end, int(starts[g + 1])) - int(starts[g])
+        # a group only partly needed (the last batch's head) is decoded in pieces of what is needed
+        size = chunk if hi == sizes[g] else min(chunk, hi)
+        for rb in f.iter_batches(batch_size=size, row_groups=[g], columns=columns, use_threads=True):
+            if lo >= rb.num_rows:
+                lo, hi = lo - rb.num_rows, hi - rb.num_rows
+                continue
+            yield rb.slice(lo, min(hi, rb.num_rows) - lo)
+            if hi <= rb.num_rows:
+                break
+            lo, hi = 0, hi - rb.num_rows
+
+
+def _pieces(files, parallel: int, rows: int):
+    """(path, row groups or None) to read side by side: whole files, or, when there are fewer
+    files than `parallel`, runs of row groups of about `rows` rows each (at least one group)."""
+    import pyarrow.parquet as pq
+
+    if len(files) >= parallel:
+        return [(p, None) for p in files]
+    out = []
+    for path in files:
+        md = pq.ParquetFile(path).metadata
+        sizes = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+        want = max(1, min(-(-parallel // len(files)), -(-sum(sizes) // max(rows, 1))))
+        target = -(-sum(sizes) // want)
+        first, acc = 0, 0
+        for g, n in enumerate(sizes):
+            acc += n
+            if acc >= target or g == len(sizes) - 1:
+                out.append((path, (first, g + 1)))
+                first, acc = g + 1, 0
+    return out
 
 
 def parallel_default(files) -> int:
@@ -146,9 +202,11 @@ def read_parquet(path_or_files, batch_size: int, schema: Optional[CriteoSchema] 
 
     `schema=None` reads with the schema the converter stored in the files; a given
     schema (the model's tables) must hold the stored vocabularies, else ValueError
-    names both sizes. `parallel_files` files (default: one per core) are read at
-    once (in order when `deterministic`); each file's last batch may be shorter
-    unless `drop_remainder`.
+    names both sizes. `parallel_files` pieces (default: one per core) are read at
+    once: whole files, or, with fewer files than that, runs of a file's row groups
+    (each piece gives the whole batches that start in it). Pieces are interleaved
+    batch by batch (in a fixed order when `deterministic`); each file's last batch
+    may be shorter unless `drop_remainder`.
 
     Example:
         >>> ds = sok.data.read_parquet("criteo_parquet/", batch_size=4096)
@@ -157,14 +215,17 @@ def read_parquet(path_or_files, batch_size: int, schema: Optional[CriteoSchema] 
     schema = _resolve_schema(files, "parquet", schema)
     rows = max(1, block_rows // batch_size) * batch_size
     sig = block_signature(schema)
+    parallel = parallel_files or max(1, os.cpu_count() or 1)
+    pieces = _pieces(files, parallel, rows)
 
-    def one(path):
+    def one(i):
         blocks = tf.data.Dataset.from_generator(
-            lambda p: _parquet_blocks(p.decode(), rows, schema), output_signature=sig, args=(path,))
+            lambda k: _parquet_blocks(pieces[k][0], rows, schema, pieces[k][1], batch_size),
+            output_signature=sig, args=(i,))
         return batched_blocks(blocks, batch_size, drop_remainder)
 
-    ds = tf.data.Dataset.from_tensor_slices(files).interleave(
-        one, cycle_length=min(parallel_files or parallel_default(files), len(files)),
+    ds = tf.data.Dataset.range(len(pieces)).interleave(
+        one, cycle_length=min(parallel, len(pieces)),
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
     return ds.prefetch(tf.data.AUTOTUNE)
 
