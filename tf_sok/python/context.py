@@ -68,19 +68,17 @@ def _detect_communicator() -> Communicator:
 
 def _with_exchange(comm: Communicator, exchange: str) -> Communicator:
     """`comm`, or an NcclCommunicator over it when the lookup's data should move by NCCL."""
-    from tf_sok.python.comm.horovod import HorovodCommunicator
     from tf_sok.python.comm.nccl import NcclCommunicator, NcclUnavailable
     from tf_sok.python.ops import collective_ops
 
-    if exchange == "framework" or isinstance(comm, NcclCommunicator):
+    if exchange == "framework" or comm.moves_data_by_nccl:
         return comm
     if exchange == "nccl":
         return NcclCommunicator(comm)
-    # auto: NCCL where every rank can use it — Horovod ranks with a GPU each (decided by all ranks
-    # together: a rank that chose alone could leave the others waiting) or a MirroredStrategy's replicas
-    # on GPUs of their own — the communicator's own collectives elsewhere
-    mirrored = getattr(comm, "kind", None) == "MirroredStrategy"
-    if (isinstance(comm, HorovodCommunicator) or mirrored) and comm.size > 1 and collective_ops.available():
+    # auto: NCCL where the ranks can use it (each says so: Horovod ranks with a GPU each — decided by all
+    # ranks together, since a rank that chose alone could leave the others waiting — or a
+    # MirroredStrategy's replicas on GPUs of their own); the communicator's own collectives elsewhere
+    if comm.nccl_ranks is not None and collective_ops.available():
         try:
             return NcclCommunicator(comm)
         except NcclUnavailable as e:  # every rank lands here alike

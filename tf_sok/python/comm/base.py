@@ -122,3 +122,25 @@ class Communicator(abc.ABC):
     def mirrors_dense_variables(self) -> bool:
         """True when the framework keeps dense variables identical on every rank itself."""
         return self.size == 1
+
+    # -- what the backend can do (the context picks the exchange by these, never by type) ----------
+    @property
+    def nccl_ranks(self) -> Optional[str]:
+        """Whether tf_sok's NCCL exchange can run over these ranks, and how they are laid out:
+        "process" (one rank per process, which has a GPU of its own), "replica" (this process's
+        replicas, one GPU each, in `device(rank)`), or None (it cannot)."""
+        return None
+
+    @property
+    def moves_data_by_nccl(self) -> bool:
+        """True when this communicator's all-to-alls are tf_sok's NCCL exchange already."""
+        return False
+
+    def device(self, rank: int) -> Optional[str]:
+        """The device of local rank `rank`, where the communicator places ranks (else None)."""
+        return None
+
+    @property
+    def strategy(self):
+        """The tf.distribute strategy whose replicas are the ranks, or None."""
+        return None

@@ -29,6 +29,10 @@ class HorovodCommunicator(Communicator):
     def size(self) -> int:
         return self._hvd.size()
 
+    @property
+    def nccl_ranks(self):
+        return "process" if self.size > 1 else None
+
     def _what(self, kind: str, name) -> str:
         return f"Horovod {kind} {name!r} on rank {self.rank} of {self.size}"
 

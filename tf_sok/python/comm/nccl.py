@@ -135,9 +135,9 @@ class NcclCommunicator(Communicator):
         self._boot = bootstrap
         self._device = device
         self._per_replica = bootstrap.per_replica_tables
-        if self._per_replica and getattr(bootstrap, "kind", None) != "MirroredStrategy":
+        if self._per_replica and bootstrap.nccl_ranks != "replica":
             raise ValueError(f"exchange='nccl' under tf.distribute needs MirroredStrategy (one process); under "
-                             f"{getattr(bootstrap, 'kind', type(bootstrap).__name__)} use exchange='framework'")
+                             f"{type(bootstrap.strategy).__name__} use exchange='framework'")
         ranks = tuple(bootstrap.local_ranks) if self._per_replica else (bootstrap.rank,)
         devices = tuple(bootstrap.device(r) for r in ranks) if self._per_replica else (device,)
         joined = (type(bootstrap).__name__, ranks, bootstrap.size, devices)
@@ -180,11 +180,16 @@ class NcclCommunicator(Communicator):
         return (f"NcclCommunicator(ranks {list(self._keys)} of {self.size} on {', '.join(devices)}, NCCL "
                 f"{self.version}, bootstrap {type(self._boot).__name__})")
 
-    def __getattr__(self, name):
-        # what only the wrapped communicator has (a strategy's `strategy`, `kind`, `device(rank)`)
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._boot, name)
+    @property
+    def moves_data_by_nccl(self) -> bool:
+        return True
+
+    @property
+    def strategy(self):
+        return self._boot.strategy
+
+    def device(self, rank: int):
+        return self._boot.device(rank) if self._per_replica else self._device
 
     @property
     def _key(self) -> int:

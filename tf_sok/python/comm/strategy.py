@@ -60,7 +60,7 @@ class StrategyCommunicator(Communicator):
 
     def __init__(self, strategy):
         self.kind = strategy_kind(strategy)
-        self.strategy = strategy
+        self._strategy = strategy
         self._devices = list(strategy.extended.worker_devices)
         replicas = strategy.num_replicas_in_sync
         if self.kind == _MIRRORED:
@@ -74,6 +74,16 @@ class StrategyCommunicator(Communicator):
         if self._local[-1] >= replicas:
             raise ValueError(f"tf_sok: this worker's replicas {self._local} exceed the {replicas} in sync; every "
                              f"worker must have the same number of devices")
+
+    @property
+    def strategy(self):
+        return self._strategy
+
+    @property
+    def nccl_ranks(self):
+        # MirroredStrategy: one process drives every replica's GPU; across workers TensorFlow's own
+        # collectives move the data
+        return "replica" if self.kind == _MIRRORED and self.size > 1 else None
 
     @property
     def size(self) -> int:
