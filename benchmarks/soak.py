@@ -102,6 +102,8 @@ def main(argv=None):
     from criteo_common import default_optimizer
 
     gpu = bool(tf.config.list_physical_devices("GPU"))
+    for g in tf.config.list_physical_devices("GPU"):   # take GPU memory as used (what is measured), not all
+        tf.config.experimental.set_memory_growth(g, True)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=60)
     p.add_argument("--every", type=float, default=None, help="seconds between samples (default: minutes)")
