@@ -176,7 +176,7 @@ class NcclCommunicator(Communicator):
         _log.info("tf_sok NCCL exchange: rank %d of %d on %s, NCCL %s", self.rank, self.size, device, self.version)
 
     def __repr__(self):
-        devices = [self._boot.device(r) for r in self._keys] if self._per_replica else [self._device]
+        devices = [self.device(r) for r in self._keys]
         return (f"NcclCommunicator(ranks {list(self._keys)} of {self.size} on {', '.join(devices)}, NCCL "
                 f"{self.version}, bootstrap {type(self._boot).__name__})")
 
@@ -199,7 +199,7 @@ class NcclCommunicator(Communicator):
     @property
     def _here(self) -> str:
         """The GPU of the rank being built."""
-        return self._boot.device(self.rank) if self._per_replica else self._device
+        return self.device(self.rank)
 
     def _framework(self) -> bool:
         """True where the wrapped communicator's collectives must move the data: eager
