@@ -32,6 +32,7 @@ class TableMeta:
     local_rows: int      # rows held by this rank
     rank: int = 0        # the rank holding this shard
     num_ranks: int = 1
+    dynamic: bool = False  # keyed by any int64 (sok.DynamicVariable): rows = max keys (0: unbounded)
 
 
 def table_meta(var) -> Optional[TableMeta]:

@@ -1,0 +1,315 @@
+#include "tf_sok/cc/impl/dynamic_index.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+
+namespace tf_sok {
+namespace impl {
+namespace {
+
+inline uint64_t Mix(uint64_t x) {  // splitmix64's finaliser
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+int64_t PowerOfTwoAtLeast(int64_t n) {
+  int64_t p = 8;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- KeyMap
+
+KeyMap::KeyMap(int64_t expected) {
+  const int64_t buckets = PowerOfTwoAtLeast(expected * 2);
+  key_.assign(buckets, 0);
+  value_.assign(buckets, 0);
+  used_.assign(buckets, 0);
+  mask_ = buckets - 1;
+}
+
+int64_t KeyMap::Position(int64_t key) const {
+  int64_t pos = static_cast<int64_t>(Mix(static_cast<uint64_t>(key)) & static_cast<uint64_t>(mask_));
+  while (used_[pos] && key_[pos] != key) pos = (pos + 1) & mask_;
+  return pos;
+}
+
+int64_t KeyMap::Get(int64_t key, int64_t missing) const {
+  const int64_t pos = Position(key);
+  return used_[pos] ? value_[pos] : missing;
+}
+
+void KeyMap::Grow() {
+  std::vector<int64_t> keys, values;
+  keys.reserve(count_);
+  values.reserve(count_);
+  ForEach([&](int64_t k, int64_t v) {
+    keys.push_back(k);
+    values.push_back(v);
+  });
+  const int64_t buckets = static_cast<int64_t>(used_.size()) * 2;
+  key_.assign(buckets, 0);
+  value_.assign(buckets, 0);
+  used_.assign(buckets, 0);
+  mask_ = buckets - 1;
+  count_ = 0;
+  for (size_t i = 0; i < keys.size(); ++i) Put(keys[i], values[i]);
+}
+
+void KeyMap::Put(int64_t key, int64_t value) {
+  int64_t pos = Position(key);
+  if (used_[pos]) {
+    value_[pos] = value;
+    return;
+  }
+  if ((count_ + 1) * 4 > static_cast<int64_t>(used_.size()) * 3) {  // load factor bound 0.75
+    Grow();
+    pos = Position(key);
+  }
+  used_[pos] = 1;
+  key_[pos] = key;
+  value_[pos] = value;
+  ++count_;
+}
+
+void KeyMap::Erase(int64_t key) {
+  int64_t hole = Position(key);
+  if (!used_[hole]) return;
+  // backward shift: move later members of the run into the hole when their home allows it
+  int64_t j = hole;
+  while (true) {
+    j = (j + 1) & mask_;
+    if (!used_[j]) break;
+    const int64_t home = static_cast<int64_t>(Mix(static_cast<uint64_t>(key_[j])) & static_cast<uint64_t>(mask_));
+    // j's entry may move to `hole` unless its home lies cyclically in (hole, j]
+    const bool stays = hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
+    if (stays) continue;
+    key_[hole] = key_[j];
+    value_[hole] = value_[j];
+    hole = j;
+  }
+  used_[hole] = 0;
+  --count_;
+}
+
+// ---------------------------------------------------------------- DynamicIndex
+
+DynamicIndex::DynamicIndex(const DynamicIndexConfig& config)
+    : config_(config), slot_of_key_(std::max<int64_t>(config.init_rows, 8)), candidates_(8) {
+  reserved_ = config_.min_frequency > 1 ? 1 : 0;
+  next_free_ = reserved_;
+  int64_t rows = std::max<int64_t>(config_.init_rows, reserved_ + 1);
+  if (config_.max_keys > 0) rows = std::min(rows, config_.max_keys + reserved_);
+  rows_ = 0;
+  EnsureRows(rows);
+}
+
+void DynamicIndex::EnsureRows(int64_t needed) {
+  if (needed <= rows_) return;
+  int64_t rows = std::max(needed, rows_ * 2);
+  if (config_.max_keys > 0) rows = std::max(needed, std::min(rows, config_.max_keys + reserved_));
+  slot_key_.resize(rows, 0);
+  score_.resize(rows, 0);
+  generation_.resize(rows, 0);
+  touched_.resize(rows, 0);
+  live_row_.resize(rows, 0);
+  rows_ = rows;
+}
+
+std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* ch) {
+  if (!insert) {
+    for (int64_t i = 0; i < n; ++i) slots[i] = slot_of_key_.Get(keys[i], -1);
+    ch->rows = rows_;
+    return "";
+  }
+  const int64_t call = ++call_;  // marks rows this call touched (a failed call's marks are never read)
+  // 1. found keys (their distinct rows) and distinct missing keys, in order of first sight
+  std::vector<int64_t> found_rows, missing;
+  KeyMap missing_index(std::min<int64_t>(n, 1 << 20));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = slot_of_key_.Get(keys[i], -1);
+    slots[i] = s;
+    if (s >= 0) {
+      if (touched_[s] != call) {
+        touched_[s] = call;
+        found_rows.push_back(s);
+      }
+    } else if (missing_index.Get(keys[i], -1) < 0) {
+      missing_index.Put(keys[i], static_cast<int64_t>(missing.size()));
+      missing.push_back(keys[i]);
+    }
+  }
+  // 2. admission (nothing written yet)
+  std::vector<uint8_t> admit(missing.size(), 1);
+  int64_t admitted = static_cast<int64_t>(missing.size());
+  if (config_.min_frequency > 1) {
+    admitted = 0;
+    for (size_t j = 0; j < missing.size(); ++j) {
+      admit[j] = candidates_.Get(missing[j], 0) + 1 >= config_.min_frequency;
+      admitted += admit[j];
+    }
+  }
+  // 3. room: evict the lowest-scored rows this call did not touch (score, then key, ascending)
+  std::vector<int64_t> victims;
+  if (config_.max_keys > 0 && live_ + admitted > config_.max_keys) {
+    const int64_t need = live_ + admitted - config_.max_keys;
+    if (config_.evict == Evict::kNone) {
+      return "is full: " + std::to_string(live_) + " of max_capacity " + std::to_string(config_.max_keys) +
+             " keys held and this batch brings " + std::to_string(admitted) +
+             " new ones; give evict_strategy (\"lru\" or \"lfu\") or a larger max_capacity";
+    }
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> candidates;  // (score, key, row)
+    candidates.reserve(live_);
+    for (int64_t s = reserved_; s < next_free_; ++s)
+      if (live_row_[s] && touched_[s] != call) candidates.emplace_back(score_[s], slot_key_[s], s);
+    if (static_cast<int64_t>(candidates.size()) < need) {
+      return "cannot hold this batch's keys: it uses " + std::to_string(found_rows.size() + admitted) +
+             " distinct keys and max_capacity is " + std::to_string(config_.max_keys);
+    }
+    std::nth_element(candidates.begin(), candidates.begin() + (need - 1), candidates.end());
+    std::sort(candidates.begin(), candidates.begin() + need);
+    for (int64_t v = 0; v < need; ++v) victims.push_back(std::get<2>(candidates[v]));
+  }
+  // 4. commit
+  ++clock_;
+  for (int64_t s : found_rows) score_[s] = config_.evict == Evict::kLfu ? score_[s] + 1 : clock_;
+  for (int64_t s : victims) {
+    ch->evicted_keys.push_back(slot_key_[s]);
+    ch->evicted_slots.push_back(s);
+    slot_of_key_.Erase(slot_key_[s]);
+    live_row_[s] = 0;
+    --live_;
+    free_.push_back(s);
+  }
+  std::vector<int64_t> slot_of_missing(missing.size(), 0);  // not admitted: row 0, which reads zeros
+  for (size_t j = 0; j < missing.size(); ++j) {
+    const int64_t key = missing[j];
+    if (!admit[j]) {
+      candidates_.Put(key, candidates_.Get(key, 0) + 1);
+      continue;
+    }
+    if (config_.min_frequency > 1) candidates_.Erase(key);
+    int64_t s;
+    if (!free_.empty()) {
+      s = free_.back();
+      free_.pop_back();
+    } else {
+      s = next_free_++;
+      EnsureRows(next_free_);
+    }
+    slot_of_key_.Put(key, s);
+    slot_key_[s] = key;
+    live_row_[s] = 1;
+    ++live_;
+    ++generation_[s];
+    score_[s] = config_.evict == Evict::kLfu ? 1 : clock_;
+    touched_[s] = call;
+    slot_of_missing[j] = s;
+    ch->new_slots.push_back(s);
+    ch->new_keys.push_back(key);
+  }
+  for (int64_t i = 0; i < n; ++i)
+    if (slots[i] < 0) slots[i] = slot_of_missing[missing_index.Get(keys[i], 0)];
+  ch->rows = rows_;
+  return "";
+}
+
+void DynamicIndex::Generations(const int64_t* slots, int64_t n, int64_t* out) const {
+  for (int64_t i = 0; i < n; ++i) out[i] = slots[i] >= 0 && slots[i] < rows_ ? generation_[slots[i]] : -1;
+}
+
+DynamicIndexSnapshot DynamicIndex::Export() const {
+  DynamicIndexSnapshot s;
+  for (int64_t r = reserved_; r < next_free_; ++r) {
+    if (!live_row_[r]) continue;
+    s.keys.push_back(slot_key_[r]);
+    s.slots.push_back(r);
+    s.scores.push_back(score_[r]);
+  }
+  s.generations.assign(generation_.begin(), generation_.begin() + next_free_);
+  candidates_.ForEach([&](int64_t k, int64_t c) {
+    s.candidate_keys.push_back(k);
+    s.candidate_counts.push_back(c);
+  });
+  s.clock = clock_;
+  s.rows = rows_;
+  s.next_free = next_free_;
+  return s;
+}
+
+std::string DynamicIndex::Import(const DynamicIndexSnapshot& s) {
+  const size_t n = s.keys.size();
+  if (s.slots.size() != n || s.scores.size() != n || s.candidate_keys.size() != s.candidate_counts.size())
+    return "the saved index is inconsistent (keys, rows and scores differ in length)";
+  if (s.next_free < reserved_ || s.rows < s.next_free || static_cast<int64_t>(s.generations.size()) != s.next_free)
+    return "the saved index is inconsistent (row counts); was it saved with another min_frequency?";
+  if (config_.max_keys > 0 && static_cast<int64_t>(n) > config_.max_keys)
+    return "the saved index holds " + std::to_string(n) + " keys, more than max_capacity " +
+           std::to_string(config_.max_keys);
+  DynamicIndexConfig config = config_;
+  config.init_rows = s.rows;
+  DynamicIndex fresh(config);
+  fresh.EnsureRows(s.rows);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t r = s.slots[i];
+    if (r < reserved_ || r >= s.next_free || fresh.live_row_[r])
+      return "the saved index is inconsistent (row " + std::to_string(r) + " out of range or repeated)";
+    if (fresh.slot_of_key_.Get(s.keys[i], -1) >= 0)
+      return "the saved index is inconsistent (key " + std::to_string(s.keys[i]) + " repeated)";
+    fresh.slot_of_key_.Put(s.keys[i], r);
+    fresh.slot_key_[r] = s.keys[i];
+    fresh.score_[r] = s.scores[i];
+    fresh.live_row_[r] = 1;
+  }
+  for (int64_t r = 0; r < s.next_free; ++r) fresh.generation_[r] = s.generations[r];
+  for (int64_t r = s.next_free - 1; r >= reserved_; --r)
+    if (!fresh.live_row_[r]) fresh.free_.push_back(r);
+  for (size_t i = 0; i < s.candidate_keys.size(); ++i) fresh.candidates_.Put(s.candidate_keys[i], s.candidate_counts[i]);
+  fresh.live_ = static_cast<int64_t>(n);
+  fresh.next_free_ = s.next_free;
+  fresh.clock_ = s.clock;
+  *this = std::move(fresh);
+  return "";
+}
+
+// ---------------------------------------------------------------- initial values
+
+void InitialRows(int kind, float a, float b, int64_t seed, const int64_t* keys, int64_t n, int64_t dim,
+                 float* out) {
+  const uint64_t base = Mix(static_cast<uint64_t>(seed) ^ 0x5DEECE66Dull);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t k = Mix(base ^ Mix(static_cast<uint64_t>(keys[i])));
+    for (int64_t c = 0; c < dim; ++c) {
+      float& v = out[i * dim + c];
+      if (kind == 3) {
+        v = a;
+        continue;
+      }
+      uint64_t x = Mix(k + static_cast<uint64_t>(c) * 0xD1B54A32D192ED03ull);
+      if (kind == 0) {
+        v = a + (b - a) * static_cast<float>(static_cast<double>(x >> 11) * 0x1.0p-53);
+        continue;
+      }
+      while (true) {  // Box-Muller; truncated: draw again until within 2 stddev
+        const double u1 = (static_cast<double>(x >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
+        x = Mix(x);
+        const double u2 = static_cast<double>(x >> 11) * 0x1.0p-53;
+        const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+        x = Mix(x);
+        if (kind == 1 || std::fabs(z) <= 2.0) {
+          v = static_cast<float>(a + b * z);
+          break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace impl
+}  // namespace tf_sok

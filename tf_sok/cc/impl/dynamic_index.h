@@ -1,0 +1,113 @@
+// The key -> row index of a dynamic (hash-keyed) table, on the host.
+//
+// A dynamic table keeps its values and every optimizer slot in row arrays, like a
+// static table; this index maps any int64 key to a row ("slot") of those arrays,
+// inserting missing keys, growing the arrays' row count by doubling, evicting by
+// score when a bounded table is full (LRU: the call that last touched the key;
+// LFU: the number of calls that touched it), and admitting a key only after it was
+// seen min_frequency times (until then it maps to row 0, which reads zeros).
+// Each insertion into a row bumps the row's generation, so per-row state kept
+// elsewhere (optimizer slots) can tell that its row now holds another key.
+//
+// Open addressing with linear probing and backward-shift deletion: every int64
+// is a valid key (emptiness is kept apart from the key). Not thread safe: the
+// caller holds a lock.
+#ifndef TF_SOK_CC_IMPL_DYNAMIC_INDEX_H_
+#define TF_SOK_CC_IMPL_DYNAMIC_INDEX_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tf_sok {
+namespace impl {
+
+enum class Evict : int { kNone = 0, kLru = 1, kLfu = 2 };
+
+struct DynamicIndexConfig {
+  int64_t init_rows = 1024;   // rows of the arrays at first (reserved row included)
+  int64_t max_keys = 0;       // at most this many keys; 0: unbounded
+  Evict evict = Evict::kNone;
+  int64_t min_frequency = 1;  // > 1: admission on; row 0 is reserved for keys not yet admitted
+};
+
+// What one Find call changed, for the caller to apply to the arrays.
+struct FindChanges {
+  std::vector<int64_t> new_slots, new_keys;          // rows that received a key (to initialise)
+  std::vector<int64_t> evicted_keys, evicted_slots;  // keys removed to make room, and their rows
+  int64_t rows = 0;                                  // the row count the arrays must have now
+};
+
+// A copy of the index, for checkpoints.
+struct DynamicIndexSnapshot {
+  std::vector<int64_t> keys, slots, scores;  // live keys
+  std::vector<int64_t> generations;          // per row, rows [0, next_free)
+  std::vector<int64_t> candidate_keys, candidate_counts;  // seen, not yet admitted
+  int64_t clock = 0, rows = 0, next_free = 0;
+};
+
+// An open-addressing map int64 -> int64 (linear probing, backward-shift deletion).
+class KeyMap {
+ public:
+  explicit KeyMap(int64_t expected = 8);
+  int64_t Get(int64_t key, int64_t missing) const;
+  void Put(int64_t key, int64_t value);  // inserts or overwrites
+  void Erase(int64_t key);               // no-op when absent
+  int64_t size() const { return count_; }
+  template <typename F>
+  void ForEach(F f) const {
+    for (size_t i = 0; i < used_.size(); ++i)
+      if (used_[i]) f(key_[i], value_[i]);
+  }
+
+ private:
+  int64_t Position(int64_t key) const;  // of key, or the empty bucket ending its run
+  void Grow();
+  std::vector<int64_t> key_, value_;
+  std::vector<uint8_t> used_;
+  int64_t mask_ = 0, count_ = 0;
+};
+
+class DynamicIndex {
+ public:
+  explicit DynamicIndex(const DynamicIndexConfig& config);
+
+  // Maps keys[0..n) to rows in `slots`. With insert, missing keys are admitted
+  // (or counted towards admission), inserted and touched, found keys touched;
+  // without, nothing changes and missing keys map to -1. Returns "" or an error
+  // message, in which case nothing changed.
+  std::string Find(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* changes);
+
+  void Generations(const int64_t* slots, int64_t n, int64_t* out) const;
+  int64_t size() const { return live_; }
+  int64_t rows() const { return rows_; }
+  int64_t reserved_rows() const { return reserved_; }
+
+  DynamicIndexSnapshot Export() const;
+  // Replaces the contents; "" or an error message (nothing changed then).
+  std::string Import(const DynamicIndexSnapshot& s);
+
+ private:
+  void EnsureRows(int64_t needed);
+
+  DynamicIndexConfig config_;
+  int64_t reserved_ = 0;
+  KeyMap slot_of_key_;
+  KeyMap candidates_;  // admission: times seen, for keys not admitted yet
+  // per row
+  std::vector<int64_t> slot_key_, score_, generation_, touched_;
+  std::vector<uint8_t> live_row_;
+  std::vector<int64_t> free_;
+  int64_t next_free_ = 0, rows_ = 0, live_ = 0, clock_ = 0, call_ = 0;
+};
+
+// Initial values of a dynamic table's rows, a function of (key, column, seed)
+// only, so ranks and restarts agree: kind 0 uniform [a, b), 1 normal (mean a,
+// stddev b), 2 truncated normal (within 2 stddev), 3 constant a.
+void InitialRows(int kind, float a, float b, int64_t seed, const int64_t* keys, int64_t n, int64_t dim,
+                 float* out);
+
+}  // namespace impl
+}  // namespace tf_sok
+
+#endif  // TF_SOK_CC_IMPL_DYNAMIC_INDEX_H_

@@ -1,0 +1,118 @@
+// The ops of dynamic (hash-keyed) tables: registration and shape functions only.
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tf_sok {
+
+using ::tensorflow::shape_inference::InferenceContext;
+
+REGISTER_OP("TfSokDynamicIndex")
+    .Output("handle: resource")
+    .Attr("container: string = ''")
+    .Attr("shared_name: string = ''")
+    .Attr("table_name: string")
+    .Attr("dim: int >= 1")
+    .Attr("init_rows: int >= 1")
+    .Attr("max_keys: int >= 0")
+    .Attr("evict: {'none', 'lru', 'lfu'}")
+    .Attr("min_frequency: int >= 1")
+    .Attr("initializer: {'uniform', 'normal', 'truncated_normal', 'constant'}")
+    .Attr("init_a: float")
+    .Attr("init_b: float")
+    .Attr("seed: int")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
+    .Doc(R"doc(
+The key -> row index of a dynamic table (host memory). init_rows: the value
+arrays' rows at first; max_keys: at most this many keys (0: unbounded), evicting
+by `evict` when full; min_frequency: a key is inserted on its min_frequency-th
+sighting (before: row 0, which reads zeros). A new key's row starts at
+`initializer` (uniform [a, b), normal / truncated_normal (mean a, stddev b),
+constant a), a function of the key and `seed` only.
+)doc");
+
+REGISTER_OP("TfSokDynamicFind")
+    .Input("index: resource")
+    .Input("keys: int64")
+    .Output("slots: int64")
+    .Output("new_slots: int64")
+    .Output("new_values: float")
+    .Output("evicted_keys: int64")
+    .Output("evicted_slots: int64")
+    .Output("rows: int64")
+    .Attr("insert: bool = true")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ::tensorflow::shape_inference::ShapeHandle keys;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &keys));
+      c->set_output(0, keys);
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      c->set_output(2, c->Matrix(c->UnknownDim(), c->UnknownDim()));
+      c->set_output(3, c->Vector(c->UnknownDim()));
+      c->set_output(4, c->Vector(c->UnknownDim()));
+      c->set_output(5, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Rows of `keys`. With insert: missing keys are admitted and inserted (evicting
+when full), every key's score touched; new_slots / new_values are the rows that
+received a key and their initial values, evicted_keys / evicted_slots what made
+room, rows the row count the arrays must have. Without: nothing changes and
+missing keys give -1. An error (a full table without eviction) changes nothing.
+)doc");
+
+REGISTER_OP("TfSokDynamicGenerations")
+    .Input("index: resource")
+    .Input("slots: int64")
+    .Output("generations: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(1));
+      return absl::OkStatus();
+    })
+    .Doc("How many keys each row has received: per-row state stamped with another count is stale.");
+
+REGISTER_OP("TfSokDynamicSize")
+    .Input("index: resource")
+    .Output("size: int64")
+    .Output("rows: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc("The number of keys held, and the row count of the arrays.");
+
+REGISTER_OP("TfSokDynamicExport")
+    .Input("index: resource")
+    .Output("keys: int64")
+    .Output("slots: int64")
+    .Output("scores: int64")
+    .Output("generations: int64")
+    .Output("candidate_keys: int64")
+    .Output("candidate_counts: int64")
+    .Output("counters: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      for (int i = 0; i < 6; ++i) c->set_output(i, c->Vector(c->UnknownDim()));
+      c->set_output(6, c->Vector(3));
+      return absl::OkStatus();
+    })
+    .Doc("The index's contents (keys by row), for checkpoints; counters: [clock, rows, next free row].");
+
+REGISTER_OP("TfSokDynamicImport")
+    .Input("index: resource")
+    .Input("keys: int64")
+    .Input("slots: int64")
+    .Input("scores: int64")
+    .Input("generations: int64")
+    .Input("candidate_keys: int64")
+    .Input("candidate_counts: int64")
+    .Input("counters: int64")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::NoOutputs)
+    .Doc("Replaces the index's contents with an export's (checked: an inconsistent one changes nothing).");
+
+}  // namespace tf_sok

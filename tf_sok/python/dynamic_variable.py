@@ -1,0 +1,354 @@
+"""`sok.DynamicVariable`: a table keyed by any int64 id (hashed ids, crossed features).
+
+Storage is the same as a static table's: the values, and every optimizer slot, are
+row arrays (`[rows, dim]` tf.Variables); a key -> row index (host memory, a
+TensorFlow resource) hands out rows. A key's first lookup inserts it at its initial
+value, a function of the key and the seed only (ranks and restarts agree). The
+arrays grow by doubling as keys arrive; with `max_capacity`, a full table evicts by
+score ("lru": the step that last touched a key, "lfu": how many steps touched it),
+the evicted key's value and optimizer state leaving together. With
+`min_frequency=k` a key is inserted on its k-th training lookup; before that it
+reads zeros and its gradient is dropped.
+
+The lookup, its gradient and the sparse optimizers see rows, as for a static
+table: gradients of a DynamicVariable are `tf.IndexedSlices` over rows of its
+value array (`sok.export` gives keys and values).
+"""
+import logging
+import numbers
+from typing import Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.trackable import resource as resource_lib
+
+from tf_sok.python import context as context_lib
+from tf_sok.python.ops.loader import ops
+from tf_sok.python.sharding import ShardingSpec
+from tf_sok.python.variable import TableMeta, attach_meta
+
+_log = logging.getLogger("tf_sok")
+
+# SOK / HierarchicalKV arguments that tune the GPU hash table's internals: accepted, not used here
+_TUNING_ARGS = ("max_hbm_for_vectors", "max_bucket_size", "max_load_factor", "block_size", "device_id", "io_by_cpu",
+                "use_constant_memory", "reserved_key_start_bit", "num_of_buckets_per_alloc", "kv_mode")
+_DEFAULT_INIT_ROWS = 8192
+_uid = [0]
+
+
+def _initializer_spec(initializer, name):
+    """(kind, a, b) of the index's per-key initializer from SOK's strings or a Keras initializer."""
+    if initializer is None or initializer == "":
+        initializer = "uniform"
+    if isinstance(initializer, str):
+        s = initializer.strip().lower()
+        if s in ("uniform", "random_uniform"):
+            return "uniform", -0.05, 0.05
+        if s in ("normal", "random", "random_normal"):
+            return "normal", 0.0, 0.05
+        if s == "truncated_normal":
+            return "truncated_normal", 0.0, 0.05
+        if s in ("zeros", "zero"):
+            return "constant", 0.0, 0.0
+        if s in ("ones", "one"):
+            return "constant", 1.0, 0.0
+        try:
+            return "constant", float(s), 0.0
+        except ValueError:
+            pass
+        initializer = keras.initializers.get(initializer)  # other Keras names ("glorot_uniform", ...) below
+    if isinstance(initializer, numbers.Real) and not isinstance(initializer, bool):
+        return "constant", float(initializer), 0.0
+    cfg = initializer.get_config() if hasattr(initializer, "get_config") else {}
+    kind = type(initializer).__name__
+    if kind == "Zeros":
+        return "constant", 0.0, 0.0
+    if kind == "Ones":
+        return "constant", 1.0, 0.0
+    if kind == "Constant":
+        return "constant", float(cfg["value"]), 0.0
+    if kind == "RandomUniform":
+        return "uniform", float(cfg["minval"]), float(cfg["maxval"])
+    if kind == "RandomNormal":
+        return "normal", float(cfg["mean"]), float(cfg["stddev"])
+    if kind == "TruncatedNormal":
+        return "truncated_normal", float(cfg["mean"]), float(cfg["stddev"])
+    raise TypeError(f"sok.DynamicVariable {name!r}: initializer {initializer!r} is not supported: a key's initial "
+                    f"value is drawn per key, so give \"uniform\", \"normal\"/\"random\", \"truncated_normal\", "
+                    f"\"zeros\", \"ones\", a number (or its string), or keras.initializers RandomUniform, "
+                    f"RandomNormal, TruncatedNormal, Constant, Zeros, Ones")
+
+
+def _count(name, what, value, minimum):
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"sok.DynamicVariable {name!r}: {what} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class _KeyIndex(resource_lib.TrackableResource):
+    """The key -> row index resource; checkpoints save its contents."""
+
+    def __init__(self, **attrs):
+        self._attrs = attrs
+        super().__init__(device="/CPU:0")
+
+    def _create_resource(self):
+        _uid[0] += 1
+        return ops().tf_sok_dynamic_index(shared_name=f"tf_sok_dynamic_{self._attrs['table_name']}_{_uid[0]}",
+                                          **self._attrs)
+
+    def _destroy_resource(self):
+        tf.raw_ops.DestroyResourceOp(resource=self.resource_handle, ignore_lookup_error=True)
+
+    def _serialize_to_tensors(self):
+        with tf.device("/CPU:0"):
+            parts = ops().tf_sok_dynamic_export(self.resource_handle)
+        return dict(zip(_EXPORT_PARTS, parts))
+
+    def _restore_from_tensors(self, restored_tensors):
+        with tf.device("/CPU:0"):
+            return ops().tf_sok_dynamic_import(self.resource_handle,
+                                               *[tf.cast(restored_tensors[k], tf.int64) for k in _EXPORT_PARTS])
+
+
+_EXPORT_PARTS = ("keys", "slots", "scores", "generations", "candidate_keys", "candidate_counts", "counters")
+
+
+def grow_rows(var, rows, fill: float = 0.0):
+    """Grows the row array `var` ([None, dim] tf.Variable) to `rows` rows (new rows at `fill`);
+    nothing when it has them already. Works eagerly and in a graph (a cond on host scalars)."""
+    have = tf.cast(resource_variable_ops.variable_shape(var.handle)[0], tf.int64)
+    rows = tf.cast(rows, tf.int64)
+
+    def grow():
+        value = var.read_value()
+        extra = tf.fill(tf.stack([rows - have, tf.cast(tf.shape(value)[1:], tf.int64)[0]] if value.shape.rank == 2
+                                 else tf.reshape(rows - have, [1])), tf.constant(fill, var.dtype))
+        with tf.control_dependencies([var.assign(tf.concat([value, extra], 0), read_value=False)]):
+            return tf.constant(True)
+
+    return tf.cond(rows > have, grow, lambda: tf.constant(False))
+
+
+class DynamicVariable(resource_variable_ops.ResourceVariable):
+    """An embedding table keyed by any int64 id (SOK 2.x's `sok.DynamicVariable`).
+
+    Example:
+        >>> v = sok.DynamicVariable(dimension=16, initializer="normal", max_capacity=1 << 20,
+        ...                         evict_strategy="lru")
+        >>> emb = sok.lookup_sparse([v], [tf.ragged.constant([[2**62, -7], [5]], tf.int64)], combiners=["sum"])
+        >>> keys, values = sok.export(v)
+
+    Args:
+      dimension: the embedding width.
+      initializer: a key's initial value: "uniform" ([-0.05, 0.05)), "normal" / "random"
+        (stddev 0.05), "truncated_normal", "zeros", "ones", a number or its string ("13"), or a Keras
+        RandomUniform / RandomNormal / TruncatedNormal / Constant / Zeros / Ones initializer.
+      var_type: "hbm" or "hybrid" (SOK's backends); both keep the index in host memory and the rows
+        where TensorFlow places the variable.
+      key_type: tf.int64 (int32 ids are cast).
+      dtype: tf.float32.
+      mode: "distributed" or "localized:k" (one process only, for now).
+      init_capacity: rows of the arrays at first (default 8192); they double as keys arrive.
+      max_capacity: at most this many keys (default: unbounded).
+      evict_strategy: "lru" or "lfu": how a full table makes room (default: no eviction, a full table
+        is an error naming it).
+      min_frequency: training lookups a key needs before it is inserted (default 1).
+      seed: the per-key initializer's seed.
+    Other SOK / HierarchicalKV arguments (max_hbm_for_vectors, max_bucket_size, ...) are accepted and
+    ignored, with a logged note.
+    """
+
+    def __init__(self, dimension, initializer=None, var_type=None, name=None, constraint=None, trainable=True,
+                 key_type=None, dtype=None, mode=None, init_capacity=None, max_capacity=None, evict_strategy=None,
+                 min_frequency=1, seed=0, **kwargs):
+        name = name or "sok_dynamic_variable"
+        dimension = _count(name, "dimension", dimension, 1)
+        unknown = sorted(set(kwargs) - set(_TUNING_ARGS))
+        if unknown:
+            raise TypeError(f"sok.DynamicVariable {name!r}: unexpected arguments {unknown}")
+        if kwargs:
+            _log.info("sok.DynamicVariable %r: %s only tune SOK's GPU hash table; ignored", name, sorted(kwargs))
+        if var_type not in (None, "hbm", "hybrid"):
+            raise ValueError(f"sok.DynamicVariable {name!r}: var_type must be \"hbm\" or \"hybrid\", got {var_type!r}")
+        key_type = tf.as_dtype(key_type or tf.int64)
+        if key_type not in (tf.int64, tf.int32):
+            raise TypeError(f"sok.DynamicVariable {name!r}: key_type must be tf.int64 or tf.int32, got {key_type}")
+        if tf.as_dtype(dtype or tf.float32) != tf.float32:
+            raise ValueError(f"sok.DynamicVariable {name!r}: only float32 tables are supported, got {dtype}")
+        if constraint is not None:
+            raise ValueError(f"sok.DynamicVariable {name!r}: constraints are not supported")
+        evict = evict_strategy.lower() if isinstance(evict_strategy, str) else evict_strategy
+        if evict not in (None, "lru", "lfu"):
+            raise ValueError(f"sok.DynamicVariable {name!r}: evict_strategy must be \"lru\" or \"lfu\", "
+                             f"got {evict_strategy!r}")
+        init_rows = _count(name, "init_capacity", init_capacity, 1) or _DEFAULT_INIT_ROWS
+        max_keys = _count(name, "max_capacity", max_capacity, 1) or 0
+        min_frequency = _count(name, "min_frequency", min_frequency, 1)
+        kind, a, b = _initializer_spec(initializer, name)
+        ctx = context_lib.context()
+        spec = ShardingSpec.parse(mode or "distributed")
+        if ctx.num_ranks > 1 or ctx.communicator.per_replica_tables:
+            raise NotImplementedError(f"sok.DynamicVariable {name!r}: dynamic tables run in one process for now "
+                                      f"(this job has {ctx.num_ranks} ranks); use sok.Variable tables across ranks")
+        reserved = 1 if min_frequency > 1 else 0
+        if max_keys:
+            init_rows = min(init_rows, max_keys + reserved)
+        init_rows = max(init_rows, reserved + 1)
+        self._index = _KeyIndex(table_name=name, dim=dimension, init_rows=init_rows, max_keys=max_keys,
+                                evict=evict or "none", min_frequency=min_frequency, initializer=kind, init_a=a,
+                                init_b=b, seed=int(seed))
+        with tf.init_scope():
+            super().__init__(initial_value=tf.zeros([init_rows, dimension]), shape=tf.TensorShape([None, dimension]),
+                             dtype=tf.float32, name=name, trainable=trainable)
+        self._track_trackable(self._index, name="tf_sok_index")
+        self._dimension = dimension
+        self._key_type = key_type
+        self._var_type = var_type or "hbm"
+        self._mode = mode
+        self._reserved = reserved
+        self.evict_strategy = evict
+        self.max_capacity = max_keys or None
+        self.min_frequency = min_frequency
+        attach_meta(self, TableMeta(name, max_keys, dimension, spec, max_keys, ctx.rank, ctx.num_ranks, dynamic=True))
+
+    def __repr__(self):
+        return (f"<sok.DynamicVariable {self._shared_name!r} dim={self._dimension} "
+                f"evict={self.evict_strategy} max_capacity={self.max_capacity}>")
+
+    # SOK's properties
+    @property
+    def dimension(self) -> int:
+        return self._dimension
+
+    @property
+    def key_type(self):
+        return self._key_type
+
+    @property
+    def handle_dtype(self):
+        return tf.float32
+
+    @property
+    def backend_type(self) -> str:
+        return self._var_type
+
+    @property
+    def mode(self):
+        return self._mode
+
+    @property
+    def table(self) -> TableMeta:
+        return self._tf_sok_table
+
+    @property
+    def size(self) -> tf.Tensor:
+        """[number of keys held, dimension] (int64), as SOK's."""
+        with tf.device("/CPU:0"):
+            keys, _ = ops().tf_sok_dynamic_size(self._index.resource_handle)
+        return tf.stack([keys, tf.constant(self._dimension, tf.int64)])
+
+    @property
+    def reserved_rows(self) -> int:
+        """1 with admission (row 0 reads zeros for keys not admitted yet), else 0."""
+        return self._reserved
+
+    def _keys(self, keys) -> tf.Tensor:
+        keys = tf.convert_to_tensor(keys)
+        if keys.dtype not in (tf.int32, tf.int64):
+            raise TypeError(f"sok.DynamicVariable {self.table.name!r}: keys must be int32 or int64, got "
+                            f"{keys.dtype.name}")
+        return tf.reshape(tf.cast(keys, tf.int64), [-1])
+
+    def rows_for(self, keys, insert: bool = True, with_evicted: bool = False):
+        """Rows of the value array holding `keys` (any shape; int32 / int64), inserting missing keys at
+        their initial value (insert=False: -1 for missing keys, nothing changes). with_evicted: also
+        (evicted keys, their values) — what made room for the new keys."""
+        keys = tf.convert_to_tensor(keys)
+        shape = tf.shape(keys)
+        flat = self._keys(keys)
+        with tf.device("/CPU:0"):
+            slots, new_slots, new_values, ev_keys, ev_slots, rows = ops().tf_sok_dynamic_find(
+                self._index.resource_handle, flat, insert=insert)
+        if not insert:
+            return tf.reshape(slots, shape)
+        grown = grow_rows(self, rows)
+        with tf.control_dependencies([grown]):
+            ev_values = self._base_gather(ev_slots) if with_evicted else None
+        deps = [ev_values] if with_evicted else [grown]
+        with tf.control_dependencies(deps):
+            written = self.scatter_update(tf.IndexedSlices(new_values, new_slots))
+        with tf.control_dependencies([written]):
+            slots = tf.reshape(tf.identity(slots), shape)
+        return (slots, ev_keys, ev_values) if with_evicted else slots
+
+    def _base_gather(self, rows):
+        return resource_variable_ops.ResourceVariable.sparse_read(self, rows)
+
+    def sparse_read(self, indices, name=None):
+        """The rows of keys `indices` (inserted when missing): what tf.gather / tf.nn.embedding_lookup call."""
+        return self._base_gather(self.rows_for(indices))
+
+    def generations(self, rows):
+        """How many keys each row has held (per-row state stamped with another count is stale)."""
+        with tf.device("/CPU:0"):
+            return ops().tf_sok_dynamic_generations(self._index.resource_handle, tf.cast(rows, tf.int64))
+
+    def array_rows(self):
+        """The row count the index wants the arrays to have (int64 scalar)."""
+        with tf.device("/CPU:0"):
+            return ops().tf_sok_dynamic_size(self._index.resource_handle)[1]
+
+    def after_update(self):
+        """After an optimizer update: row 0 of a table with admission reads zeros again."""
+        if not self._reserved:
+            return tf.no_op()
+        return self.scatter_update(tf.IndexedSlices(tf.zeros([1, self._dimension]), tf.constant([0], tf.int64)))
+
+    def export(self):
+        """(keys, values) of every key held (this process's shard)."""
+        with tf.device("/CPU:0"):
+            keys, rows = ops().tf_sok_dynamic_export(self._index.resource_handle)[:2]
+        return keys, self._base_gather(rows)
+
+    def assign_keys(self, keys, values):
+        """Inserts or overwrites `keys` with `values` ([n, dim])."""
+        values = tf.convert_to_tensor(values, tf.float32)
+        rows = self.rows_for(keys)
+        return self.scatter_update(tf.IndexedSlices(tf.reshape(values, [-1, self._dimension]),
+                                                    tf.reshape(rows, [-1])))
+
+
+def is_dynamic(var) -> bool:
+    from tf_sok.python.variable import backing_variable
+    return isinstance(backing_variable(var), DynamicVariable)
+
+
+def export(var):
+    """`(keys, values)` of a DynamicVariable (this rank's keys), as SOK's `sok.export`."""
+    return _dynamic(var, "sok.export").export()
+
+
+def assign(var, indices, values):
+    """Inserts or overwrites keys `indices` of a DynamicVariable with `values` (SOK's `sok.assign`)."""
+    return _dynamic(var, "sok.assign").assign_keys(indices, values)
+
+
+def sparse_read_and_evict(var, indices):
+    """(embeddings of `indices`, keys evicted to make room for them, their values) — SOK's
+    `sok.sparse_read_and_evict` on a bounded DynamicVariable."""
+    v = _dynamic(var, "sok.sparse_read_and_evict")
+    rows, ev_keys, ev_values = v.rows_for(indices, with_evicted=True)
+    return v._base_gather(rows), ev_keys, ev_values
+
+
+def _dynamic(var, what) -> DynamicVariable:
+    from tf_sok.python.variable import backing_variable
+    v = backing_variable(var)
+    if not isinstance(v, DynamicVariable):
+        raise TypeError(f"{what}: {getattr(var, 'name', var)!r} is not a sok.DynamicVariable")
+    return v
