@@ -8,6 +8,7 @@
 from tf_sok.python.checkpoint import restore
 from tf_sok.python.config import TableConfig
 from tf_sok.python.context import context, init
+from tf_sok.python.dynamic_variable import DynamicVariable, assign, export, sparse_read_and_evict
 from tf_sok.python.lookup import lookup_sparse
 from tf_sok.python.ops.loader import build_info
 from tf_sok.python.variable import (ReplicaTable, Variable, broadcast_variables, filter_variables, local_shard,
@@ -15,7 +16,7 @@ from tf_sok.python.variable import (ReplicaTable, Variable, broadcast_variables,
 
 __version__ = "0.1.0"
 
-__all__ = ["init", "context", "Variable", "ReplicaTable", "TableConfig", "lookup_sparse", "filter_variables",
+__all__ = ["init", "context", "Variable", "DynamicVariable", "export", "assign", "sparse_read_and_evict", "ReplicaTable", "TableConfig", "lookup_sparse", "filter_variables",
            "broadcast_variables", "local_shard", "table_meta", "build_info", "restore", "optimizers", "OptimizerWrapper", "layers", "keras"]
 
 

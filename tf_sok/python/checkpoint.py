@@ -30,7 +30,7 @@ def restore(checkpoint: tf.train.Checkpoint, save_path: str):
     saved = tf.train.load_checkpoint(save_path).get_variable_to_shape_map()
     bad = []
     for key, path, var in _variables_by_key(checkpoint):
-        if key not in saved or list(saved[key]) == list(var.shape):
+        if key not in saved or tf.TensorShape(var.shape).is_compatible_with(saved[key]):   # dynamic: [None, dim]
             continue
         meta = table_meta(var)
         what = f"{path} (table {meta.name!r})" if meta is not None else path

@@ -95,6 +95,8 @@ class _KeyIndex(resource_lib.TrackableResource):
     def __init__(self, **attrs):
         self._attrs = attrs
         super().__init__(device="/CPU:0")
+        with tf.init_scope():
+            self.resource_handle  # created now, eagerly: not inside the first function that uses it
 
     def _create_resource(self):
         _uid[0] += 1

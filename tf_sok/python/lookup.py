@@ -192,13 +192,15 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
                 with tf.control_dependencies([_same_rows(ragged[f].row_splits, wr.row_splits, names[f])]):
                     weights.append(tf.cast(tf.identity(wr.values), tf.float32))
                 weighted.append(True)
+        metas = [table_meta(t) for t in tables]
+        if any(m.dynamic for m in metas):
+            ids = _dynamic_rows(tables, metas, feature_table, ids)
         handles = []
         for t in tables:
             var = backing_variable(t)
             if var.trainable:
                 tape_lib.variable_accessed(var)  # lets GradientTape / Keras see the read
             handles.append(var.handle)
-        metas = [table_meta(t) for t in tables]
         if ctx.num_ranks > 1:
             outs = exchange.exchanged_lookup(
                 ctx.communicator, handles, metas, feature_table, [tf.cast(v, tf.int64) for v in ids], splits,
@@ -210,6 +212,22 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
                 handles, ids, splits, weights, feature_table=feature_table, combiners=comb, weighted=weighted,
                 dims=[m.dim for m in metas], feature_names=names, table_names=[m.name for m in metas], dtype=dtype)
     return outs if as_list else outs[0]
+
+
+def _dynamic_rows(tables, metas, feature_table, ids):
+    """The ids of features on dynamic tables replaced by the rows holding them (missing keys
+    inserted): one find per table over all its features' ids, so that keys of one feature never
+    evict those of another in the same step. Every feature's ids become int64."""
+    ids = [tf.cast(v, tf.int64) for v in ids]
+    for t, meta in enumerate(metas):
+        if not meta.dynamic:
+            continue
+        fs = [f for f, ft in enumerate(feature_table) if ft == t]
+        rows = backing_variable(tables[t]).rows_for(tf.concat([ids[f] for f in fs], 0) if len(fs) > 1 else ids[fs[0]])
+        parts = tf.split(rows, [tf.size(ids[f]) for f in fs]) if len(fs) > 1 else [rows]
+        for f, part in zip(fs, parts):
+            ids[f] = part
+    return ids
 
 
 def _outside_replicas(params_list, ids_list, names, as_list, dtype):

@@ -37,6 +37,38 @@ def finite_number(name: str, value) -> float:
     return value
 
 
+def _dynamic_slot(name, table, per_row, initial_value, dtype=tf.float32):
+    """State of a dynamic table: a tf.Variable of its current rows ([None] or [None, dim]) that
+    grows with it (`_fresh_dynamic_state`)."""
+    var = backing_variable(table)
+    with tf.init_scope(), tf.device(var.device):
+        rows = int(tf.shape(var)[0])
+        shape = [None] if per_row else [None, var.dimension]
+        value = tf.fill([rows] if per_row else [rows, var.dimension], tf.constant(initial_value, dtype))
+        return tf.Variable(value, shape=tf.TensorShape(shape), trainable=False, name=name)
+
+
+def _fresh_dynamic_state(table, rows, slots, fills, stamp):
+    """Before a dynamic table's update: its state arrays grown to the table's rows, and the state
+    of rows that now hold another key than when their state was written reset to its initial
+    value (the generation count of each row, kept by the table's index, tells)."""
+    from tf_sok.python.dynamic_variable import grow_rows
+
+    var = backing_variable(table)
+    want = var.array_rows()
+    grown = [grow_rows(s, want, f) for s, f in zip(slots, fills)] + [grow_rows(stamp, want, 0)]
+    with tf.control_dependencies(grown):
+        rows = tf.cast(rows, tf.int64)
+        gens = var.generations(rows)
+        stale = tf.not_equal(tf.gather(stamp, rows), gens)
+        stale_rows = tf.boolean_mask(rows, stale)
+    resets = [stamp.scatter_update(tf.IndexedSlices(tf.boolean_mask(gens, stale), stale_rows))]
+    for s, f in zip(slots, fills):
+        shape = tf.concat([tf.shape(stale_rows), tf.shape(s)[1:]], 0)
+        resets.append(s.scatter_update(tf.IndexedSlices(tf.fill(shape, tf.constant(f, s.dtype)), stale_rows)))
+    return resets
+
+
 def _check_learning_rate(value):
     """A number (finite, >= 0), a callable (a Keras LearningRateSchedule, a function) or a
     tf.Variable / tensor."""
@@ -104,6 +136,7 @@ class SparseOptimizer(tf.Module, abc.ABC):
                                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         self._slots: Dict[str, List] = {}       # checkpoint key -> the table's state
         self._slot_keys: Dict[object, str] = {}  # table variable ref -> its key in _slots
+        self._stamps: Dict[str, tf.Variable] = {}  # dynamic tables: per row, the key count its state is for
         self._slot_factory: SlotFactory = _tf_slot
 
     @abc.abstractmethod
@@ -144,8 +177,13 @@ class SparseOptimizer(tf.Module, abc.ABC):
             while key in self._slots:
                 key, n = f"{base}_{n}", n + 1
             self._slot_keys[ref] = key
-            rows, dim = backing_variable(var).shape.as_list()
             prefix = f"{meta.name}_replica{meta.rank}" if meta.num_ranks > 1 else meta.name
+            if meta.dynamic:   # row arrays that grow with the table, and the key count each row's state is for
+                self._slots[key] = [_dynamic_slot(f"{prefix}/{s.name}", var, s.per_row, s.initial_value)
+                                    for s in self.slot_specs()]
+                self._stamps[key] = _dynamic_slot(f"{prefix}/generation", var, True, 0, tf.int64)
+                continue
+            rows, dim = backing_variable(var).shape.as_list()
             self._slots[key] = [
                 self._slot_factory(f"{prefix}/{s.name}", [rows] if s.per_row else [rows, dim],
                                    s.initial_value, var)
@@ -185,19 +223,25 @@ class SparseOptimizer(tf.Module, abc.ABC):
             entry[2].append(tf.cast(values, tf.float32))
         if merged:
             tables, all_indices, all_values, dense, steps = [], [], [], [], []
+            prepared = []
             for var, idx, vals in merged.values():
                 tables.append(var)
                 all_indices.append(idx[0] if len(idx) == 1 else tf.concat([tf.cast(i, tf.int64) for i in idx], 0))
                 all_values.append(vals[0] if len(vals) == 1 else tf.concat(vals, 0))
                 slots = self.slots(var)
+                if table_meta(var).dynamic:
+                    prepared += _fresh_dynamic_state(var, all_indices[-1], slots, [s.initial_value for s in specs],
+                                                     self._stamps[self._key(var)])
                 dense += [s.handle for s, spec in zip(slots, specs) if not spec.per_row]
                 steps += [s.handle for s, spec in zip(slots, specs) if spec.per_row]
             kinds = [_lookup_rows(i) for i in all_indices]   # rows a tf_sok lookup gradient made
-            updated = optimizer_ops.sparse_apply(
-                [backing_variable(v).handle for v in tables], dense, steps, lr, all_indices, all_values,
-                algorithm=self.algorithm, table_names=[table_meta(v).name for v in tables],
-                indices_unique=all(k == "ascending" for k in kinds), checked=all(kinds), **self.hyper())
-            with tf.control_dependencies([updated] if updated is not None else []):
+            with tf.control_dependencies(prepared):
+                updated = optimizer_ops.sparse_apply(
+                    [backing_variable(v).handle for v in tables], dense, steps, lr, all_indices, all_values,
+                    algorithm=self.algorithm, table_names=[table_meta(v).name for v in tables],
+                    indices_unique=all(k == "ascending" for k in kinds), checked=all(kinds), **self.hyper())
+            after = [backing_variable(v).after_update() for v in tables if table_meta(v).dynamic]
+            with tf.control_dependencies(([updated] if updated is not None else []) + after):
                 self.iterations.assign_add(1)   # only once the update succeeded (a failed one leaves it)
             return
         self.iterations.assign_add(1)

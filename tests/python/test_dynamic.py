@@ -1,0 +1,299 @@
+"""sok.DynamicVariable against plain-Python references: a dict of keys, NumPy lookups and the NumPy
+optimizers, a Python model of eviction and admission. Keys are fresh random int64s, huge and
+negative ones included."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sok as sok
+from tests.helpers import np_lookup, to_ragged
+from tests.python.optimizers.reference import NumpyOptimizer
+from tests.python.optimizers.test_optimizers import CASES, _np_name
+
+EDGE_KEYS = np.array([2**63 - 1, -2**63, -1, 0, 1, 2**40, -2**40], np.int64)
+
+
+def random_keys(rng, n):
+    """n distinct int64 keys, the extremes among them."""
+    keys = set(EDGE_KEYS.tolist())
+    while len(keys) < n:
+        keys.update(rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64, endpoint=True).tolist())
+    return rng.permutation(np.array(sorted(keys)[:n], np.int64))
+
+
+def held(var):
+    keys, values = sok.export(var)
+    return dict(zip(keys.numpy().tolist(), values.numpy()))
+
+
+def test_new_keys_get_their_initial_value_whatever_the_order_or_table(rng):
+    keys = random_keys(rng, 300)
+    a = sok.DynamicVariable(8, initializer="uniform", seed=7, name="a")
+    b = sok.DynamicVariable(8, initializer="uniform", seed=7, init_capacity=3, name="b")
+    c = sok.DynamicVariable(8, initializer="uniform", seed=8, name="c")
+    va = tf.gather(a, keys).numpy()
+    vb = tf.gather(b, keys[::-1]).numpy()[::-1]
+    np.testing.assert_array_equal(va, vb)                       # a function of (key, seed) only
+    assert not np.array_equal(va, tf.gather(c, keys).numpy())   # the seed matters
+    assert va.min() >= -0.05 and va.max() < 0.05 and abs(va.mean()) < 0.005 and va.std() > 0.025
+    np.testing.assert_array_equal(tf.gather(a, keys).numpy(), va)  # found again, unchanged
+    assert a.size.numpy().tolist() == [300, 8]
+    normal = tf.gather(sok.DynamicVariable(16, initializer="normal", name="n"), keys).numpy()
+    assert abs(normal.mean()) < 0.004 and 0.045 < normal.std() < 0.055
+    const = sok.DynamicVariable(4, initializer="13", name="k")
+    np.testing.assert_array_equal(tf.gather(const, keys[:5]).numpy(), np.full((5, 4), 13.0, np.float32))
+    trunc = sok.DynamicVariable(16, initializer=tf.keras.initializers.TruncatedNormal(0.0, 0.1), name="t")
+    assert np.abs(tf.gather(trunc, keys).numpy()).max() <= 0.2 + 1e-6
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_fused_lookup_with_static_and_dynamic_tables_matches_numpy(rng, combiner):
+    keys = random_keys(rng, 60)
+    dim = 5
+    values = rng.standard_normal((len(keys), dim)).astype(np.float32)
+    dyn = sok.DynamicVariable(dim, initializer="zeros", init_capacity=8, name="dyn")
+    sok.assign(dyn, keys, values)
+    static = rng.standard_normal((30, dim)).astype(np.float32)
+    st = sok.Variable(static, name="static")
+    lens = [rng.integers(0, 4, 9) for _ in range(3)]
+    picks = [rng.integers(0, len(keys), int(lens[0].sum())), rng.integers(0, 30, int(lens[1].sum())),
+             rng.integers(0, len(keys), int(lens[2].sum()))]
+    ids = [to_ragged(lens[0], keys[picks[0]]), to_ragged(lens[1], picks[1].astype(np.int32)),
+           to_ragged(lens[2], keys[picks[2]])]
+    outs = tf.function(lambda *x: sok.lookup_sparse([dyn, st, dyn], list(x), combiners=combiner))(*ids)
+    refs = [np_lookup(values, lens[0], picks[0], None, combiner), np_lookup(static, lens[1], picks[1], None, combiner),
+            np_lookup(values, lens[2], picks[2], None, combiner)]
+    for o, r in zip(outs, refs):
+        np.testing.assert_allclose(o.numpy(), r, rtol=1e-5, atol=1e-6)
+    assert dyn.size.numpy()[0] == len(keys)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_optimizer_steps_match_numpy_with_state_per_key(rng, case):
+    cls, hp, _ = CASES[case]
+    dim, lr, n_keys = 4, 0.05, 40
+    keys = random_keys(rng, n_keys)
+    init = rng.standard_normal((n_keys, dim)).astype(np.float32)
+    table = sok.DynamicVariable(dim, init_capacity=4, name="t")
+    sok.assign(table, keys, init)
+    opt = cls(learning_rate=lr, **hp)
+    ref = NumpyOptimizer(_np_name(case), init, lr, **hp)
+
+    @tf.function
+    def step(ids, target):
+        with tf.GradientTape() as tape:
+            out = sok.lookup_sparse(table, ids, combiners="sum")
+            loss = tf.reduce_sum(out * target)
+        grad = tape.gradient(loss, table)
+        opt.apply_gradients([(grad, table)])
+
+    for _ in range(4):
+        lens = rng.integers(0, 4, 12)
+        picks = rng.integers(0, n_keys // 2, int(lens.sum()))   # repeats within and across steps
+        target = rng.standard_normal((12, dim)).astype(np.float32)
+        step(to_ragged(lens, keys[picks]), target)
+        ref.apply(picks, np.repeat(target, lens, axis=0))
+    got = held(table)
+    for i, k in enumerate(keys):
+        np.testing.assert_allclose(got[k], ref.w[i], rtol=2e-5, atol=2e-6, err_msg=f"key {k}")
+
+
+def _reference_model(max_keys, policy, batches):
+    """Plain-Python model of a bounded table: per call, found keys are touched; missing keys
+    enter, evicting the untouched keys of lowest (score, key). LRU score: last call; LFU: calls."""
+    score, clock, evicted = {}, 0, []
+    for batch in batches:
+        clock += 1
+        distinct = list(dict.fromkeys(batch.tolist()))
+        found = [k for k in distinct if k in score]
+        new = [k for k in distinct if k not in score]
+        for k in found:
+            score[k] = score[k] + 1 if policy == "lfu" else clock
+        need = len(score) + len(new) - max_keys
+        out = []
+        if need > 0:
+            untouched = sorted((s, k) for k, s in score.items() if k not in found)
+            out = [k for _, k in untouched[:need]]
+            for k in out:
+                del score[k]
+        for k in new:
+            score[k] = 1 if policy == "lfu" else clock
+        evicted.append(sorted(out))
+    return set(score), evicted
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_eviction_follows_the_policy_and_returns_evicted_values(rng, policy):
+    pool = random_keys(rng, 40)
+    batches = [rng.choice(pool, rng.integers(1, 9)) for _ in range(30)]
+    max_keys = 12
+    table = sok.DynamicVariable(3, initializer="normal", max_capacity=max_keys, evict_strategy=policy,
+                                init_capacity=2, name="bounded")
+    free = sok.DynamicVariable(3, initializer="normal", name="unbounded")   # the same initial values
+    want_keys, want_evicted = _reference_model(max_keys, policy, batches)
+    for b, want in zip(batches, want_evicted):
+        before = held(table)
+        emb, ev_keys, ev_values = sok.sparse_read_and_evict(table, tf.constant(b))
+        np.testing.assert_array_equal(emb.numpy(), tf.gather(free, b).numpy())
+        order = np.argsort(ev_keys.numpy())
+        assert ev_keys.numpy()[order].tolist() == want
+        for k, v in zip(ev_keys.numpy()[order], ev_values.numpy()[order]):
+            np.testing.assert_array_equal(v, before[k])
+    assert set(held(table)) == want_keys
+    assert table.size.numpy()[0] == max_keys
+
+
+def test_evicted_key_returns_with_fresh_value_and_optimizer_state(rng):
+    keys = random_keys(rng, 3)
+    table = sok.DynamicVariable(2, initializer="ones", max_capacity=2, evict_strategy="lru", name="small")
+    opt = sok.optimizers.Adagrad(learning_rate=0.5, initial_accumulator_value=0.1, epsilon=1e-7)
+
+    def train(k):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(sok.lookup_sparse(table, tf.constant([[k]]), combiners="sum"))
+        opt.apply_gradients([(tape.gradient(loss, table), table)])
+
+    fresh = NumpyOptimizer("adagrad", np.ones((1, 2), np.float32), 0.5, initial_accumulator_value=0.1, epsilon=1e-7)
+    fresh.apply(np.array([0]), np.ones((1, 2)))
+    train(keys[0]); train(keys[0]); train(keys[1])
+    train(keys[2])                       # evicts keys[0] (least recently used)
+    assert keys[0] not in held(table)
+    train(keys[0])                       # back: initial value and a fresh accumulator, on another key's row
+    np.testing.assert_allclose(held(table)[keys[0]], fresh.w[0], rtol=1e-6)
+
+
+def test_admission_counts_sightings_and_keys_read_zeros_until_admitted(rng):
+    keys = random_keys(rng, 6)
+    table = sok.DynamicVariable(3, initializer="ones", min_frequency=3, name="admit")
+    opt = sok.optimizers.SGD(learning_rate=1.0)
+    seen = {}
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            out = sok.lookup_sparse(table, ids, combiners="sum")
+            loss = tf.reduce_sum(out)
+        opt.apply_gradients([(tape.gradient(loss, table), table)])
+        return out
+
+    value = {}
+    for _ in range(8):
+        batch = rng.choice(keys, 3)
+        out = step(tf.constant(batch[:, None])).numpy()
+        for k in dict.fromkeys(batch.tolist()):
+            seen[k] = seen.get(k, 0) + 1
+        for k, row in zip(batch.tolist(), out):
+            want = value.get(k, np.ones(3)) if seen[k] >= 3 else np.zeros(3)
+            np.testing.assert_allclose(row, want, err_msg=f"key {k} seen {seen[k]} times")
+        for k in set(batch.tolist()):
+            if seen[k] >= 3:                      # admitted: trained by SGD, gradient 1 per occurrence
+                value[k] = value.get(k, np.ones(3)) - batch.tolist().count(k)
+    assert set(held(table)) == {k for k, n in seen.items() if n >= 3}
+
+
+def test_growth_keeps_values_and_state(rng):
+    keys = random_keys(rng, 2000)
+    table = sok.DynamicVariable(4, initializer="uniform", init_capacity=16, name="grow")
+    opt = sok.optimizers.Adam(learning_rate=0.01)
+    first = tf.gather(table, keys[:10]).numpy()
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(sok.lookup_sparse(table, tf.constant(keys[:10, None]), combiners="sum"))
+    opt.apply_gradients([(tape.gradient(loss, table), table)])
+    trained = held(table)
+    m_before = opt.slots(table)[0].numpy().copy()
+    tf.gather(table, keys)                            # 2000 keys: the arrays double several times
+    assert tf.shape(table).numpy()[0] >= 2000
+    after = held(table)
+    for k in keys[:10]:
+        np.testing.assert_array_equal(after[k], trained[k])
+    assert not np.allclose(first, np.stack([after[k] for k in keys[:10]]))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(sok.lookup_sparse(table, tf.constant(keys[-5:, None]), combiners="sum"))
+    opt.apply_gradients([(tape.gradient(loss, table), table)])
+    m = opt.slots(table)[0].numpy()
+    assert m.shape[0] == tf.shape(table).numpy()[0]
+    np.testing.assert_array_equal(m[:len(m_before)][np.abs(m_before).sum(1) > 0],
+                                  m_before[np.abs(m_before).sum(1) > 0])
+
+
+def test_export_assign_round_trip(rng):
+    keys = random_keys(rng, 100)
+    values = rng.standard_normal((100, 6)).astype(np.float32)
+    a = sok.DynamicVariable(6, name="a")
+    sok.assign(a, keys, values)
+    got = held(a)
+    assert set(got) == set(keys.tolist())
+    for k, v in zip(keys, values):
+        np.testing.assert_array_equal(got[k], v)
+    b = sok.DynamicVariable(6, name="b")
+    sok.assign(b, *sok.export(a))
+    for k, v in held(b).items():
+        np.testing.assert_array_equal(v, got[k])
+    sok.assign(b, keys[:3], values[:3] * 2)                 # overwrite
+    for k, v in zip(keys[:3], values[:3] * 2):
+        np.testing.assert_array_equal(held(b)[k], v)
+
+
+def test_full_table_without_eviction_is_an_error_that_changes_nothing(rng):
+    keys = random_keys(rng, 10)
+    table = sok.DynamicVariable(2, max_capacity=6, name="capped")
+    tf.gather(table, keys[:5])
+    before = held(table)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"dynamic table 'capped' is full: 5 of max_capacity 6"):
+        tf.gather(table, keys[3:])                         # 2 found, 5 new: one too many
+    after = held(table)
+    assert set(after) == set(before)
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])
+    bounded = sok.DynamicVariable(2, max_capacity=3, evict_strategy="lru", name="tiny")
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"'tiny' cannot hold this batch's keys: it uses 4"):
+        tf.gather(bounded, keys[:4])
+    assert bounded.size.numpy()[0] == 0
+
+
+def test_bad_keys_and_arguments_raise_clear_errors():
+    table = sok.DynamicVariable(2, name="typed")
+    with pytest.raises(TypeError, match=r"'typed': keys must be int32 or int64, got float32"):
+        tf.gather(table, tf.constant([1.0]))
+    with pytest.raises(TypeError, match=r"lookup_sparse feature 'f': ids must be int32 or int64, got float32"):
+        sok.lookup_sparse([table], [tf.ragged.constant([[1.0]])], feature_names=["f"])
+    with pytest.raises(ValueError, match=r"evict_strategy must be \"lru\" or \"lfu\""):
+        sok.DynamicVariable(2, evict_strategy="fifo", name="x")
+    with pytest.raises(TypeError, match=r"initializer .* is not supported"):
+        sok.DynamicVariable(2, initializer="glorot_uniform", name="x")
+    with pytest.raises(TypeError, match=r"unexpected arguments \['capacity'\]"):
+        sok.DynamicVariable(2, capacity=4, name="x")
+    sok.DynamicVariable(2, max_hbm_for_vectors=1 << 30, max_bucket_size=128, name="ok")   # SOK tuning: ignored
+    int32 = sok.DynamicVariable(2, key_type=tf.int32, initializer="normal", name="i32")
+    np.testing.assert_array_equal(tf.gather(int32, tf.constant([5], tf.int32)).numpy(),
+                                  tf.gather(int32, tf.constant([5], tf.int64)).numpy())
+
+
+def test_checkpoint_round_trip_then_training_continues_alike(rng, tmp_path):
+    keys = random_keys(rng, 30)
+
+    def make():
+        table = sok.DynamicVariable(3, initializer="normal", max_capacity=20, evict_strategy="lfu", min_frequency=2,
+                                    init_capacity=4, name="ck")
+        return table, sok.optimizers.Adam(learning_rate=0.05)
+
+    def train(table, opt, batches):
+        for b in batches:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(sok.lookup_sparse(table, tf.constant(b[:, None]), combiners="sum")))
+            opt.apply_gradients([(tape.gradient(loss, table), table)])
+
+    batches = [rng.choice(keys, 8) for _ in range(12)]
+    table, opt = make()
+    train(table, opt, batches[:6])
+    path = tf.train.Checkpoint(table=table, opt=opt).save(str(tmp_path / "ck"))
+    train(table, opt, batches[6:])
+    table2, opt2 = make()
+    tf.gather(table2, keys[:3])                 # something to overwrite
+    opt2.build([table2])
+    tf.train.Checkpoint(table=table2, opt=opt2).restore(path).assert_consumed()
+    train(table2, opt2, batches[6:])
+    a, b = held(table), held(table2)
+    assert set(a) == set(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
