@@ -1,6 +1,6 @@
 """Typed table configuration, validated on construction."""
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
@@ -16,8 +16,15 @@ class TableConfig:
     """One embedding table.
 
     Example:
-        >>> TableConfig("user", vocab_size=1000, dim=16, combiner="sum")
-        TableConfig(name='user', vocab_size=1000, dim=16, combiner='sum', initializer='uniform', mode='distributed')
+        >>> TableConfig("user", vocab_size=1000, dim=16, combiner="sum").mode
+        'distributed'
+        >>> TableConfig("item_hash", vocab_size=1 << 20, dim=16, dynamic=True, max_capacity=1 << 24,
+        ...             evict_strategy="lfu").dynamic
+        True
+
+    dynamic=True makes the table a `sok.DynamicVariable` keyed by any int64 id: vocab_size is then
+    its initial capacity (rows allocated at first; they double as keys arrive), and max_capacity,
+    evict_strategy, min_frequency and seed mean what they mean there.
     """
 
     name: str
@@ -26,6 +33,11 @@ class TableConfig:
     combiner: str = "mean"
     initializer: Any = "uniform"   # Keras initializer name, instance or callable(shape, dtype)
     mode: str = "distributed"      # "distributed" | "localized:<rank>"
+    dynamic: bool = False          # a hash-keyed table (sok.DynamicVariable)
+    max_capacity: Optional[int] = None
+    evict_strategy: Optional[str] = None
+    min_frequency: int = 1
+    seed: int = 0
 
     def __post_init__(self):
         from tf_sok.python.sharding import ShardingSpec
@@ -36,4 +48,8 @@ class TableConfig:
             raise ValueError(f"table {self.name!r}: vocab_size and dim must be >= 1, "
                              f"got {self.vocab_size} and {self.dim}")
         check_combiner(self.combiner, f"table {self.name!r}")
+        if not self.dynamic and (self.max_capacity is not None or self.evict_strategy is not None
+                                 or self.min_frequency != 1):
+            raise ValueError(f"table {self.name!r}: max_capacity, evict_strategy and min_frequency are for dynamic "
+                             f"tables (dynamic=True)")
         ShardingSpec.parse(self.mode)

@@ -12,9 +12,78 @@ from tf_sok.python.lookup import lookup_sparse
 from tf_sok.python.variable import attach_meta, make_initializer, make_shards
 
 
+class _DynamicWeight(keras.Variable):
+    """A Keras weight whose value is a `sok.DynamicVariable`: Keras tracks it (trainable_variables,
+    model.fit's gradients) and checkpoints save its key index with it. Its Keras shape is the
+    capacity the table started with; the table grows past it."""
+
+    def __init__(self, table, **kwargs):
+        self._dynamic = table
+        super().__init__(initializer="zeros", shape=(1, table.dimension), dtype="float32", **kwargs)
+
+    def _initialize(self, value):
+        self._value = self._dynamic
+
+    @property
+    def shape(self):
+        return self._dynamic.shape
+
+    def _trackable_children(self, *args, **kwargs):
+        return {**super()._trackable_children(*args, **kwargs), "tf_sok_index": self._dynamic._index}
+
+
+class _TableLayer(keras.layers.Layer):
+    """Saves dynamic tables with their keys in Keras weight files (`save_weights`, `.keras`):
+    a dynamic table's entry holds its value rows, and entries `<i>:<part>` its key index."""
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        for i, v in enumerate(self._trainable_variables + self._non_trainable_variables):
+            if isinstance(v, _DynamicWeight):
+                for part, value in v._dynamic._index._serialize_to_tensors().items():  # noqa: SLF001
+                    store[f"{i}:{part}"] = value.numpy()
+
+    def load_own_variables(self, store):
+        weights = self._trainable_variables + self._non_trainable_variables
+        plain = {k: store[k] for k in store.keys() if ":" not in k}
+        for i, v in enumerate(weights):
+            if str(i) not in plain:
+                raise ValueError(f"layer {self.name!r}: the weights file has {len(plain)} variables, the layer "
+                                 f"{len(weights)}")
+            if isinstance(v, _DynamicWeight):
+                parts = {k.split(":", 1)[1]: store[k] for k in store.keys() if k.startswith(f"{i}:")}
+                if not parts:
+                    raise ValueError(f"layer {self.name!r}: table {v.name!r} is dynamic but the weights file holds "
+                                     f"no key index for it (saved from a static table?)")
+                v._dynamic._index._restore_from_tensors({k: tf.constant(x) for k, x in parts.items()})  # noqa: SLF001
+                _assign_rows(v._dynamic, plain[str(i)])  # noqa: SLF001
+            else:
+                v.assign(plain[str(i)])
+
+
+def _assign_rows(var, value):
+    """Sets a [None, dim] table array to `value` of any row count."""
+    var.assign(tf.convert_to_tensor(value, tf.float32), read_value=False)
+
+
+def _add_dynamic_table(layer: keras.layers.Layer, cfg: TableConfig):
+    from tf_sok.python.dynamic_variable import DynamicVariable
+
+    table = DynamicVariable(cfg.dim, initializer=cfg.initializer, name=cfg.name, mode=cfg.mode,
+                            init_capacity=cfg.vocab_size, max_capacity=cfg.max_capacity,
+                            evict_strategy=cfg.evict_strategy, min_frequency=cfg.min_frequency, seed=cfg.seed)
+    with keras.name_scope(layer.name, caller=layer):
+        weight = _DynamicWeight(table, trainable=True, autocast=False, name=cfg.name)
+    layer._track_variable(weight)  # noqa: SLF001 (what add_weight does)
+    attach_meta(weight, table.table)
+    return weight
+
+
 def _add_table(layer: keras.layers.Layer, cfg: TableConfig):
     """The table's weight: this rank's shard, or under tf.distribute one
     weight per local replica (a ReplicaTable)."""
+    if cfg.dynamic:
+        return _add_dynamic_table(layer, cfg)
     init = make_initializer(cfg.initializer)
     per_replica = context_lib.context().communicator.per_replica_tables
 
@@ -27,7 +96,7 @@ def _add_table(layer: keras.layers.Layer, cfg: TableConfig):
     return make_shards(cfg.name, cfg.vocab_size, cfg.dim, cfg.mode, create)
 
 
-class Embedding(keras.layers.Layer):
+class Embedding(_TableLayer):
     """One table, one feature: ragged/sparse/dense ids -> [batch, dim].
 
     Example:
@@ -37,11 +106,15 @@ class Embedding(keras.layers.Layer):
     """
 
     def __init__(self, vocab_size: int, dim: int, combiner: str = "mean", initializer="uniform",
-                 mode: str = "distributed", name: Optional[str] = None, **kwargs):
+                 mode: str = "distributed", name: Optional[str] = None, dynamic: bool = False,
+                 max_capacity: Optional[int] = None, evict_strategy: Optional[str] = None, min_frequency: int = 1,
+                 **kwargs):
         super().__init__(name=name, **kwargs)
         self.supports_jit = False  # the fused ops have no XLA kernels: Keras' jit_compile="auto" must not pick XLA
         self.config = TableConfig(name=(name or "embedding").replace("/", "_"), vocab_size=vocab_size, dim=dim,
-                                  combiner=combiner, initializer=initializer, mode=mode)
+                                  combiner=combiner, initializer=initializer, mode=mode, dynamic=dynamic,
+                                  max_capacity=max_capacity, evict_strategy=evict_strategy,
+                                  min_frequency=min_frequency)
         self.table = _add_table(self, self.config)
 
     def call(self, ids, weights=None):
@@ -53,10 +126,11 @@ class Embedding(keras.layers.Layer):
     def get_config(self):
         c = self.config
         return {**super().get_config(), "vocab_size": c.vocab_size, "dim": c.dim, "combiner": c.combiner,
-                "mode": c.mode}
+                "mode": c.mode, "dynamic": c.dynamic, "max_capacity": c.max_capacity,
+                "evict_strategy": c.evict_strategy, "min_frequency": c.min_frequency}
 
 
-class EmbeddingCollection(keras.layers.Layer):
+class EmbeddingCollection(_TableLayer):
     """Many features over many tables in ONE fused lookup.
 
     Args:

@@ -172,7 +172,8 @@ class SparseOptimizer(tf.Module, abc.ABC):
             if ref in self._slot_keys:
                 continue
             # tables may share a name: each gets its own state under a unique, stable key
-            base = getattr(var, "path", None) or var.name.split(":")[0]
+            # (a dynamic table's by its name: its state is no Keras variable, and paths differ between models)
+            base = meta.name if meta.dynamic else getattr(var, "path", None) or var.name.split(":")[0]
             key, n = base, 1
             while key in self._slots:
                 key, n = f"{base}_{n}", n + 1
