@@ -199,3 +199,36 @@ def test_ranks_waiting_on_different_collectives_end_in_bounded_time(tmp_path, mo
         out[-3000:]
     assert f"Exit code: {EXIT_CODE}" in out or f"exit with status code {EXIT_CODE}" in out, out[-3000:]
     assert elapsed < limit + 30, elapsed  # start-up and the first lookup included
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_dynamic_tables_train_like_one_process(tmp_path, seed, n):
+    """Each key ends on its owner (floormod(key, n), or the localized rank) with the value one
+    process training on the global batch gives it; dense weights alike."""
+    from tests.horovod import dynamic_case as dc
+    import tf_sok as sok
+
+    need_gpus(n)
+    ranks = run_workers(n, "dynamic_training", seed, tmp_path)
+    sok.init()
+    tables = dc.make_tables(seed)
+    dense_w = tf.Variable(dc.dense_init())
+    dc.train(tables, dense_w, [dc.global_batch(seed, s) for s in range(dc.STEPS)])
+    ref = dc.results(tables, dense_w)
+    for r, res in enumerate(ranks):
+        np.testing.assert_allclose(res["dense"], ref["dense"], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(res["small/rows"], ref["small/rows"][r::n], rtol=1e-4, atol=1e-5)
+    for name, (_, mode) in dc.TABLES.items():
+        if mode is None:
+            continue
+        want = dict(zip(ref[f"{name}/keys"].tolist(), ref[f"{name}/values"]))
+        got = {}
+        for r, res in enumerate(ranks):
+            keys = res[f"{name}/keys"]
+            owner = np.full(len(keys), int(mode.split(":")[1])) if mode.startswith("localized") else np.mod(keys, n)
+            assert (owner == r).all(), (name, r, keys[owner != r])
+            got.update(zip(keys.tolist(), res[f"{name}/values"]))
+        assert set(got) == set(want), name
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=f"{name} key {k}")
+

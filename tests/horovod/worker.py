@@ -209,6 +209,20 @@ def rank_skips_lookup(seed, out):
     print(f"rank {hvd.rank()}: the diverged step returned", flush=True)
 
 
+def dynamic_training(seed, out):
+    """Dynamic tables (distributed and localized) with a static one in one fused lookup, trained on
+    this rank's slice of each global batch ("mean" reduction)."""
+    from tests.horovod import dynamic_case as dc
+
+    N, r = hvd.size(), hvd.rank()
+    sok.init(sparse_grad_reduction="mean")
+    tables = dc.make_tables(seed)
+    dense_w = tf.Variable(dc.dense_init())
+    batches = [dc.rank_slice(*dc.global_batch(seed, s), r, N) for s in range(dc.STEPS)]
+    dc.train(tables, dense_w, batches, dense_tape=hvd.DistributedGradientTape)
+    np.savez(out, **dc.results(tables, dense_w))
+
+
 if __name__ == "__main__":
     scenario, seed, outdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     globals()[scenario](seed, os.path.join(outdir, f"{scenario}.rank{hvd.rank()}.npz"))

@@ -27,7 +27,7 @@ from tensorflow.python.trackable import resource as resource_lib
 from tf_sok.python import context as context_lib
 from tf_sok.python.ops.loader import ops
 from tf_sok.python.sharding import ShardingSpec
-from tf_sok.python.variable import TableMeta, attach_meta
+from tf_sok.python.variable import TableMeta, _check_same_on_all_ranks, attach_meta
 
 _log = logging.getLogger("tf_sok")
 
@@ -193,10 +193,12 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         min_frequency = _count(name, "min_frequency", min_frequency, 1)
         kind, a, b = _initializer_spec(initializer, name)
         ctx = context_lib.context()
+        context_lib.check_creation_scope(ctx, f"table {name!r}")
         spec = ShardingSpec.parse(mode or "distributed")
-        if ctx.num_ranks > 1 or ctx.communicator.per_replica_tables:
-            raise NotImplementedError(f"sok.DynamicVariable {name!r}: dynamic tables run in one process for now "
-                                      f"(this job has {ctx.num_ranks} ranks); use sok.Variable tables across ranks")
+        spec.validate(ctx.num_ranks, name)
+        if ctx.communicator.per_replica_tables:
+            raise NotImplementedError(f"sok.DynamicVariable {name!r}: dynamic tables under tf.distribute are not "
+                                      f"supported yet; use Horovod (one rank per process) or one process")
         reserved = 1 if min_frequency > 1 else 0
         if max_keys:
             init_rows = min(init_rows, max_keys + reserved)
@@ -216,7 +218,10 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         self.evict_strategy = evict
         self.max_capacity = max_keys or None
         self.min_frequency = min_frequency
-        attach_meta(self, TableMeta(name, max_keys, dimension, spec, max_keys, ctx.rank, ctx.num_ranks, dynamic=True))
+        meta = TableMeta(name, max_keys, dimension, spec, max_keys, ctx.rank, ctx.num_ranks, dynamic=True)
+        if ctx.num_ranks > 1:
+            _check_same_on_all_ranks(ctx, meta)
+        attach_meta(self, meta)
 
     def __repr__(self):
         return (f"<sok.DynamicVariable {self._shared_name!r} dim={self._dimension} "
@@ -290,6 +295,11 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
 
     def _base_gather(self, rows):
         return resource_variable_ops.ResourceVariable.sparse_read(self, rows)
+
+    def sparse_read_rows(self, rows):
+        """Rows of the value array (rows `rows_for` gave); the gradient reaches the table as a
+        `tf.IndexedSlices` over them."""
+        return self._base_gather(rows)
 
     def sparse_read(self, indices, name=None):
         """The rows of keys `indices` (inserted when missing): what tf.gather / tf.nn.embedding_lookup call."""

@@ -92,6 +92,7 @@ def _listify(x):
     return (list(x), True) if isinstance(x, (list, tuple)) else ([x], False)
 
 
+@tf.autograph.experimental.do_not_convert   # library code: no tensor-dependent Python control flow
 def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequence[str], None] = None,
                   name: Optional[str] = None, feature_names: Optional[Sequence[str]] = None, dtype=tf.float32):
     """Looks up and combines many features in ONE fused op.
@@ -194,6 +195,10 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
                 weighted.append(True)
         metas = [table_meta(t) for t in tables]
         if any(m.dynamic for m in metas):
+            if ctx.num_ranks > 1:
+                outs = _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb,
+                                            names, dtype)
+                return outs if as_list else outs[0]
             ids = _dynamic_rows(tables, metas, feature_table, ids)
         handles = []
         for t in tables:
@@ -212,6 +217,34 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
                 handles, ids, splits, weights, feature_table=feature_table, combiners=comb, weighted=weighted,
                 dims=[m.dim for m in metas], feature_names=names, table_names=[m.name for m in metas], dtype=dtype)
     return outs if as_list else outs[0]
+
+
+def _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype):
+    """A multi-rank lookup over dynamic tables (and static ones): the dynamic tables' features by
+    their exchange (dynamic_exchange), the static tables' by lookup_sparse's, outputs in order."""
+    from tf_sok.python import dynamic_exchange
+
+    dyn = [f for f in range(len(ids)) if metas[feature_table[f]].dynamic]
+    static = [f for f in range(len(ids)) if not metas[feature_table[f]].dynamic]
+    dyn_tables = sorted({feature_table[f] for f in dyn})
+    outs = [None] * len(ids)
+    pooled = dynamic_exchange.dynamic_exchanged_lookup(
+        ctx.communicator, [tables[t] for t in dyn_tables], [metas[t] for t in dyn_tables],
+        [dyn_tables.index(feature_table[f]) for f in dyn], [ids[f] for f in dyn], [splits[f] for f in dyn],
+        [weights[f] if weighted[f] else None for f in dyn], [comb[f] for f in dyn], [names[f] for f in dyn],
+        ctx.sparse_grad_reduction, ctx.collective_index())
+    for f, o in zip(dyn, pooled):
+        outs[f] = tf.cast(o, dtype)
+    if static:
+        rest = lookup_sparse([tables[feature_table[f]] for f in static],
+                             [tf.RaggedTensor.from_row_splits(ids[f], splits[f], validate=False) for f in static],
+                             [tf.RaggedTensor.from_row_splits(weights[f], splits[f], validate=False)
+                              if weighted[f] else None for f in static] if any(weighted[f] for f in static) else None,
+                             combiners=[comb[f] for f in static], feature_names=[names[f] for f in static],
+                             dtype=dtype)
+        for f, o in zip(static, rest):
+            outs[f] = o
+    return outs
 
 
 def _dynamic_rows(tables, metas, feature_table, ids):

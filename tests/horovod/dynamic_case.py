@@ -1,0 +1,96 @@
+"""A model with dynamic tables (and a static one) trained on a global batch, shared by the Horovod
+workers (each rank on its slice) and the single-process reference (the whole batch)."""
+import numpy as np
+import tensorflow as tf
+
+import tf_sok as sok
+
+GLOBAL_BATCH = 24
+STEPS = 4
+# name -> (dim, mode or None for the static table)
+TABLES = {"users": (4, "distributed"), "pairs": (3, "localized:0"), "small": (4, None)}
+FEATURES = [("u", "users", "mean"), ("u2", "users", "sum"), ("p", "pairs", "sum"), ("s", "small", "mean")]
+STATIC_ROWS = 20
+
+
+def key_pool(seed):
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(-2**63, 2**63 - 1, 60, dtype=np.int64, endpoint=True)
+    pool[:3] = [2**63 - 1, -2**63, -1]
+    return pool
+
+
+def make_tables(seed):
+    tables = {}
+    for name, (dim, mode) in TABLES.items():
+        if mode is None:
+            init = np.random.default_rng(seed + 7).standard_normal((STATIC_ROWS, dim)).astype(np.float32)
+            tables[name] = sok.Variable(init, name=name)
+        else:
+            tables[name] = sok.DynamicVariable(dim, initializer="normal", mode=mode, seed=seed % 1000, name=name,
+                                               init_capacity=8)
+    return tables
+
+
+def global_batch(seed, step):
+    """Per feature (lens, ids) over GLOBAL_BATCH rows, and the target [GLOBAL_BATCH, 15]."""
+    rng = np.random.default_rng(seed * 100 + step)
+    pool = key_pool(seed)
+    feats = {}
+    for name, table, _ in FEATURES:
+        lens = rng.integers(0, 4, GLOBAL_BATCH)
+        n = int(lens.sum())
+        ids = rng.integers(0, STATIC_ROWS, n) if TABLES[table][1] is None else pool[rng.integers(0, 30, n)]
+        feats[name] = (lens, ids.astype(np.int64))
+    return feats, rng.standard_normal((GLOBAL_BATCH, 15)).astype(np.float32)
+
+
+def rank_slice(feats, target, rank, n):
+    b = GLOBAL_BATCH // n
+    out = {}
+    for name, (lens, ids) in feats.items():
+        starts = np.concatenate([[0], np.cumsum(lens)])
+        out[name] = (lens[rank * b:(rank + 1) * b], ids[starts[rank * b]:starts[(rank + 1) * b]])
+    return out, target[rank * b:(rank + 1) * b]
+
+
+def loss_fn(tables, dense_w, feats, target):
+    ids = [tf.RaggedTensor.from_row_lengths(feats[f][1], tf.cast(feats[f][0], tf.int64)) for f, _, _ in FEATURES]
+    outs = sok.lookup_sparse([tables[t] for _, t, _ in FEATURES], ids, combiners=[c for _, _, c in FEATURES],
+                             feature_names=[f for f, _, _ in FEATURES])
+    x = tf.concat(outs, 1)                                   # [b, 15]
+    return tf.reduce_mean(tf.reduce_sum(x * target * dense_w, 1) + 0.1 * tf.reduce_sum(x * x, 1))
+
+
+def dense_init():
+    return np.linspace(0.5, 1.5, 15).astype(np.float32)
+
+
+def train(tables, dense_w, batches, dense_tape=None):
+    """STEPS of Adam on the tables and SGD on the dense weight (dense_tape: wraps the tape, e.g.
+    hvd.DistributedGradientTape)."""
+    sparse_opt = sok.optimizers.Adam(learning_rate=0.05)
+
+    @tf.function
+    def step(feats, target):
+        with tf.GradientTape(persistent=True) as tape:
+            loss = loss_fn(tables, dense_w, feats, target)
+        names = list(tables)
+        grads = tape.gradient(loss, [tables[n] for n in names])
+        dense_grad = (dense_tape(tape) if dense_tape else tape).gradient(loss, [dense_w])[0]
+        sparse_opt.apply_gradients(zip(grads, [tables[n] for n in names]))
+        dense_w.assign_sub(0.05 * dense_grad)
+
+    for feats, target in batches:
+        step({k: (tf.constant(v[0]), tf.constant(v[1])) for k, v in feats.items()}, tf.constant(target))
+
+
+def results(tables, dense_w):
+    res = {"dense": dense_w.numpy()}
+    for name, t in tables.items():
+        if TABLES[name][1] is None:
+            res[f"{name}/rows"] = t.numpy()
+        else:
+            keys, values = sok.export(t)
+            res[f"{name}/keys"], res[f"{name}/values"] = keys.numpy(), values.numpy()
+    return res
