@@ -92,9 +92,9 @@ def _count(name, what, value, minimum):
 class _KeyIndex(resource_lib.TrackableResource):
     """The key -> row index resource; checkpoints save its contents."""
 
-    def __init__(self, **attrs):
+    def __init__(self, device, **attrs):
         self._attrs = attrs
-        super().__init__(device="/CPU:0")
+        super().__init__(device=device)
         with tf.init_scope():
             self.resource_handle  # created now, eagerly: not inside the first function that uses it
 
@@ -107,12 +107,12 @@ class _KeyIndex(resource_lib.TrackableResource):
         tf.raw_ops.DestroyResourceOp(resource=self.resource_handle, ignore_lookup_error=True)
 
     def _serialize_to_tensors(self):
-        with tf.device("/CPU:0"):
+        with tf.device(self._resource_device):
             parts = ops().tf_sok_dynamic_export(self.resource_handle)
         return dict(zip(_EXPORT_PARTS, parts))
 
     def _restore_from_tensors(self, restored_tensors):
-        with tf.device("/CPU:0"):
+        with tf.device(self._resource_device):
             return ops().tf_sok_dynamic_import(self.resource_handle,
                                                *[tf.cast(restored_tensors[k], tf.int64) for k in _EXPORT_PARTS])
 
@@ -203,12 +203,14 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         if max_keys:
             init_rows = min(init_rows, max_keys + reserved)
         init_rows = max(init_rows, reserved + 1)
-        self._index = _KeyIndex(table_name=name, dim=dimension, init_rows=init_rows, max_keys=max_keys,
-                                evict=evict or "none", min_frequency=min_frequency, initializer=kind, init_a=a,
-                                init_b=b, seed=int(seed))
         with tf.init_scope():
             super().__init__(initial_value=tf.zeros([init_rows, dimension]), shape=tf.TensorShape([None, dimension]),
                              dtype=tf.float32, name=name, trainable=trainable)
+        # the index lives with the rows: in GPU memory (GPU kernels) when they are on a GPU
+        self._index_device = self.device if "GPU" in self.device.upper() else "/CPU:0"
+        self._index = _KeyIndex(self._index_device, table_name=name, dim=dimension, init_rows=init_rows,
+                                max_keys=max_keys, evict=evict or "none", min_frequency=min_frequency,
+                                initializer=kind, init_a=a, init_b=b, seed=int(seed))
         self._track_trackable(self._index, name="tf_sok_index")
         self._dimension = dimension
         self._key_type = key_type
@@ -255,7 +257,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
     @property
     def size(self) -> tf.Tensor:
         """[number of keys held, dimension] (int64), as SOK's."""
-        with tf.device("/CPU:0"):
+        with tf.device(self._index_device):
             keys, _ = ops().tf_sok_dynamic_size(self._index.resource_handle)
         return tf.stack([keys, tf.constant(self._dimension, tf.int64)])
 
@@ -278,7 +280,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         keys = tf.convert_to_tensor(keys)
         shape = tf.shape(keys)
         flat = self._keys(keys)
-        with tf.device("/CPU:0"):
+        with tf.device(self._index_device):
             slots, new_slots, new_values, ev_keys, ev_slots, rows = ops().tf_sok_dynamic_find(
                 self._index.resource_handle, flat, insert=insert)
         if not insert:
@@ -307,12 +309,12 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
 
     def generations(self, rows):
         """How many keys each row has held (per-row state stamped with another count is stale)."""
-        with tf.device("/CPU:0"):
+        with tf.device(self._index_device):
             return ops().tf_sok_dynamic_generations(self._index.resource_handle, tf.cast(rows, tf.int64))
 
     def array_rows(self):
         """The row count the index wants the arrays to have (int64 scalar)."""
-        with tf.device("/CPU:0"):
+        with tf.device(self._index_device):
             return ops().tf_sok_dynamic_size(self._index.resource_handle)[1]
 
     def after_update(self):
@@ -323,7 +325,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
 
     def export(self):
         """(keys, values) of every key held (this process's shard)."""
-        with tf.device("/CPU:0"):
+        with tf.device(self._index_device):
             keys, rows = ops().tf_sok_dynamic_export(self._index.resource_handle)[:2]
         return keys, self._base_gather(rows)
 

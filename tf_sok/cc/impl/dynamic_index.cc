@@ -1,7 +1,6 @@
 #include "tf_sok/cc/impl/dynamic_index.h"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <tuple>
 
@@ -9,12 +8,7 @@ namespace tf_sok {
 namespace impl {
 namespace {
 
-inline uint64_t Mix(uint64_t x) {  // splitmix64's finaliser
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
+inline uint64_t Mix(uint64_t x) { return MixBits(x); }
 
 int64_t PowerOfTwoAtLeast(int64_t n) {
   int64_t p = 8;
@@ -282,32 +276,9 @@ std::string DynamicIndex::Import(const DynamicIndexSnapshot& s) {
 
 void InitialRows(int kind, float a, float b, int64_t seed, const int64_t* keys, int64_t n, int64_t dim,
                  float* out) {
-  const uint64_t base = Mix(static_cast<uint64_t>(seed) ^ 0x5DEECE66Dull);
   for (int64_t i = 0; i < n; ++i) {
-    const uint64_t k = Mix(base ^ Mix(static_cast<uint64_t>(keys[i])));
-    for (int64_t c = 0; c < dim; ++c) {
-      float& v = out[i * dim + c];
-      if (kind == 3) {
-        v = a;
-        continue;
-      }
-      uint64_t x = Mix(k + static_cast<uint64_t>(c) * 0xD1B54A32D192ED03ull);
-      if (kind == 0) {
-        v = a + (b - a) * static_cast<float>(static_cast<double>(x >> 11) * 0x1.0p-53);
-        continue;
-      }
-      while (true) {  // Box-Muller; truncated: draw again until within 2 stddev
-        const double u1 = (static_cast<double>(x >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
-        x = Mix(x);
-        const double u2 = static_cast<double>(x >> 11) * 0x1.0p-53;
-        const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
-        x = Mix(x);
-        if (kind == 1 || std::fabs(z) <= 2.0) {
-          v = static_cast<float>(a + b * z);
-          break;
-        }
-      }
-    }
+    const uint64_t bits = InitialKeyBits(seed, keys[i]);
+    for (int64_t c = 0; c < dim; ++c) out[i * dim + c] = InitialValue(kind, a, b, bits, c);
   }
 }
 

@@ -15,9 +15,12 @@
 #ifndef TF_SOK_CC_IMPL_DYNAMIC_INDEX_H_
 #define TF_SOK_CC_IMPL_DYNAMIC_INDEX_H_
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "tf_sok/cc/impl/common.h"
 
 namespace tf_sok {
 namespace impl {
@@ -101,9 +104,35 @@ class DynamicIndex {
   int64_t next_free_ = 0, rows_ = 0, live_ = 0, clock_ = 0, call_ = 0;
 };
 
+// splitmix64's finaliser: the hash of keys and the initializer's random bits.
+TF_SOK_HD uint64_t MixBits(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
 // Initial values of a dynamic table's rows, a function of (key, column, seed)
-// only, so ranks and restarts agree: kind 0 uniform [a, b), 1 normal (mean a,
-// stddev b), 2 truncated normal (within 2 stddev), 3 constant a.
+// only, so ranks, restarts and devices agree: kind 0 uniform [a, b), 1 normal
+// (mean a, stddev b), 2 truncated normal (within 2 stddev), 3 constant a.
+TF_SOK_HD uint64_t InitialKeyBits(int64_t seed, int64_t key) {
+  return MixBits(MixBits(static_cast<uint64_t>(seed) ^ 0x5DEECE66Dull) ^ MixBits(static_cast<uint64_t>(key)));
+}
+
+TF_SOK_HD float InitialValue(int kind, float a, float b, uint64_t key_bits, int64_t column) {
+  if (kind == 3) return a;
+  uint64_t x = MixBits(key_bits + static_cast<uint64_t>(column) * 0xD1B54A32D192ED03ull);
+  if (kind == 0) return a + (b - a) * static_cast<float>(static_cast<double>(x >> 11) * 0x1.0p-53);
+  while (true) {  // Box-Muller; truncated: draw again until within 2 stddev
+    const double u1 = (static_cast<double>(x >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
+    x = MixBits(x);
+    const double u2 = static_cast<double>(x >> 11) * 0x1.0p-53;
+    const double z = sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+    x = MixBits(x);
+    if (kind == 1 || fabs(z) <= 2.0) return static_cast<float>(a + b * z);
+  }
+}
+
 void InitialRows(int kind, float a, float b, int64_t seed, const int64_t* keys, int64_t n, int64_t dim,
                  float* out);
 

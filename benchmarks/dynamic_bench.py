@@ -1,0 +1,211 @@
+"""Dynamic (hash-keyed) tables, measured in one run.
+
+    python benchmarks/dynamic_bench.py [--quick]            (GPU when one is visible, else CPU)
+
+(a) the key index alone (on the GPU: HBM hash table, CUDA kernels; on the CPU: the host index):
+    find (existing keys, rows read: the values' bytes at dim 64 / 128 come along) and insert
+    (new keys, rows written with their initial values) throughput in keys/s, batches of --keys
+    distinct random 64-bit keys, at a load factor (keys held / max_capacity) of 0.5 and 0.75.
+    Anchor: HierarchicalKV reports find 1.98 G-KV/s and insert 0.83 G-KV/s (dim 64, load factor
+    0.5, A100 80 GB).
+(b) the DLRM-like training step of gpu_bench.py (26 tables, Criteo Kaggle cardinalities capped,
+    Zipf(1.05) ids, lazy Adam, loss = sum of squared pooled outputs) with every table dynamic
+    (the same ids hashed to 64-bit keys) against every table static: time per step and ratio.
+(c) against TensorFlow's own dynamic path: a tf.lookup.experimental.DenseHashTable mapping
+    keys to rows of a preallocated tf.Variable (missing keys inserted each step),
+    tf.nn.embedding_lookup_sparse and the hand-written sparse Adam of gpu_common (Keras' Adam
+    densifies IndexedSlices gradients), the same tables and ids.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import tf_sok as sok
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import CARDINALITIES, TFSparseOptimizer, fixed_hot_batch  # noqa: E402
+
+HASH = np.int64(-7046029254386353131)   # odd: ids -> distinct 64-bit keys
+INSERTS = 4                               # timed insert batches per load factor
+
+
+def timed(fn, iters, warmup=2):
+    for _ in range(warmup):
+        fn()
+    t = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        t.append(time.perf_counter() - t0)
+    return float(np.median(t))
+
+
+def sync(x):
+    return float(tf.reduce_sum(tf.cast(x[:1], tf.float32)))   # waits for the device
+
+
+def index_section(a, device):
+    print(f"\n(a) key index alone on {device}: batches of {a.keys:,} distinct random int64 keys")
+    rng = np.random.default_rng(0)
+    res = {}
+    for dim in (64, 128):
+        for load in (0.5, 0.75):
+            # the timed inserts (INSERTS batches) raise the load by at most 0.1
+            capacity = int(10 * (INSERTS + 1) * a.keys)
+            held = int(capacity * load)
+            with tf.device(device):
+                table = sok.DynamicVariable(dim, initializer="uniform", init_capacity=capacity,
+                                            max_capacity=capacity, name=f"bench{dim}")
+            keys = rng.integers(-2**63, 2**63 - 1, held + a.keys * (INSERTS + 2), dtype=np.int64, endpoint=True)
+            keys = np.unique(keys)
+            rng.shuffle(keys)
+            filled = 0
+            with tf.device(device):
+                while filled < held:
+                    sync(table.rows_for(tf.constant(keys[filled:min(held, filled + a.keys)])))
+                    filled += a.keys
+                present = [tf.constant(rng.choice(keys[:held], a.keys, replace=False)) for _ in range(a.iters)]
+                fresh = iter([tf.constant(keys[held + i * a.keys:held + (i + 1) * a.keys])
+                              for i in range(INSERTS + 1)])
+                find = tf.function(lambda k: table.sparse_read_rows(table.rows_for(k)))
+                insert = tf.function(lambda k: table.rows_for(k))
+                it = iter(present * 3)
+                t_find = timed(lambda: sync(find(next(it))), a.iters)
+                t_insert = timed(lambda: sync(insert(next(fresh))), INSERTS, warmup=1)
+            row = {"find_keys_per_s": a.keys / t_find, "insert_keys_per_s": a.keys / t_insert}
+            res[f"dim{dim}/load{load}"] = row
+            print(f"  dim {dim:3d}, load factor {load:.2f}: find {row['find_keys_per_s'] / 1e9:6.3f} G-keys/s "
+                  f"({t_find * 1e3:7.2f} ms), insert {row['insert_keys_per_s'] / 1e9:6.3f} G-keys/s "
+                  f"({t_insert * 1e3:7.2f} ms)")
+            del table, find, insert
+    return res
+
+
+def dlrm_batch(batch, hotness, cardinalities):
+    rng = np.random.default_rng(1)
+    raw = [fixed_hot_batch(rng, rows, batch, hotness, "zipf:1.05") for rows in cardinalities]
+    static = [tf.RaggedTensor.from_row_splits(tf.constant(i), tf.constant(s)) for i, s in raw]
+    hashed = [tf.RaggedTensor.from_row_splits(tf.constant(i * HASH), tf.constant(s)) for i, s in raw]
+    return static, hashed
+
+
+def make_step(tables, opt):
+    @tf.function
+    def step(batch):
+        with tf.GradientTape() as tape:
+            outs = sok.lookup_sparse(tables, list(batch), combiners="sum")
+            loss = tf.add_n([2.0 * tf.nn.l2_loss(o) for o in outs])
+        opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
+        return loss
+    return step
+
+
+def step_section(a, device, cardinalities):
+    print(f"\n(b) DLRM-like step on {device}: {len(cardinalities)} tables, dim {a.dim}, batch {a.batch}, "
+          f"{a.hotness} Zipf(1.05) id(s) per feature, lazy Adam: every table dynamic vs every table static")
+    static_ids, hashed_ids = dlrm_batch(a.batch, a.hotness, cardinalities)
+    res = {}
+    with tf.device(device):
+        static = [sok.Variable(shape=[r, a.dim], initializer="uniform", name=f"s{i}")
+                  for i, r in enumerate(cardinalities)]
+        dynamic = [sok.DynamicVariable(a.dim, initializer="uniform", init_capacity=min(r, 4 * a.batch * a.hotness),
+                                       name=f"d{i}") for i, r in enumerate(cardinalities)]
+        for name, tables, ids in (("static", static, static_ids), ("dynamic", dynamic, hashed_ids)):
+            step = make_step(tables, sok.optimizers.Adam(1e-3))
+            res[name] = timed(lambda: float(step(ids)), a.iters)
+            del step
+    print(f"  static  {res['static'] * 1e3:8.2f} ms per step ({a.batch / res['static']:12,.0f} samples/s)")
+    print(f"  dynamic {res['dynamic'] * 1e3:8.2f} ms per step ({a.batch / res['dynamic']:12,.0f} samples/s): "
+          f"{res['dynamic'] / res['static']:.2f}x the static step (aim <= 1.5x)")
+    return {f"{k}_ms": v * 1e3 for k, v in res.items()} | {"ratio": res["dynamic"] / res["static"]}
+
+
+class TFDynamicTable:
+    """TensorFlow's dynamic path as a user builds it: a DenseHashTable key -> row of a
+    preallocated tf.Variable; each step inserts its missing keys at the next free rows."""
+
+    def __init__(self, capacity, dim):
+        self.keys = tf.lookup.experimental.DenseHashTable(tf.int64, tf.int64, default_value=-1,
+                                                          empty_key=np.int64(-2**63), deleted_key=np.int64(-2**63 + 1))
+        self.var = tf.Variable(tf.random.uniform([capacity, dim], -0.05, 0.05))
+        self.used = tf.Variable(0, dtype=tf.int64)
+
+    def rows(self, keys):
+        found = tf.reshape(self.keys.lookup(keys), [-1])
+        missing, _ = tf.unique(tf.boolean_mask(keys, found < 0))
+        new_rows = self.used + tf.range(tf.size(missing, out_type=tf.int64))
+        with tf.control_dependencies([self.keys.insert(missing, new_rows)]):
+            self.used.assign_add(tf.size(missing, out_type=tf.int64))
+            return tf.reshape(self.keys.lookup(keys), [-1])
+
+
+def tf_section(a, device, cardinalities):
+    print(f"\n(c) against TensorFlow's dynamic path on {device} (DenseHashTable + tf.Variable rows + "
+          f"embedding_lookup_sparse + sparse Adam), the (b) tables and ids")
+    _, hashed_ids = dlrm_batch(a.batch, a.hotness, cardinalities)
+    with tf.device(device):
+        tables = [TFDynamicTable(min(r, 4 * a.batch * a.hotness) + a.batch * a.hotness * (a.iters + 4), a.dim)
+                  for r in cardinalities]
+        opt = TFSparseOptimizer("adam", 1e-3)
+
+        @tf.function
+        def tf_step(batch):
+            rows = [t.rows(x.values) for t, x in zip(tables, batch)]
+            with tf.GradientTape() as tape:
+                outs = [tf.nn.embedding_lookup_sparse(t.var, x.with_values(r).to_sparse(), None, combiner="sum")
+                        for t, x, r in zip(tables, batch, rows)]
+                loss = tf.add_n([2.0 * tf.nn.l2_loss(o) for o in outs])
+            opt.apply_gradients(zip(tape.gradient(loss, [t.var for t in tables]), [t.var for t in tables]))
+            return loss
+
+        t_tf = timed(lambda: float(tf_step(hashed_ids)), a.iters)
+        dynamic = [sok.DynamicVariable(a.dim, initializer="uniform", init_capacity=min(r, 4 * a.batch * a.hotness),
+                                       name=f"d{i}") for i, r in enumerate(cardinalities)]
+        step = make_step(dynamic, sok.optimizers.Adam(1e-3))
+        t_sok = timed(lambda: float(step(hashed_ids)), a.iters)
+    print(f"  TensorFlow {t_tf * 1e3:8.2f} ms per step | tf_sok dynamic {t_sok * 1e3:8.2f} ms | "
+          f"{t_tf / t_sok:.1f}x")
+    return {"tf_ms": t_tf * 1e3, "sok_ms": t_sok * 1e3, "speedup": t_tf / t_sok}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small shapes (a CPU smoke run)")
+    p.add_argument("--device", default=None, help="/GPU:0 or /CPU:0 (default: GPU when visible)")
+    p.add_argument("--keys", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--hotness", type=int, default=1)
+    p.add_argument("--dim", type=int, default=None)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--parts", default="index,step,tf")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    gpu = bool(tf.config.list_physical_devices("GPU"))
+    device = a.device or ("/GPU:0" if gpu else "/CPU:0")
+    big = gpu and not a.quick
+    a.keys = a.keys or (1 << 20 if big else 1 << 14)
+    a.batch = a.batch or (65536 if big else 4096)
+    a.dim = a.dim or (128 if big else 16)
+    cards = CARDINALITIES if big else [min(c, 100_000) for c in CARDINALITIES[:8]]
+    sok.init()
+    print(f"tf_sok dynamic tables, {device}, TensorFlow {tf.__version__}")
+    res = {}
+    parts = a.parts.split(",")
+    if "index" in parts:
+        res["index"] = index_section(a, device)
+    if "step" in parts:
+        res["step"] = step_section(a, device, cards)
+    if "tf" in parts:
+        res["tf"] = tf_section(a, device, cards)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Dynamic tables on the GPU (the index in HBM, CUDA kernels) against the same tables on the CPU
+(the host index) and against the plain-Python references of tests/python/test_dynamic.py: the
+same values per key, the same evicted keys, the same admission, checkpoints that move between
+them."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sok as sok
+from tests.python.test_dynamic import _reference_model, held, random_keys
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
+                                                  reason="no GPU visible to TensorFlow")]
+
+
+def pair(**kwargs):
+    with tf.device("/GPU:0"):
+        gpu = sok.DynamicVariable(name="on_gpu", **kwargs)
+    with tf.device("/CPU:0"):
+        cpu = sok.DynamicVariable(name="on_cpu", **kwargs)
+    assert "GPU" in gpu.device and "CPU" in cpu.device
+    return gpu, cpu
+
+
+def assert_same_tables(a, b, rtol=1e-6, atol=1e-6):
+    ha, hb = held(a), held(b)
+    assert set(ha) == set(hb)
+    for k in ha:
+        np.testing.assert_allclose(ha[k], hb[k], rtol=rtol, atol=atol, err_msg=f"key {k}")
+
+
+def test_find_insert_and_initial_values_match_the_host_index(rng):
+    keys = random_keys(rng, 50_000)
+    for init in ("uniform", "normal", "truncated_normal", "7"):
+        gpu, cpu = pair(dimension=16, initializer=init, init_capacity=1000, seed=3)
+        batch = np.concatenate([keys, rng.choice(keys, 20_000)])      # repeats within the batch
+        with tf.device("/GPU:0"):
+            got = tf.gather(gpu, tf.constant(batch)).numpy()
+        with tf.device("/CPU:0"):
+            want = tf.gather(cpu, tf.constant(batch)).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        assert gpu.size.numpy()[0] == len(keys)
+        assert tf.shape(gpu).numpy()[0] >= len(keys)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_eviction_matches_the_python_model_on_the_gpu(rng, policy):
+    pool = random_keys(rng, 3000)
+    batches = [rng.choice(pool, rng.integers(1, 600)) for _ in range(40)]
+    max_keys = 700
+    with tf.device("/GPU:0"):
+        table = sok.DynamicVariable(4, initializer="normal", max_capacity=max_keys, evict_strategy=policy,
+                                    init_capacity=64, name="bounded")
+    want_keys, want_evicted = _reference_model(max_keys, policy, batches)
+    for b, want in zip(batches, want_evicted):
+        with tf.device("/GPU:0"):
+            _, ev_keys, _ = sok.sparse_read_and_evict(table, tf.constant(b))
+        assert sorted(ev_keys.numpy().tolist()) == want
+    assert set(held(table)) == want_keys
+
+
+@pytest.mark.parametrize("case", ["adam_lru_admission", "adagrad_lfu"])
+def test_training_on_the_gpu_equals_the_cpu(rng, case):
+    keys = random_keys(rng, 5000)
+    opt_cls = {"adam_lru_admission": sok.optimizers.Adam, "adagrad_lfu": sok.optimizers.Adagrad}[case]
+    kwargs = dict(dimension=8, initializer="normal", init_capacity=256, max_capacity=3000,
+                  evict_strategy="lru" if "lru" in case else "lfu", min_frequency=2 if "admission" in case else 1)
+    gpu, cpu = pair(**kwargs)
+    opts = {id(gpu): opt_cls(learning_rate=0.05), id(cpu): opt_cls(learning_rate=0.05)}
+
+    def make_step(table, device):
+        opt = opts[id(table)]
+
+        @tf.function
+        def step(ids, target):
+            with tf.device(device):
+                with tf.GradientTape() as tape:
+                    out = sok.lookup_sparse(table, ids, combiners="mean")
+                    loss = tf.reduce_sum(out * target)
+                opt.apply_gradients([(tape.gradient(loss, table), table)])
+        return step
+
+    steps = {"gpu": make_step(gpu, "/GPU:0"), "cpu": make_step(cpu, "/CPU:0")}
+    for _ in range(12):
+        lens = rng.integers(0, 6, 512)
+        ids = tf.RaggedTensor.from_row_lengths(rng.choice(keys, int(lens.sum())), lens)
+        target = tf.constant(rng.standard_normal((512, 8)).astype(np.float32))
+        steps["gpu"](ids, target)
+        steps["cpu"](ids, target)
+    assert_same_tables(gpu, cpu, rtol=2e-5, atol=2e-6)
+
+
+def test_checkpoints_move_between_gpu_and_cpu_tables(rng, tmp_path):
+    keys = random_keys(rng, 2000)
+    gpu, cpu = pair(dimension=4, initializer="uniform", max_capacity=1500, evict_strategy="lfu", min_frequency=2)
+    for _ in range(5):
+        b = tf.constant(rng.choice(keys, 900))
+        with tf.device("/GPU:0"):
+            tf.gather(gpu, b)
+        with tf.device("/CPU:0"):
+            tf.gather(cpu, b)
+    assert_same_tables(gpu, cpu)
+    path = tf.train.Checkpoint(t=gpu).save(str(tmp_path / "g"))
+    with tf.device("/CPU:0"):
+        restored = sok.DynamicVariable(4, initializer="uniform", max_capacity=1500, evict_strategy="lfu",
+                                       min_frequency=2, name="back_on_cpu")
+    tf.train.Checkpoint(t=restored).restore(path).assert_consumed()
+    assert_same_tables(restored, gpu)
+    # both go on alike: scores, admission counts and rows came along
+    b = tf.constant(rng.choice(keys, 900))
+    with tf.device("/GPU:0"):
+        tf.gather(gpu, b)
+    with tf.device("/CPU:0"):
+        tf.gather(restored, b)
+    assert_same_tables(restored, gpu)

@@ -1,0 +1,620 @@
+#include <algorithm>
+#include <type_traits>
+
+#include "tf_sok/cc/impl/dynamic_index_gpu.h"
+#include "tf_sok/cc/impl/gpu_util.cuh"
+
+namespace tf_sok {
+namespace impl {
+namespace {
+
+using gpu::StreamOf;
+
+constexpr int64_t kEmpty = -1, kClaimed = -2, kTomb = -3;
+constexpr int kThreads = 256;
+
+inline int Blocks(int64_t n) { return static_cast<int>(std::max<int64_t>(1, (n + kThreads - 1) / kThreads)); }
+
+__device__ __forceinline__ int64_t Home(int64_t key, int64_t mask) {
+  return static_cast<int64_t>(MixBits(static_cast<uint64_t>(key)) & static_cast<uint64_t>(mask));
+}
+
+// state of `key` in the table (-1 when absent); `where`: its bucket (or -1)
+__device__ __forceinline__ int64_t Probe(const int64_t* keys, const int64_t* state, int64_t mask, int64_t key,
+                                         int64_t* where) {
+  int64_t p = Home(key, mask);
+  while (true) {
+    const int64_t s = state[p];
+    if (s == kEmpty) {
+      *where = -1;
+      return -1;
+    }
+    if (s >= 0 && keys[p] == key) {
+      *where = p;
+      return s;
+    }
+    p = (p + 1) & mask;
+  }
+}
+
+__global__ void FindKernel(const int64_t* tkeys, const int64_t* tstate, int64_t mask, const int64_t* keys, int64_t n,
+                           int64_t* value, int64_t* where) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  int64_t w;
+  value[i] = Probe(tkeys, tstate, mask, keys[i], &w);
+  if (where) where[i] = w;
+}
+
+// Inserts keys absent from the table (distinct: one thread each) with their values.
+__global__ void InsertKernel(int64_t* tkeys, unsigned long long* tstate, int64_t mask, const int64_t* keys,
+                             const int64_t* values, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  int64_t p = Home(keys[i], mask);
+  while (true) {
+    const long long s = static_cast<long long>(*reinterpret_cast<volatile unsigned long long*>(&tstate[p]));
+    if (s == kEmpty || s == kTomb) {
+      if (atomicCAS(&tstate[p], static_cast<unsigned long long>(s), static_cast<unsigned long long>(kClaimed)) ==
+          static_cast<unsigned long long>(s)) {
+        tkeys[p] = keys[i];
+        __threadfence();
+        atomicExch(&tstate[p], static_cast<unsigned long long>(values[i]));
+        return;
+      }
+      continue;  // lost the bucket: look at it again
+    }
+    p = (p + 1) & mask;
+  }
+}
+
+__global__ void SetStateKernel(int64_t* tstate, const int64_t* where, const int64_t* value, int64_t constant,
+                               int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n && where[i] >= 0) tstate[where[i]] = value ? value[i] : constant;
+}
+
+// live entries of a table (state >= 0) compacted: flags
+__global__ void LiveFlagsKernel(const int64_t* state, int64_t n, uint8_t* flags) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) flags[i] = state[i] >= 0;
+}
+
+__global__ void UniqueFlagsKernel(const int64_t* sorted, int64_t n, uint8_t* flags, int64_t* id) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) id[i] = flags[i] = (i == 0 || sorted[i] != sorted[i - 1]);
+}
+
+__global__ void InverseKernel(const int64_t* position, const int64_t* running, int64_t n, int64_t* inverse) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) inverse[position[i]] = running[i] - 1;  // inclusive count of distinct keys so far - 1
+}
+
+__global__ void IotaKernel64(int64_t* out, int64_t n, int64_t start) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) out[i] = start + i;
+}
+
+__global__ void TouchKernel(const int64_t* slot, int64_t n, int64_t* touched, int64_t call) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n && slot[i] >= 0) touched[slot[i]] = call;
+}
+
+__global__ void MissingFlagsKernel(const int64_t* slot, int64_t n, uint8_t* flags) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) flags[i] = slot[i] < 0;
+}
+
+__global__ void AdmitFlagsKernel(const int64_t* count, int64_t n, int64_t min_frequency, uint8_t* admit,
+                                 uint8_t* wait) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int64_t seen = count[i] < 0 ? 0 : count[i];
+  admit[i] = seen + 1 >= min_frequency;
+  wait[i] = !admit[i];
+}
+
+__global__ void IncrementKernel(const int64_t* in, int64_t n, int64_t* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) out[i] = (in[i] < 0 ? 0 : in[i]) + 1;
+}
+
+__global__ void EvictableFlagsKernel(const uint8_t* live, const int64_t* touched, int64_t call, int64_t begin,
+                                     int64_t end, uint8_t* flags) {
+  const int64_t r = begin + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (r < end) flags[r - begin] = live[r] && touched[r] != call;
+}
+
+__global__ void GatherKernel(const int64_t* from, const int64_t* index, int64_t n, int64_t* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) out[i] = from[index[i]];
+}
+
+__global__ void ScoreFoundKernel(const int64_t* slot, int64_t n, int64_t* score, int64_t clock, bool lfu) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n && slot[i] >= 0) score[slot[i]] = lfu ? score[slot[i]] + 1 : clock;
+}
+
+// victims leave: their buckets become tombstones, their rows free (pushed after free[free_count])
+__global__ void EvictKernel(const int64_t* victims, int64_t n, const int64_t* tkeys, int64_t* tstate, int64_t mask,
+                            const int64_t* slot_key, uint8_t* live, int64_t* free_rows, int64_t free_count,
+                            int64_t* evicted_keys, int64_t* evicted_slots) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int64_t r = victims[i], key = slot_key[r];
+  int64_t w;
+  Probe(tkeys, tstate, mask, key, &w);
+  if (w >= 0) tstate[w] = kTomb;
+  live[r] = 0;
+  free_rows[free_count + i] = r;
+  evicted_keys[i] = key;
+  evicted_slots[i] = r;
+}
+
+// new key j gets the row free[free_count - 1 - j] while there are free rows, then next_free + ...
+__global__ void AssignRowsKernel(const int64_t* free_rows, int64_t free_count, int64_t next_free, int64_t n,
+                                 int64_t* rows) {
+  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (j < n) rows[j] = j < free_count ? free_rows[free_count - 1 - j] : next_free + (j - free_count);
+}
+
+__global__ void NewRowsKernel(const int64_t* keys, const int64_t* rows, int64_t n, int64_t* slot_key, uint8_t* live,
+                              int64_t* generation, int64_t* score, int64_t* touched, int64_t initial_score,
+                              int64_t call) {
+  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (j >= n) return;
+  const int64_t r = rows[j];
+  slot_key[r] = keys[j];
+  live[r] = 1;
+  generation[r] += 1;
+  score[r] = initial_score;
+  touched[r] = call;
+}
+
+__global__ void SlotsKernel(const int64_t* unique_slot, const int64_t* inverse, int64_t n, int64_t missing_row,
+                            int64_t* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int64_t s = unique_slot[inverse[i]];
+  out[i] = s >= 0 ? s : missing_row;
+}
+
+__global__ void GenerationsKernel(const int64_t* generation, int64_t rows, const int64_t* slots, int64_t n,
+                                  int64_t* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) out[i] = slots[i] >= 0 && slots[i] < rows ? generation[slots[i]] : -1;
+}
+
+__global__ void InitialRowsKernel(int kind, float a, float b, int64_t seed, const int64_t* keys, int64_t n,
+                                  int64_t dim, float* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n * dim) return;
+  const int64_t row = i / dim;
+  out[i] = InitialValue(kind, a, b, InitialKeyBits(seed, keys[row]), i - row * dim);
+}
+
+int64_t PowerOfTwoAtLeast(int64_t n) {
+  int64_t p = 1024;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+// flagged items of `in` (n) to `out`; returns the count (waits for the stream)
+template <typename T>
+int64_t Compact(const GpuDevice& d, const T* in, const uint8_t* flags, int64_t n, T* out, std::string* error) {
+  cudaStream_t s = StreamOf(d);
+  auto* count = gpu::Alloc<int64_t>(d, 1);
+  size_t bytes = 0;
+  cub::DeviceSelect::Flagged(nullptr, bytes, in, flags, out, count, n, s);
+  void* temp = d.scratch->Allocate(std::max<size_t>(bytes, 1));
+  if (!count || !temp) {
+    *error = "ran out of GPU memory";
+    return 0;
+  }
+  cub::DeviceSelect::Flagged(temp, bytes, in, flags, out, count, n, s);
+  int64_t host = 0;
+  cudaMemcpyAsync(&host, count, sizeof(host), cudaMemcpyDeviceToHost, s);
+  const cudaError_t c = cudaStreamSynchronize(s);
+  if (c != cudaSuccess) *error = std::string("CUDA error ") + cudaGetErrorString(c);
+  return host;
+}
+
+template <typename K, typename V>
+bool SortPairs(const GpuDevice& d, const K* keys_in, K* keys_out, const V* values_in, V* values_out, int64_t n) {
+  cudaStream_t s = StreamOf(d);
+  size_t bytes = 0;
+  cub::DeviceRadixSort::SortPairs(nullptr, bytes, keys_in, keys_out, values_in, values_out, n, 0,
+                                  static_cast<int>(sizeof(K) * 8), s);
+  void* temp = d.scratch->Allocate(std::max<size_t>(bytes, 1));
+  if (!temp) return false;
+  cub::DeviceRadixSort::SortPairs(temp, bytes, keys_in, keys_out, values_in, values_out, n, 0,
+                                  static_cast<int>(sizeof(K) * 8), s);
+  return true;
+}
+
+}  // namespace
+
+GpuDynamicIndex::GpuDynamicIndex(const DynamicIndexConfig& config, DeviceMemory* memory)
+    : config_(config), memory_(memory) {
+  reserved_ = config_.min_frequency > 1 ? 1 : 0;
+  next_free_ = reserved_;
+  int64_t rows = std::max<int64_t>(config_.init_rows, reserved_ + 1);
+  if (config_.max_keys > 0) rows = std::min(rows, config_.max_keys + reserved_);
+  init_error_ = NewTable(&keys_, PowerOfTwoAtLeast(2 * rows), nullptr);
+  if (init_error_.empty()) init_error_ = NewTable(&candidates_, 1024, nullptr);
+  if (init_error_.empty()) {
+    GpuDevice none{nullptr, nullptr};
+    init_error_ = EnsureRows(none, rows);
+    cudaDeviceSynchronize();
+  }
+}
+
+GpuDynamicIndex::~GpuDynamicIndex() {
+  FreeTable(&keys_);
+  FreeTable(&candidates_);
+  for (void* p : {static_cast<void*>(slot_key_), static_cast<void*>(score_), static_cast<void*>(generation_),
+                  static_cast<void*>(touched_), static_cast<void*>(free_), static_cast<void*>(live_row_)})
+    if (p) memory_->Free(p);
+}
+
+std::string GpuDynamicIndex::NewTable(Table* t, int64_t buckets, void* stream) {
+  t->keys = static_cast<int64_t*>(memory_->Allocate(sizeof(int64_t) * buckets));
+  t->state = static_cast<int64_t*>(memory_->Allocate(sizeof(int64_t) * buckets));
+  if (!t->keys || !t->state) return "ran out of GPU memory for a hash table of " + std::to_string(buckets) + " buckets";
+  cudaMemsetAsync(t->state, 0xFF, sizeof(int64_t) * buckets, static_cast<cudaStream_t>(stream));  // -1: empty
+  t->buckets = buckets;
+  t->used = 0;
+  return "";
+}
+
+void GpuDynamicIndex::FreeTable(Table* t) {
+  if (t->keys) memory_->Free(t->keys);
+  if (t->state) memory_->Free(t->state);
+  t->keys = t->state = nullptr;
+}
+
+// The live entries of `t` moved into a fresh table of `buckets` (tombstones dropped).
+std::string GpuDynamicIndex::Rebuild(const GpuDevice& d, Table* t, int64_t live, int64_t buckets) {
+  cudaStream_t s = StreamOf(d);
+  auto* flags = gpu::Alloc<uint8_t>(d, t->buckets);
+  auto* keys = gpu::Alloc<int64_t>(d, live);
+  auto* values = gpu::Alloc<int64_t>(d, live);
+  if (!flags || !keys || !values) return "ran out of GPU memory";
+  LiveFlagsKernel<<<Blocks(t->buckets), kThreads, 0, s>>>(t->state, t->buckets, flags);
+  std::string error;
+  const int64_t n = Compact(d, t->keys, flags, t->buckets, keys, &error);
+  Compact(d, t->state, flags, t->buckets, values, &error);
+  if (!error.empty()) return error;
+  Table fresh;
+  error = NewTable(&fresh, buckets, d.stream);
+  if (!error.empty()) {
+    FreeTable(&fresh);
+    return error;
+  }
+  InsertKernel<<<Blocks(n), kThreads, 0, s>>>(fresh.keys, reinterpret_cast<unsigned long long*>(fresh.state),
+                                              fresh.buckets - 1, keys, values, n);
+  cudaStreamSynchronize(s);
+  FreeTable(t);
+  *t = fresh;
+  t->used = n;
+  return "";
+}
+
+// Makes room in `t` for `adding` more entries: rebuilt when entries + tombstones would pass half the buckets.
+std::string GpuDynamicIndex::Room(const GpuDevice& d, Table* t, int64_t live, int64_t adding) {
+  if ((t->used + adding) * 2 <= t->buckets) return "";
+  return Rebuild(d, t, live, PowerOfTwoAtLeast(4 * (live + adding)));
+}
+
+std::string GpuDynamicIndex::EnsureRows(const GpuDevice& d, int64_t needed) {
+  if (needed <= rows_) return "";
+  int64_t rows = std::max(needed, rows_ * 2);
+  if (config_.max_keys > 0) rows = std::max(needed, std::min(rows, config_.max_keys + reserved_));
+  cudaStream_t s = d.stream ? StreamOf(d) : nullptr;
+  auto grow = [&](auto*& p, size_t width) -> bool {
+    void* fresh = memory_->Allocate(width * rows);
+    if (!fresh) return false;
+    cudaMemsetAsync(fresh, 0, width * rows, s);
+    if (p) {
+      cudaMemcpyAsync(fresh, p, width * rows_, cudaMemcpyDeviceToDevice, s);
+      cudaStreamSynchronize(s);
+      memory_->Free(p);
+    }
+    p = static_cast<std::remove_reference_t<decltype(p)>>(fresh);
+    return true;
+  };
+  if (!grow(slot_key_, 8) || !grow(score_, 8) || !grow(generation_, 8) || !grow(touched_, 8) || !grow(free_, 8) ||
+      !grow(live_row_, 1))
+    return "ran out of GPU memory growing to " + std::to_string(rows) + " rows";
+  rows_ = rows;
+  return "";
+}
+
+std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64_t n, bool insert,
+                                  GpuFindResult* out) {
+  if (!init_error_.empty()) return init_error_;
+  cudaStream_t s = StreamOf(d);
+  out->rows = rows_;
+  out->slots = gpu::Alloc<int64_t>(d, n);
+  if (!out->slots) return "ran out of GPU memory";
+  if (n == 0) return "";
+  const int64_t mask = keys_.buckets - 1;
+  if (!insert) {
+    FindKernel<<<Blocks(n), kThreads, 0, s>>>(keys_.keys, keys_.state, mask, keys, n, out->slots, nullptr);
+    return "";
+  }
+  const int64_t call = ++call_;
+  std::string error;
+  // 1. distinct keys (sorted) and, per position, its distinct key
+  auto* position = gpu::Alloc<int64_t>(d, n);
+  auto* sorted = gpu::Alloc<int64_t>(d, n);
+  auto* sorted_position = gpu::Alloc<int64_t>(d, n);
+  auto* first = gpu::Alloc<uint8_t>(d, n);
+  auto* is_first = gpu::Alloc<int64_t>(d, n);
+  auto* running = gpu::Alloc<int64_t>(d, n);
+  auto* inverse = gpu::Alloc<int64_t>(d, n);
+  auto* uniq = gpu::Alloc<int64_t>(d, n);
+  if (!position || !sorted || !sorted_position || !first || !is_first || !running || !inverse || !uniq)
+    return "ran out of GPU memory";
+  IotaKernel64<<<Blocks(n), kThreads, 0, s>>>(position, n, 0);
+  if (!SortPairs(d, keys, sorted, position, sorted_position, n)) return "ran out of GPU memory";
+  UniqueFlagsKernel<<<Blocks(n), kThreads, 0, s>>>(sorted, n, first, is_first);
+  {
+    size_t bytes = 0;
+    cub::DeviceScan::InclusiveSum(nullptr, bytes, is_first, running, n, s);
+    void* temp = d.scratch->Allocate(std::max<size_t>(bytes, 1));
+    if (!temp) return "ran out of GPU memory";
+    cub::DeviceScan::InclusiveSum(temp, bytes, is_first, running, n, s);
+  }
+  InverseKernel<<<Blocks(n), kThreads, 0, s>>>(sorted_position, running, n, inverse);
+  const int64_t u = Compact(d, sorted, first, n, uniq, &error);
+  if (!error.empty()) return error;
+  // 2. found keys touched; missing keys
+  auto* slot = gpu::Alloc<int64_t>(d, u);
+  auto* missing_flags = gpu::Alloc<uint8_t>(d, u);
+  auto* missing = gpu::Alloc<int64_t>(d, u);
+  if (!slot || !missing_flags || !missing) return "ran out of GPU memory";
+  FindKernel<<<Blocks(u), kThreads, 0, s>>>(keys_.keys, keys_.state, mask, uniq, u, slot, nullptr);
+  TouchKernel<<<Blocks(u), kThreads, 0, s>>>(slot, u, touched_, call);
+  MissingFlagsKernel<<<Blocks(u), kThreads, 0, s>>>(slot, u, missing_flags);
+  const int64_t m = Compact(d, uniq, missing_flags, u, missing, &error);
+  if (!error.empty()) return error;
+  // 3. admission (nothing written yet)
+  int64_t* admitted = missing;
+  int64_t a = m, waiting_count = 0;
+  int64_t *waiting = nullptr, *waiting_seen = nullptr, *waiting_where = nullptr, *admitted_where = nullptr;
+  if (config_.min_frequency > 1 && m > 0) {
+    error = Room(d, &candidates_, candidates_live_, m);  // now: the bucket positions found below stay valid
+    if (!error.empty()) return error;
+    auto* seen = gpu::Alloc<int64_t>(d, m);
+    auto* where = gpu::Alloc<int64_t>(d, m);
+    auto* admit = gpu::Alloc<uint8_t>(d, m);
+    auto* wait = gpu::Alloc<uint8_t>(d, m);
+    admitted = gpu::Alloc<int64_t>(d, m);
+    waiting = gpu::Alloc<int64_t>(d, m);
+    waiting_seen = gpu::Alloc<int64_t>(d, m);
+    waiting_where = gpu::Alloc<int64_t>(d, m);
+    admitted_where = gpu::Alloc<int64_t>(d, m);
+    if (!seen || !where || !admit || !wait || !admitted || !waiting || !waiting_seen || !waiting_where ||
+        !admitted_where)
+      return "ran out of GPU memory";
+    FindKernel<<<Blocks(m), kThreads, 0, s>>>(candidates_.keys, candidates_.state, candidates_.buckets - 1, missing,
+                                              m, seen, where);
+    AdmitFlagsKernel<<<Blocks(m), kThreads, 0, s>>>(seen, m, config_.min_frequency, admit, wait);
+    a = Compact(d, missing, admit, m, admitted, &error);
+    Compact(d, where, admit, m, admitted_where, &error);
+    waiting_count = Compact(d, missing, wait, m, waiting, &error);
+    Compact(d, seen, wait, m, waiting_seen, &error);
+    Compact(d, where, wait, m, waiting_where, &error);
+    if (!error.empty()) return error;
+  }
+  // 4. room: the untouched rows of lowest (score, key), by two stable radix sorts
+  int64_t* victims = nullptr;
+  int64_t k = 0;
+  if (config_.max_keys > 0 && live_ + a > config_.max_keys) {
+    k = live_ + a - config_.max_keys;
+    if (config_.evict == Evict::kNone) {
+      return "is full: " + std::to_string(live_) + " of max_capacity " + std::to_string(config_.max_keys) +
+             " keys held and this batch brings " + std::to_string(a) +
+             " new ones; give evict_strategy (\"lru\" or \"lfu\") or a larger max_capacity";
+    }
+    const int64_t span = next_free_ - reserved_;
+    auto* flags = gpu::Alloc<uint8_t>(d, span);
+    auto* all_rows = gpu::Alloc<int64_t>(d, span);
+    auto* rows = gpu::Alloc<int64_t>(d, span);
+    auto* rkeys = gpu::Alloc<int64_t>(d, span);
+    auto* rkeys_sorted = gpu::Alloc<int64_t>(d, span);
+    auto* rows_by_key = gpu::Alloc<int64_t>(d, span);
+    auto* scores = gpu::Alloc<int64_t>(d, span);
+    auto* scores_sorted = gpu::Alloc<int64_t>(d, span);
+    victims = gpu::Alloc<int64_t>(d, span);
+    if (!flags || !all_rows || !rows || !rkeys || !rkeys_sorted || !rows_by_key || !scores || !scores_sorted ||
+        !victims)
+      return "ran out of GPU memory";
+    EvictableFlagsKernel<<<Blocks(span), kThreads, 0, s>>>(live_row_, touched_, call, reserved_, next_free_, flags);
+    IotaKernel64<<<Blocks(span), kThreads, 0, s>>>(all_rows, span, reserved_);
+    const int64_t c = Compact(d, all_rows, flags, span, rows, &error);
+    if (!error.empty()) return error;
+    if (c < k) {
+      return "cannot hold this batch's keys: it uses " + std::to_string(u - m + a) +
+             " distinct keys and max_capacity is " + std::to_string(config_.max_keys);
+    }
+    GatherKernel<<<Blocks(c), kThreads, 0, s>>>(slot_key_, rows, c, rkeys);
+    if (!SortPairs(d, rkeys, rkeys_sorted, rows, rows_by_key, c)) return "ran out of GPU memory";
+    GatherKernel<<<Blocks(c), kThreads, 0, s>>>(score_, rows_by_key, c, scores);
+    if (!SortPairs(d, scores, scores_sorted, rows_by_key, victims, c)) return "ran out of GPU memory";
+  }
+  // 5. commit
+  error = Room(d, &keys_, live_, a);
+  if (!error.empty()) return error;
+  const int64_t taken = std::min(a, free_count_ + k);
+  error = EnsureRows(d, next_free_ + (a - taken));
+  if (!error.empty()) return error;
+  ++clock_;
+  const bool lfu = config_.evict == Evict::kLfu;
+  ScoreFoundKernel<<<Blocks(u), kThreads, 0, s>>>(slot, u, score_, clock_, lfu);
+  out->num_evicted = k;
+  out->evicted_keys = gpu::Alloc<int64_t>(d, k);
+  out->evicted_slots = gpu::Alloc<int64_t>(d, k);
+  out->new_slots = gpu::Alloc<int64_t>(d, a);
+  out->new_keys = admitted;
+  if (!out->evicted_keys || !out->evicted_slots || !out->new_slots) return "ran out of GPU memory";
+  if (k > 0) {
+    EvictKernel<<<Blocks(k), kThreads, 0, s>>>(victims, k, keys_.keys, keys_.state, keys_.buckets - 1, slot_key_,
+                                               live_row_, free_, free_count_, out->evicted_keys, out->evicted_slots);
+    free_count_ += k;
+    live_ -= k;
+  }
+  AssignRowsKernel<<<Blocks(a), kThreads, 0, s>>>(free_, free_count_, next_free_, a, out->new_slots);
+  InsertKernel<<<Blocks(a), kThreads, 0, s>>>(keys_.keys, reinterpret_cast<unsigned long long*>(keys_.state),
+                                              keys_.buckets - 1, admitted, out->new_slots, a);
+  NewRowsKernel<<<Blocks(a), kThreads, 0, s>>>(admitted, out->new_slots, a, slot_key_, live_row_, generation_, score_,
+                                               touched_, lfu ? 1 : clock_, call);
+  keys_.used += a;
+  live_ += a;
+  next_free_ += a - std::min(a, free_count_);
+  free_count_ -= std::min(a, free_count_);
+  out->num_new = a;
+  if (config_.min_frequency > 1 && m > 0) {
+    // admitted keys leave the candidates; waiting ones count one more sighting (found: in place)
+    SetStateKernel<<<Blocks(a), kThreads, 0, s>>>(candidates_.state, admitted_where, nullptr, kTomb, a);
+    auto* counts = gpu::Alloc<int64_t>(d, waiting_count);
+    auto* fresh_flags = gpu::Alloc<uint8_t>(d, waiting_count);
+    auto* fresh = gpu::Alloc<int64_t>(d, waiting_count);
+    auto* fresh_counts = gpu::Alloc<int64_t>(d, waiting_count);
+    if (!counts || !fresh_flags || !fresh || !fresh_counts) return "ran out of GPU memory";
+    IncrementKernel<<<Blocks(waiting_count), kThreads, 0, s>>>(waiting_seen, waiting_count, counts);
+    SetStateKernel<<<Blocks(waiting_count), kThreads, 0, s>>>(candidates_.state, waiting_where, counts, 0,
+                                                              waiting_count);
+    MissingFlagsKernel<<<Blocks(waiting_count), kThreads, 0, s>>>(waiting_where, waiting_count, fresh_flags);
+    const int64_t f = Compact(d, waiting, fresh_flags, waiting_count, fresh, &error);
+    Compact(d, counts, fresh_flags, waiting_count, fresh_counts, &error);
+    if (!error.empty()) return error;
+    InsertKernel<<<Blocks(f), kThreads, 0, s>>>(candidates_.keys,
+                                                reinterpret_cast<unsigned long long*>(candidates_.state),
+                                                candidates_.buckets - 1, fresh, fresh_counts, f);
+    candidates_.used += f;
+    candidates_live_ += f - a;
+  }
+  // 6. every position's row: the distinct keys looked up again (keys not admitted: row 0)
+  FindKernel<<<Blocks(u), kThreads, 0, s>>>(keys_.keys, keys_.state, keys_.buckets - 1, uniq, u, slot, nullptr);
+  SlotsKernel<<<Blocks(n), kThreads, 0, s>>>(slot, inverse, n, 0, out->slots);
+  out->rows = rows_;
+  const cudaError_t c = cudaStreamSynchronize(s);  // the call's scratch memory is freed when it returns
+  if (c != cudaSuccess) return std::string("CUDA error ") + cudaGetErrorString(c);
+  return "";
+}
+
+std::string GpuDynamicIndex::Generations(const GpuDevice& d, const int64_t* slots, int64_t n, int64_t* out) {
+  if (n > 0) GenerationsKernel<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(generation_, rows_, slots, n, out);
+  return "";
+}
+
+std::string GpuDynamicIndex::Export(const GpuDevice& d, DynamicIndexSnapshot* snap) {
+  cudaStream_t s = StreamOf(d);
+  std::vector<int64_t> slot_key(next_free_), score(next_free_);
+  std::vector<uint8_t> live(next_free_);
+  snap->generations.resize(next_free_);
+  cudaMemcpyAsync(slot_key.data(), slot_key_, 8 * next_free_, cudaMemcpyDeviceToHost, s);
+  cudaMemcpyAsync(score.data(), score_, 8 * next_free_, cudaMemcpyDeviceToHost, s);
+  cudaMemcpyAsync(live.data(), live_row_, next_free_, cudaMemcpyDeviceToHost, s);
+  cudaMemcpyAsync(snap->generations.data(), generation_, 8 * next_free_, cudaMemcpyDeviceToHost, s);
+  std::vector<int64_t> ckeys(candidates_.buckets), cstate(candidates_.buckets);
+  cudaMemcpyAsync(ckeys.data(), candidates_.keys, 8 * candidates_.buckets, cudaMemcpyDeviceToHost, s);
+  cudaMemcpyAsync(cstate.data(), candidates_.state, 8 * candidates_.buckets, cudaMemcpyDeviceToHost, s);
+  const cudaError_t c = cudaStreamSynchronize(s);
+  if (c != cudaSuccess) return std::string("CUDA error ") + cudaGetErrorString(c);
+  for (int64_t r = reserved_; r < next_free_; ++r) {
+    if (!live[r]) continue;
+    snap->keys.push_back(slot_key[r]);
+    snap->slots.push_back(r);
+    snap->scores.push_back(score[r]);
+  }
+  for (int64_t b = 0; b < candidates_.buckets; ++b) {
+    if (cstate[b] < 0) continue;
+    snap->candidate_keys.push_back(ckeys[b]);
+    snap->candidate_counts.push_back(cstate[b]);
+  }
+  snap->clock = clock_;
+  snap->rows = rows_;
+  snap->next_free = next_free_;
+  return "";
+}
+
+std::string GpuDynamicIndex::Import(const GpuDevice& d, const DynamicIndexSnapshot& snap) {
+  // checked and laid out by the host index, then copied over
+  DynamicIndex host(config_);
+  std::string error = host.Import(snap);
+  if (!error.empty()) return error;
+  cudaStream_t s = StreamOf(d);
+  const int64_t n = static_cast<int64_t>(snap.keys.size());
+  error = EnsureRows(d, snap.rows);
+  if (!error.empty()) return error;
+  std::vector<int64_t> slot_key(rows_, 0), score(rows_, 0), generation(rows_, 0), touched(rows_, 0);
+  std::vector<uint8_t> live(rows_, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    slot_key[snap.slots[i]] = snap.keys[i];
+    score[snap.slots[i]] = snap.scores[i];
+    live[snap.slots[i]] = 1;
+  }
+  std::copy(snap.generations.begin(), snap.generations.end(), generation.begin());
+  std::vector<int64_t> free_rows;
+  for (int64_t r = snap.next_free - 1; r >= reserved_; --r)
+    if (!live[r]) free_rows.push_back(r);
+  Table fresh_keys, fresh_candidates;
+  error = NewTable(&fresh_keys, PowerOfTwoAtLeast(4 * std::max<int64_t>(n, rows_ / 2)), d.stream);
+  if (error.empty())
+    error = NewTable(&fresh_candidates, PowerOfTwoAtLeast(4 * static_cast<int64_t>(snap.candidate_keys.size())),
+                     d.stream);
+  auto* dkeys = gpu::Alloc<int64_t>(d, n + snap.candidate_keys.size());
+  auto* dvalues = gpu::Alloc<int64_t>(d, n + snap.candidate_keys.size());
+  if (!error.empty() || !dkeys || !dvalues) {
+    FreeTable(&fresh_keys);
+    FreeTable(&fresh_candidates);
+    return error.empty() ? "ran out of GPU memory" : error;
+  }
+  const int64_t cn = static_cast<int64_t>(snap.candidate_keys.size());
+  cudaMemcpyAsync(dkeys, snap.keys.data(), 8 * n, cudaMemcpyHostToDevice, s);
+  cudaMemcpyAsync(dvalues, snap.slots.data(), 8 * n, cudaMemcpyHostToDevice, s);
+  cudaMemcpyAsync(dkeys + n, snap.candidate_keys.data(), 8 * cn, cudaMemcpyHostToDevice, s);
+  cudaMemcpyAsync(dvalues + n, snap.candidate_counts.data(), 8 * cn, cudaMemcpyHostToDevice, s);
+  InsertKernel<<<Blocks(n), kThreads, 0, s>>>(fresh_keys.keys, reinterpret_cast<unsigned long long*>(fresh_keys.state),
+                                              fresh_keys.buckets - 1, dkeys, dvalues, n);
+  InsertKernel<<<Blocks(cn), kThreads, 0, s>>>(
+      fresh_candidates.keys, reinterpret_cast<unsigned long long*>(fresh_candidates.state),
+      fresh_candidates.buckets - 1, dkeys + n, dvalues + n, cn);
+  cudaMemcpyAsync(slot_key_, slot_key.data(), 8 * rows_, cudaMemcpyHostToDevice, s);
+  cudaMemcpyAsync(score_, score.data(), 8 * rows_, cudaMemcpyHostToDevice, s);
+  cudaMemcpyAsync(generation_, generation.data(), 8 * rows_, cudaMemcpyHostToDevice, s);
+  cudaMemcpyAsync(touched_, touched.data(), 8 * rows_, cudaMemcpyHostToDevice, s);
+  cudaMemcpyAsync(live_row_, live.data(), rows_, cudaMemcpyHostToDevice, s);
+  if (!free_rows.empty()) cudaMemcpyAsync(free_, free_rows.data(), 8 * free_rows.size(), cudaMemcpyHostToDevice, s);
+  const cudaError_t c = cudaStreamSynchronize(s);
+  if (c != cudaSuccess) {
+    FreeTable(&fresh_keys);
+    FreeTable(&fresh_candidates);
+    return std::string("CUDA error ") + cudaGetErrorString(c);
+  }
+  FreeTable(&keys_);
+  FreeTable(&candidates_);
+  keys_ = fresh_keys;
+  keys_.used = n;
+  candidates_ = fresh_candidates;
+  candidates_.used = cn;
+  candidates_live_ = cn;
+  live_ = n;
+  free_count_ = static_cast<int64_t>(free_rows.size());
+  next_free_ = snap.next_free;
+  clock_ = snap.clock;
+  call_ = 0;
+  return "";
+}
+
+void GpuInitialRows(const GpuDevice& d, int kind, float a, float b, int64_t seed, const int64_t* keys, int64_t n,
+                    int64_t dim, float* out) {
+  if (n * dim > 0)
+    InitialRowsKernel<<<Blocks(n * dim), kThreads, 0, StreamOf(d)>>>(kind, a, b, seed, keys, n, dim, out);
+}
+
+}  // namespace impl
+}  // namespace tf_sok

@@ -1,0 +1,92 @@
+// The key -> row index of a dynamic table in GPU memory: the same function as
+// DynamicIndex (dynamic_index.h) — insertion, LRU/LFU eviction of the untouched
+// keys of lowest (score, key), admission after min_frequency sightings, row
+// generations — computed by CUDA kernels over an open-addressing table in HBM
+// (linear probing, tombstones, claimed by atomicCAS; rebuilt when keys plus
+// tombstones pass half the buckets). Rows are handed out in another order than
+// on the host; what a caller sees (values per key, evicted keys) is the same.
+//
+// A call reads a few counts back to the host (distinct keys, new keys, admitted
+// keys) to size its outputs and the arrays' growth. Not thread safe: the caller
+// holds a lock and passes the stream it runs on.
+#ifndef TF_SOK_CC_IMPL_DYNAMIC_INDEX_GPU_H_
+#define TF_SOK_CC_IMPL_DYNAMIC_INDEX_GPU_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tf_sok/cc/impl/common.h"
+#include "tf_sok/cc/impl/dynamic_index.h"
+
+namespace tf_sok {
+namespace impl {
+
+// Device memory that outlives a call (the caller's allocator, e.g. TensorFlow's).
+class DeviceMemory {
+ public:
+  virtual ~DeviceMemory() = default;
+  virtual void* Allocate(size_t bytes) = 0;  // nullptr when out of memory
+  virtual void Free(void* p) = 0;
+};
+
+// Where a Find call left its results, in scratch device memory of the call.
+struct GpuFindResult {
+  int64_t* slots = nullptr;          // [n], per key
+  int64_t* new_slots = nullptr;      // [num_new]
+  int64_t* new_keys = nullptr;       // [num_new]
+  int64_t* evicted_keys = nullptr;   // [num_evicted]
+  int64_t* evicted_slots = nullptr;  // [num_evicted]
+  int64_t num_new = 0, num_evicted = 0, rows = 0;
+};
+
+class GpuDynamicIndex {
+ public:
+  GpuDynamicIndex(const DynamicIndexConfig& config, DeviceMemory* memory);
+  ~GpuDynamicIndex();
+  GpuDynamicIndex(const GpuDynamicIndex&) = delete;
+  GpuDynamicIndex& operator=(const GpuDynamicIndex&) = delete;
+
+  // As DynamicIndex::Find, with keys and outputs on the device. "" or an error
+  // message; an error changes nothing a later call can see.
+  std::string Find(const GpuDevice& d, const int64_t* keys, int64_t n, bool insert, GpuFindResult* out);
+  std::string Generations(const GpuDevice& d, const int64_t* slots, int64_t n, int64_t* out);
+  int64_t size() const { return live_; }
+  int64_t rows() const { return rows_; }
+
+  std::string Export(const GpuDevice& d, DynamicIndexSnapshot* s);
+  std::string Import(const GpuDevice& d, const DynamicIndexSnapshot& s);
+
+ private:
+  struct Table {  // open addressing: state -1 empty, -3 tombstone, else the value (row or count)
+    int64_t* keys = nullptr;
+    int64_t* state = nullptr;
+    int64_t buckets = 0, used = 0;  // used: live entries + tombstones (an upper bound)
+  };
+  std::string NewTable(Table* t, int64_t buckets, void* stream);
+  void FreeTable(Table* t);
+  std::string Rebuild(const GpuDevice& d, Table* t, int64_t live, int64_t buckets);
+  std::string EnsureRows(const GpuDevice& d, int64_t needed);
+  std::string Room(const GpuDevice& d, Table* t, int64_t live, int64_t adding);
+
+  DynamicIndexConfig config_;
+  DeviceMemory* memory_;
+  int64_t reserved_ = 0;
+  Table keys_, candidates_;
+  int64_t candidates_live_ = 0;
+  // per row
+  int64_t *slot_key_ = nullptr, *score_ = nullptr, *generation_ = nullptr, *touched_ = nullptr;
+  int64_t* free_ = nullptr;
+  uint8_t* live_row_ = nullptr;
+  int64_t free_count_ = 0, next_free_ = 0, rows_ = 0, live_ = 0, clock_ = 0, call_ = 0;
+  std::string init_error_;
+};
+
+// InitialRows (dynamic_index.h) on the device: out [n, dim].
+void GpuInitialRows(const GpuDevice& d, int kind, float a, float b, int64_t seed, const int64_t* keys, int64_t n,
+                    int64_t dim, float* out);
+
+}  // namespace impl
+}  // namespace tf_sok
+
+#endif  // TF_SOK_CC_IMPL_DYNAMIC_INDEX_GPU_H_
