@@ -37,11 +37,11 @@ def finite_number(name: str, value) -> float:
     return value
 
 
-def _dynamic_slot(name, table, per_row, initial_value, dtype=tf.float32):
+def _dynamic_slot(name, table, per_row, initial_value, dtype=tf.float32, device=None):
     """State of a dynamic table: a tf.Variable of its current rows ([None] or [None, dim]) that
-    grows with it (`_fresh_dynamic_state`)."""
+    grows with it (`_fresh_dynamic_state`); next to the table unless `device` says."""
     var = backing_variable(table)
-    with tf.init_scope(), tf.device(var.device):
+    with tf.init_scope(), tf.device(device or var.device):
         rows = int(tf.shape(var)[0])
         shape = [None] if per_row else [None, var.dimension]
         value = tf.fill([rows] if per_row else [rows, var.dimension], tf.constant(initial_value, dtype))
@@ -60,9 +60,10 @@ def _fresh_dynamic_state(table, rows, slots, fills, stamp):
     with tf.control_dependencies(grown):
         rows = tf.cast(rows, tf.int64)
         gens = var.generations(rows)
+    with tf.device("/CPU:0"):
         stale = tf.not_equal(tf.gather(stamp, rows), gens)
         stale_rows = tf.boolean_mask(rows, stale)
-    resets = [stamp.scatter_update(tf.IndexedSlices(tf.boolean_mask(gens, stale), stale_rows))]
+        resets = [stamp.scatter_update(tf.IndexedSlices(tf.boolean_mask(gens, stale), stale_rows))]
     for s, f in zip(slots, fills):
         shape = tf.concat([tf.shape(stale_rows), tf.shape(s)[1:]], 0)
         resets.append(s.scatter_update(tf.IndexedSlices(tf.fill(shape, tf.constant(f, s.dtype)), stale_rows)))
@@ -182,7 +183,8 @@ class SparseOptimizer(tf.Module, abc.ABC):
             if meta.dynamic:   # row arrays that grow with the table, and the key count each row's state is for
                 self._slots[key] = [_dynamic_slot(f"{prefix}/{s.name}", var, s.per_row, s.initial_value)
                                     for s in self.slot_specs()]
-                self._stamps[key] = _dynamic_slot(f"{prefix}/generation", var, True, 0, tf.int64)
+                # the generation stamps are host bookkeeping (int64 scatters stay off the GPU)
+                self._stamps[key] = _dynamic_slot(f"{prefix}/generation", var, True, 0, tf.int64, "/CPU:0")
                 continue
             rows, dim = backing_variable(var).shape.as_list()
             self._slots[key] = [
