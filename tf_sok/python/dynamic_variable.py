@@ -120,22 +120,6 @@ class _KeyIndex(resource_lib.TrackableResource):
 _EXPORT_PARTS = ("keys", "slots", "scores", "generations", "candidate_keys", "candidate_counts", "counters")
 
 
-def grow_rows(var, rows, fill: float = 0.0):
-    """Grows the row array `var` ([None, dim] tf.Variable) to `rows` rows (new rows at `fill`);
-    nothing when it has them already. Works eagerly and in a graph (a cond on host scalars)."""
-    have = tf.cast(resource_variable_ops.variable_shape(var.handle)[0], tf.int64)
-    rows = tf.cast(rows, tf.int64)
-
-    def grow():
-        value = var.read_value()
-        extra = tf.fill(tf.stack([rows - have, tf.cast(tf.shape(value)[1:], tf.int64)[0]] if value.shape.rank == 2
-                                 else tf.reshape(rows - have, [1])), tf.constant(fill, var.dtype))
-        with tf.control_dependencies([var.assign(tf.concat([value, extra], 0), read_value=False)]):
-            return tf.constant(True)
-
-    return tf.cond(rows > have, grow, lambda: tf.constant(False))
-
-
 class DynamicVariable(resource_variable_ops.ResourceVariable):
     """An embedding table keyed by any int64 id (SOK 2.x's `sok.DynamicVariable`).
 
@@ -211,6 +195,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         self._index = _KeyIndex(self._index_device, table_name=name, dim=dimension, init_rows=init_rows,
                                 max_keys=max_keys, evict=evict or "none", min_frequency=min_frequency,
                                 initializer=kind, init_a=a, init_b=b, seed=int(seed))
+        self._attach(self, 0.0, values=True)
         self._track_trackable(self._index, name="tf_sok_index")
         self._dimension = dimension
         self._key_type = key_type
@@ -275,25 +260,26 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
 
     def rows_for(self, keys, insert: bool = True, with_evicted: bool = False):
         """Rows of the value array holding `keys` (any shape; int32 / int64), inserting missing keys at
-        their initial value (insert=False: -1 for missing keys, nothing changes). with_evicted: also
+        their initial value (the arrays grow, and the optimizer state of new keys' rows is reset, in
+        the same op); insert=False: -1 for missing keys, nothing changes. with_evicted: also
         (evicted keys, their values) — what made room for the new keys."""
         keys = tf.convert_to_tensor(keys)
         shape = tf.shape(keys)
-        flat = self._keys(keys)
         with tf.device(self._index_device):
-            slots, new_slots, new_values, ev_keys, ev_slots, rows = ops().tf_sok_dynamic_find(
-                self._index.resource_handle, flat, insert=insert)
-        if not insert:
-            return tf.reshape(slots, shape)
-        grown = grow_rows(self, rows)
-        with tf.control_dependencies([grown]):
-            ev_values = self._base_gather(ev_slots) if with_evicted else None
-        deps = [ev_values] if with_evicted else [grown]
-        with tf.control_dependencies(deps):
-            written = self.scatter_update(tf.IndexedSlices(new_values, new_slots))
-        with tf.control_dependencies([written]):
-            slots = tf.reshape(tf.identity(slots), shape)
+            slots, ev_keys, ev_values = ops().tf_sok_dynamic_find(self._index.resource_handle, self._keys(keys),
+                                                                  insert=insert, with_evicted=with_evicted)
+        slots = tf.reshape(slots, shape)
         return (slots, ev_keys, ev_values) if with_evicted else slots
+
+    def _attach(self, array, fill: float, values: bool = False):
+        with tf.init_scope(), tf.device(self._index_device):
+            ops().tf_sok_dynamic_attach(self._index.resource_handle, array.handle, fill=float(fill), values=values)
+
+    def attach_state(self, array, fill: float):
+        """Makes `array` ([rows] or [rows, dim] float32 tf.Variable of this table's rows) per-key
+        state: it grows with the table, and a row gets `fill` whenever a new key takes it (an
+        evicted key's state leaves with it). The sparse optimizers attach their slots."""
+        self._attach(array, fill)
 
     def _base_gather(self, rows):
         return resource_variable_ops.ResourceVariable.sparse_read(self, rows)
@@ -306,16 +292,6 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
     def sparse_read(self, indices, name=None):
         """The rows of keys `indices` (inserted when missing): what tf.gather / tf.nn.embedding_lookup call."""
         return self._base_gather(self.rows_for(indices))
-
-    def generations(self, rows):
-        """How many keys each row has held (per-row state stamped with another count is stale)."""
-        with tf.device(self._index_device):
-            return ops().tf_sok_dynamic_generations(self._index.resource_handle, tf.cast(rows, tf.int64))
-
-    def array_rows(self):
-        """The row count the index wants the arrays to have (int64 scalar)."""
-        with tf.device(self._index_device):
-            return ops().tf_sok_dynamic_size(self._index.resource_handle)[1]
 
     def after_update(self):
         """After an optimizer update: row 0 of a table with admission reads zeros again."""

@@ -57,6 +57,17 @@ def test_fit_with_a_dynamic_table_equals_the_static_table_of_its_keys(rng):
     assert [v.name for v in sok.filter_variables(dynamic.trainable_variables)[0]] == ["h"]
 
 
+def _restored(cfg, source):
+    model = _compile(Model(cfg))
+    model(tf.ragged.constant([[1]], tf.int64))
+    model.optimizer.build(model.trainable_variables)
+    if source.endswith(".h5"):
+        model.load_weights(source)
+    else:
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer).restore(source)
+    return model
+
+
 def test_weights_file_and_checkpoint_keep_keys_values_and_state(rng, tmp_path):
     keys = random_keys(rng, 30)
     cfg = sok.TableConfig("h", 4, DIM, combiner="mean", dynamic=True, max_capacity=25, evict_strategy="lru")
@@ -64,29 +75,24 @@ def test_weights_file_and_checkpoint_keep_keys_values_and_state(rng, tmp_path):
     picks, y = _data(rng, keys)
     data = _dataset([keys[p].tolist() for p in picks], y)
     model.fit(data, epochs=1, verbose=0)
-    x = tf.ragged.constant([keys[p].tolist() for p in picks[:8]], tf.int64)
     path = str(tmp_path / "m.weights.h5")
     model.save_weights(path)
     ck = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(tmp_path / "ck"))
     kept = held(model.coll.tables["h"].value)
-    before = model.predict_on_batch(x)           # inserts keys evicted in training (as SOK's lookups do)
-    model.fit(data, epochs=1, verbose=0)          # train on; the copies must reach the same state
+    model.fit(data, epochs=1, verbose=0)          # train on; a resumed copy must reach the same state
     after = held(model.coll.tables["h"].value)
 
-    restored = _compile(Model(cfg))
-    restored(tf.ragged.constant([[1]], tf.int64))
-    restored.optimizer.build(restored.trainable_variables)
-    restored.load_weights(path)
-    got = held(restored.coll.tables["h"].value)
-    assert set(got) == set(kept)
-    for k in kept:
-        np.testing.assert_array_equal(got[k], kept[k])
-    np.testing.assert_array_equal(restored.predict_on_batch(x), before)
+    from_file, from_checkpoint = _restored(cfg, path), _restored(cfg, ck)
+    for m in (from_file, from_checkpoint):
+        got = held(m.coll.tables["h"].value)
+        assert set(got) == set(kept)
+        for k in kept:
+            np.testing.assert_array_equal(got[k], kept[k])
+    # lookups insert keys evicted in training (as SOK's do): both copies alike
+    x = tf.ragged.constant([keys[p].tolist() for p in picks[:8]], tf.int64)
+    np.testing.assert_array_equal(from_file.predict_on_batch(x), from_checkpoint.predict_on_batch(x))
 
-    resumed = _compile(Model(cfg))
-    resumed(tf.ragged.constant([[1]], tf.int64))
-    resumed.optimizer.build(resumed.trainable_variables)
-    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(ck)
+    resumed = _restored(cfg, ck)
     resumed.fit(data, epochs=1, verbose=0)
     again = held(resumed.coll.tables["h"].value)
     assert set(again) == set(after)

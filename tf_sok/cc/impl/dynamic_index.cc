@@ -214,10 +214,6 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
   return "";
 }
 
-void DynamicIndex::Generations(const int64_t* slots, int64_t n, int64_t* out) const {
-  for (int64_t i = 0; i < n; ++i) out[i] = slots[i] >= 0 && slots[i] < rows_ ? generation_[slots[i]] : -1;
-}
-
 DynamicIndexSnapshot DynamicIndex::Export() const {
   DynamicIndexSnapshot s;
   for (int64_t r = reserved_; r < next_free_; ++r) {
@@ -281,6 +277,24 @@ void InitialRows(int kind, float a, float b, int64_t seed, const int64_t* keys, 
     for (int64_t c = 0; c < dim; ++c) out[i * dim + c] = InitialValue(kind, a, b, bits, c);
   }
 }
+
+void InitialRowsAt(int kind, float a, float b, int64_t seed, const int64_t* keys, const int64_t* rows, int64_t n,
+                   int64_t width, float* base) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint64_t bits = InitialKeyBits(seed, keys[j]);
+    for (int64_t c = 0; c < width; ++c) base[rows[j] * width + c] = InitialValue(kind, a, b, bits, c);
+  }
+}
+
+void FillRows(float* base, int64_t width, const int64_t* rows, int64_t n, float fill) {
+  for (int64_t j = 0; j < n; ++j) std::fill(base + rows[j] * width, base + (rows[j] + 1) * width, fill);
+}
+
+void GatherRows(const float* base, int64_t width, const int64_t* rows, int64_t n, float* out) {
+  for (int64_t j = 0; j < n; ++j) std::copy(base + rows[j] * width, base + (rows[j] + 1) * width, out + j * width);
+}
+
+void Fill(float* p, int64_t count, float value) { std::fill(p, p + count, value); }
 
 }  // namespace impl
 }  // namespace tf_sok

@@ -6,8 +6,7 @@
 // score when a bounded table is full (LRU: the call that last touched the key;
 // LFU: the number of calls that touched it), and admitting a key only after it was
 // seen min_frequency times (until then it maps to row 0, which reads zeros).
-// Each insertion into a row bumps the row's generation, so per-row state kept
-// elsewhere (optimizer slots) can tell that its row now holds another key.
+// Each insertion into a row bumps the row's generation (how many keys it held).
 //
 // Open addressing with linear probing and backward-shift deletion: every int64
 // is a valid key (emptiness is kept apart from the key). Not thread safe: the
@@ -81,7 +80,6 @@ class DynamicIndex {
   // message, in which case nothing changed.
   std::string Find(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* changes);
 
-  void Generations(const int64_t* slots, int64_t n, int64_t* out) const;
   int64_t size() const { return live_; }
   int64_t rows() const { return rows_; }
   int64_t reserved_rows() const { return reserved_; }
@@ -135,6 +133,14 @@ TF_SOK_HD float InitialValue(int kind, float a, float b, uint64_t key_bits, int6
 
 void InitialRows(int kind, float a, float b, int64_t seed, const int64_t* keys, int64_t n, int64_t dim,
                  float* out);
+
+// Upkeep of the row arrays an index serves (`width` floats per row), host memory.
+// base[rows[j]] = the initial value of keys[j]:
+void InitialRowsAt(int kind, float a, float b, int64_t seed, const int64_t* keys, const int64_t* rows, int64_t n,
+                   int64_t width, float* base);
+void FillRows(float* base, int64_t width, const int64_t* rows, int64_t n, float fill);
+void GatherRows(const float* base, int64_t width, const int64_t* rows, int64_t n, float* out);
+void Fill(float* p, int64_t count, float value);
 
 }  // namespace impl
 }  // namespace tf_sok

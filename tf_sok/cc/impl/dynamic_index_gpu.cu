@@ -37,10 +37,13 @@ __device__ __forceinline__ int64_t Probe(const int64_t* keys, const int64_t* sta
   }
 }
 
+// count: when given, the number of items on the device (n: an upper bound)
+__device__ __forceinline__ int64_t Count(int64_t n, const int64_t* count) { return count ? *count : n; }
+
 __global__ void FindKernel(const int64_t* tkeys, const int64_t* tstate, int64_t mask, const int64_t* keys, int64_t n,
-                           int64_t* value, int64_t* where) {
+                           int64_t* value, int64_t* where, const int64_t* count = nullptr) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= n) return;
+  if (i >= Count(n, count)) return;
   int64_t w;
   value[i] = Probe(tkeys, tstate, mask, keys[i], &w);
   if (where) where[i] = w;
@@ -95,14 +98,14 @@ __global__ void IotaKernel64(int64_t* out, int64_t n, int64_t start) {
   if (i < n) out[i] = start + i;
 }
 
-__global__ void TouchKernel(const int64_t* slot, int64_t n, int64_t* touched, int64_t call) {
+__global__ void TouchKernel(const int64_t* slot, int64_t n, int64_t* touched, int64_t call, const int64_t* count) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n && slot[i] >= 0) touched[slot[i]] = call;
+  if (i < Count(n, count) && slot[i] >= 0) touched[slot[i]] = call;
 }
 
-__global__ void MissingFlagsKernel(const int64_t* slot, int64_t n, uint8_t* flags) {
+__global__ void MissingFlagsKernel(const int64_t* slot, int64_t n, uint8_t* flags, const int64_t* count = nullptr) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) flags[i] = slot[i] < 0;
+  if (i < n) flags[i] = i < Count(n, count) && slot[i] < 0;
 }
 
 __global__ void AdmitFlagsKernel(const int64_t* count, int64_t n, int64_t min_frequency, uint8_t* admit,
@@ -130,9 +133,10 @@ __global__ void GatherKernel(const int64_t* from, const int64_t* index, int64_t 
   if (i < n) out[i] = from[index[i]];
 }
 
-__global__ void ScoreFoundKernel(const int64_t* slot, int64_t n, int64_t* score, int64_t clock, bool lfu) {
+__global__ void ScoreFoundKernel(const int64_t* slot, int64_t n, int64_t* score, int64_t clock, bool lfu,
+                                 const int64_t* count) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n && slot[i] >= 0) score[slot[i]] = lfu ? score[slot[i]] + 1 : clock;
+  if (i < Count(n, count) && slot[i] >= 0) score[slot[i]] = lfu ? score[slot[i]] + 1 : clock;
 }
 
 // victims leave: their buckets become tombstones, their rows free (pushed after free[free_count])
@@ -179,18 +183,31 @@ __global__ void SlotsKernel(const int64_t* unique_slot, const int64_t* inverse, 
   out[i] = s >= 0 ? s : missing_row;
 }
 
-__global__ void GenerationsKernel(const int64_t* generation, int64_t rows, const int64_t* slots, int64_t n,
-                                  int64_t* out) {
+__global__ void InitialRowsAtKernel(int kind, float a, float b, int64_t seed, const int64_t* keys,
+                                    const int64_t* rows, int64_t n, int64_t width, float* base) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) out[i] = slots[i] >= 0 && slots[i] < rows ? generation[slots[i]] : -1;
+  if (i >= n * width) return;
+  const int64_t j = i / width, c = i - j * width;
+  base[rows[j] * width + c] = InitialValue(kind, a, b, InitialKeyBits(seed, keys[j]), c);
 }
 
-__global__ void InitialRowsKernel(int kind, float a, float b, int64_t seed, const int64_t* keys, int64_t n,
-                                  int64_t dim, float* out) {
+__global__ void FillRowsKernel(float* base, int64_t width, const int64_t* rows, int64_t n, float fill) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= n * dim) return;
-  const int64_t row = i / dim;
-  out[i] = InitialValue(kind, a, b, InitialKeyBits(seed, keys[row]), i - row * dim);
+  if (i >= n * width) return;
+  const int64_t j = i / width;
+  base[rows[j] * width + (i - j * width)] = fill;
+}
+
+__global__ void GatherRowsKernel(const float* base, int64_t width, const int64_t* rows, int64_t n, float* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n * width) return;
+  const int64_t j = i / width;
+  out[i] = base[rows[j] * width + (i - j * width)];
+}
+
+__global__ void FillKernel(float* p, int64_t count, float value) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < count) p[i] = value;
 }
 
 int64_t PowerOfTwoAtLeast(int64_t n) {
@@ -217,6 +234,19 @@ int64_t Compact(const GpuDevice& d, const T* in, const uint8_t* flags, int64_t n
   const cudaError_t c = cudaStreamSynchronize(s);
   if (c != cudaSuccess) *error = std::string("CUDA error ") + cudaGetErrorString(c);
   return host;
+}
+
+// flagged items of `in` (n) to `out`, their count left on the device (no wait)
+template <typename T>
+int64_t* CompactOnDevice(const GpuDevice& d, const T* in, const uint8_t* flags, int64_t n, T* out) {
+  cudaStream_t s = StreamOf(d);
+  auto* count = gpu::Alloc<int64_t>(d, 1);
+  size_t bytes = 0;
+  cub::DeviceSelect::Flagged(nullptr, bytes, in, flags, out, count, n, s);
+  void* temp = d.scratch->Allocate(std::max<size_t>(bytes, 1));
+  if (!count || !temp) return nullptr;
+  cub::DeviceSelect::Flagged(temp, bytes, in, flags, out, count, n, s);
+  return count;
 }
 
 template <typename K, typename V>
@@ -367,17 +397,17 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
     cub::DeviceScan::InclusiveSum(temp, bytes, is_first, running, n, s);
   }
   InverseKernel<<<Blocks(n), kThreads, 0, s>>>(sorted_position, running, n, inverse);
-  const int64_t u = Compact(d, sorted, first, n, uniq, &error);
-  if (!error.empty()) return error;
+  // the distinct keys' count u stays on the device: kernels over them run n threads and stop at u
+  const int64_t* u_dev = CompactOnDevice(d, sorted, first, n, uniq);
   // 2. found keys touched; missing keys
-  auto* slot = gpu::Alloc<int64_t>(d, u);
-  auto* missing_flags = gpu::Alloc<uint8_t>(d, u);
-  auto* missing = gpu::Alloc<int64_t>(d, u);
-  if (!slot || !missing_flags || !missing) return "ran out of GPU memory";
-  FindKernel<<<Blocks(u), kThreads, 0, s>>>(keys_.keys, keys_.state, mask, uniq, u, slot, nullptr);
-  TouchKernel<<<Blocks(u), kThreads, 0, s>>>(slot, u, touched_, call);
-  MissingFlagsKernel<<<Blocks(u), kThreads, 0, s>>>(slot, u, missing_flags);
-  const int64_t m = Compact(d, uniq, missing_flags, u, missing, &error);
+  auto* slot = gpu::Alloc<int64_t>(d, n);
+  auto* missing_flags = gpu::Alloc<uint8_t>(d, n);
+  auto* missing = gpu::Alloc<int64_t>(d, n);
+  if (!u_dev || !slot || !missing_flags || !missing) return "ran out of GPU memory";
+  FindKernel<<<Blocks(n), kThreads, 0, s>>>(keys_.keys, keys_.state, mask, uniq, n, slot, nullptr, u_dev);
+  TouchKernel<<<Blocks(n), kThreads, 0, s>>>(slot, n, touched_, call, u_dev);
+  MissingFlagsKernel<<<Blocks(n), kThreads, 0, s>>>(slot, n, missing_flags, u_dev);
+  const int64_t m = Compact(d, uniq, missing_flags, n, missing, &error);   // the call's one wait when nothing is new
   if (!error.empty()) return error;
   // 3. admission (nothing written yet)
   int64_t* admitted = missing;
@@ -436,6 +466,8 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
     const int64_t c = Compact(d, all_rows, flags, span, rows, &error);
     if (!error.empty()) return error;
     if (c < k) {
+      int64_t u = 0;
+      cudaMemcpy(&u, u_dev, sizeof(u), cudaMemcpyDeviceToHost);
       return "cannot hold this batch's keys: it uses " + std::to_string(u - m + a) +
              " distinct keys and max_capacity is " + std::to_string(config_.max_keys);
     }
@@ -452,7 +484,7 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
   if (!error.empty()) return error;
   ++clock_;
   const bool lfu = config_.evict == Evict::kLfu;
-  ScoreFoundKernel<<<Blocks(u), kThreads, 0, s>>>(slot, u, score_, clock_, lfu);
+  ScoreFoundKernel<<<Blocks(n), kThreads, 0, s>>>(slot, n, score_, clock_, lfu, u_dev);
   out->num_evicted = k;
   out->evicted_keys = gpu::Alloc<int64_t>(d, k);
   out->evicted_slots = gpu::Alloc<int64_t>(d, k);
@@ -497,16 +529,13 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
     candidates_live_ += f - a;
   }
   // 6. every position's row: the distinct keys looked up again (keys not admitted: row 0)
-  FindKernel<<<Blocks(u), kThreads, 0, s>>>(keys_.keys, keys_.state, keys_.buckets - 1, uniq, u, slot, nullptr);
+  FindKernel<<<Blocks(n), kThreads, 0, s>>>(keys_.keys, keys_.state, keys_.buckets - 1, uniq, n, slot, nullptr,
+                                            u_dev);
   SlotsKernel<<<Blocks(n), kThreads, 0, s>>>(slot, inverse, n, 0, out->slots);
   out->rows = rows_;
-  const cudaError_t c = cudaStreamSynchronize(s);  // the call's scratch memory is freed when it returns
+  // no wait: the call's scratch is stream-ordered memory (reused only by work queued after this)
+  const cudaError_t c = cudaGetLastError();
   if (c != cudaSuccess) return std::string("CUDA error ") + cudaGetErrorString(c);
-  return "";
-}
-
-std::string GpuDynamicIndex::Generations(const GpuDevice& d, const int64_t* slots, int64_t n, int64_t* out) {
-  if (n > 0) GenerationsKernel<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(generation_, rows_, slots, n, out);
   return "";
 }
 
@@ -610,10 +639,22 @@ std::string GpuDynamicIndex::Import(const GpuDevice& d, const DynamicIndexSnapsh
   return "";
 }
 
-void GpuInitialRows(const GpuDevice& d, int kind, float a, float b, int64_t seed, const int64_t* keys, int64_t n,
-                    int64_t dim, float* out) {
-  if (n * dim > 0)
-    InitialRowsKernel<<<Blocks(n * dim), kThreads, 0, StreamOf(d)>>>(kind, a, b, seed, keys, n, dim, out);
+void GpuInitialRowsAt(const GpuDevice& d, int kind, float a, float b, int64_t seed, const int64_t* keys,
+                      const int64_t* rows, int64_t n, int64_t width, float* base) {
+  if (n * width > 0)
+    InitialRowsAtKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(kind, a, b, seed, keys, rows, n, width, base);
+}
+
+void GpuFillRows(const GpuDevice& d, float* base, int64_t width, const int64_t* rows, int64_t n, float fill) {
+  if (n * width > 0) FillRowsKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(base, width, rows, n, fill);
+}
+
+void GpuGatherRows(const GpuDevice& d, const float* base, int64_t width, const int64_t* rows, int64_t n, float* out) {
+  if (n * width > 0) GatherRowsKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(base, width, rows, n, out);
+}
+
+void GpuFill(const GpuDevice& d, float* p, int64_t count, float value) {
+  if (count > 0) FillKernel<<<Blocks(count), kThreads, 0, StreamOf(d)>>>(p, count, value);
 }
 
 }  // namespace impl

@@ -50,7 +50,6 @@ class GpuDynamicIndex {
   // As DynamicIndex::Find, with keys and outputs on the device. "" or an error
   // message; an error changes nothing a later call can see.
   std::string Find(const GpuDevice& d, const int64_t* keys, int64_t n, bool insert, GpuFindResult* out);
-  std::string Generations(const GpuDevice& d, const int64_t* slots, int64_t n, int64_t* out);
   int64_t size() const { return live_; }
   int64_t rows() const { return rows_; }
 
@@ -82,9 +81,12 @@ class GpuDynamicIndex {
   std::string init_error_;
 };
 
-// InitialRows (dynamic_index.h) on the device: out [n, dim].
-void GpuInitialRows(const GpuDevice& d, int kind, float a, float b, int64_t seed, const int64_t* keys, int64_t n,
-                    int64_t dim, float* out);
+// The row upkeep of dynamic_index.h on the device (keys, rows and arrays in device memory).
+void GpuInitialRowsAt(const GpuDevice& d, int kind, float a, float b, int64_t seed, const int64_t* keys,
+                      const int64_t* rows, int64_t n, int64_t width, float* base);
+void GpuFillRows(const GpuDevice& d, float* base, int64_t width, const int64_t* rows, int64_t n, float fill);
+void GpuGatherRows(const GpuDevice& d, const float* base, int64_t width, const int64_t* rows, int64_t n, float* out);
+void GpuFill(const GpuDevice& d, float* p, int64_t count, float value);
 
 }  // namespace impl
 }  // namespace tf_sok

@@ -4,11 +4,13 @@
 // the lookup and optimizer kernels read and update like a static table's.
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/platform/mutex.h"
 #include "tf_sok/cc/impl/dynamic_index.h"
+#include "tf_sok/cc/impl/optimizer.h"
 #include "tf_sok/cc/kernels/kernel_util.h"
 
 #if TF_SOK_WITH_CUDA
@@ -47,6 +49,13 @@ class IndexResource : public tf::ResourceBase {
   const float a, b;
   const int64_t seed;
   tf::mutex mu;
+  // the row arrays the index serves: the values, then optimizer state as optimizers attach it
+  struct Array {
+    tf::core::RefCountPtr<tf::Var> var;
+    float fill;
+    bool values;
+  };
+  std::vector<Array> arrays;
   std::unique_ptr<impl::DynamicIndex> host;  // one of the two
 #if TF_SOK_WITH_CUDA
   std::unique_ptr<impl::DeviceMemory> memory;
@@ -120,9 +129,92 @@ void HostVector(tf::OpKernelContext* ctx, int output, const std::vector<int64_t>
   if (s->ok()) std::copy(v.begin(), v.end(), t->flat<int64_t>().data());
 }
 
+// The row upkeep of impl, on the host or the device.
+void InitialRowsAt(const impl::CpuDevice&, const IndexResource& r, const int64_t* keys, const int64_t* rows, int64_t n,
+                   int64_t width, float* base) {
+  impl::InitialRowsAt(r.init_kind, r.a, r.b, r.seed, keys, rows, n, width, base);
+}
+void FillRows(const impl::CpuDevice&, float* base, int64_t width, const int64_t* rows, int64_t n, float fill) {
+  impl::FillRows(base, width, rows, n, fill);
+}
+void GatherRows(const impl::CpuDevice&, const float* base, int64_t width, const int64_t* rows, int64_t n, float* out) {
+  impl::GatherRows(base, width, rows, n, out);
+}
+void Fill(const impl::CpuDevice&, float* p, int64_t count, float value) { impl::Fill(p, count, value); }
+#if TF_SOK_WITH_CUDA
+void InitialRowsAt(const impl::GpuDevice& d, const IndexResource& r, const int64_t* keys, const int64_t* rows,
+                   int64_t n, int64_t width, float* base) {
+  impl::GpuInitialRowsAt(d, r.init_kind, r.a, r.b, r.seed, keys, rows, n, width, base);
+}
+void FillRows(const impl::GpuDevice& d, float* base, int64_t width, const int64_t* rows, int64_t n, float fill) {
+  impl::GpuFillRows(d, base, width, rows, n, fill);
+}
+void GatherRows(const impl::GpuDevice& d, const float* base, int64_t width, const int64_t* rows, int64_t n,
+                float* out) {
+  impl::GpuGatherRows(d, base, width, rows, n, out);
+}
+void Fill(const impl::GpuDevice& d, float* p, int64_t count, float value) { impl::GpuFill(d, p, count, value); }
+#endif
+
+// An attached array grown to `rows` rows (new rows at its fill; values: zeros until a key's row is set).
+template <typename Device>
+absl::Status GrowArray(tf::OpKernelContext* ctx, const Device& d, const IndexResource& res,
+                       const IndexResource::Array& a, int64_t rows) {
+  tf::Tensor* t = a.var->tensor();
+  if (!a.var->is_initialized || t->dtype() != tf::DT_FLOAT || t->dims() < 1 || t->dims() > 2)
+    return absl::InvalidArgumentError("dynamic table '" + res.table + "': an attached array must be an initialized "
+                                      "float32 variable [rows] or [rows, width], got " + t->shape().DebugString());
+  if (t->dim_size(0) >= rows) return MakeExclusive(ctx, d, a.var.get());
+  tf::TensorShape shape = t->shape();
+  shape.set_dim(0, rows);
+  tf::Tensor fresh;
+  tf::AllocatorAttributes attr;
+  attr.set_gpu_compatible(true);
+  attr.set_nic_compatible(true);
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(tf::DT_FLOAT, shape, &fresh, attr));
+  const int64_t old = t->NumElements();
+  if (old > 0) impl::DeviceCopy<Device>(d, fresh.data(), t->data(), t->TotalBytes());
+  Fill(d, fresh.flat<float>().data() + old, fresh.NumElements() - old, a.values ? 0.0f : a.fill);
+  *t = fresh;
+  return absl::OkStatus();
+}
+
+// After an index call: every attached array grown to `rows` and the rows of new keys set;
+// evicted_values (when given): the evicted rows' values, read before anything is written.
+template <typename Device>
+absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexResource* res, int64_t rows,
+                              const int64_t* new_keys, const int64_t* new_slots, int64_t num_new,
+                              const int64_t* evicted_slots, int64_t num_evicted, float* evicted_values) {
+  for (auto& a : res->arrays) {
+    tf::mutex_lock l(*a.var->mu());
+    tf::Tensor* t = a.var->tensor();
+    const int64_t width = t->dims() == 2 ? t->dim_size(1) : 1;
+    if (a.values && evicted_values != nullptr && num_evicted > 0)
+      GatherRows(d, t->flat<float>().data(), width, evicted_slots, num_evicted, evicted_values);
+    if (num_new == 0 && t->dim_size(0) >= rows) continue;
+    TF_RETURN_IF_ERROR(GrowArray(ctx, d, *res, a, rows));
+    float* base = a.var->tensor()->flat<float>().data();
+    if (a.values) {
+      InitialRowsAt(d, *res, new_keys, new_slots, num_new, width, base);
+    } else {
+      FillRows(d, base, width, new_slots, num_new, a.fill);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EvictedOutputs(tf::OpKernelContext* ctx, const IndexResource& res, int64_t n, tf::Tensor** keys,
+                            tf::Tensor** values) {
+  TF_RETURN_IF_ERROR(ctx->allocate_output(1, tf::TensorShape({n}), keys));
+  return ctx->allocate_output(2, tf::TensorShape({n, res.dim}), values);
+}
+
 class FindOp : public tf::OpKernel {
  public:
-  explicit FindOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) { OP_REQUIRES_OK(c, c->GetAttr("insert", &insert_)); }
+  explicit FindOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("insert", &insert_));
+    OP_REQUIRES_OK(c, c->GetAttr("with_evicted", &with_evicted_));
+  }
 
   void Compute(tf::OpKernelContext* ctx) override {
     tf::core::RefCountPtr<IndexResource> res;
@@ -139,27 +231,20 @@ class FindOp : public tf::OpKernel {
     tf::Tensor* slots = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, keys.shape(), &slots));
     impl::FindChanges ch;
-    {
-      tf::mutex_lock l(res->mu);
-      const std::string error = res->host->Find(keys.flat<int64_t>().data(), keys.NumElements(), insert_,
-                                                slots->flat<int64_t>().data(), &ch);
-      OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
-    }
-    absl::Status s;
-    HostVector(ctx, 1, ch.new_slots, &s);
-    OP_REQUIRES_OK(ctx, s);
-    tf::Tensor* values = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, tf::TensorShape({static_cast<int64_t>(ch.new_keys.size()), res->dim}),
-                                             &values));
-    impl::InitialRows(res->init_kind, res->a, res->b, res->seed, ch.new_keys.data(),
-                      static_cast<int64_t>(ch.new_keys.size()), res->dim, values->flat<float>().data());
-    HostVector(ctx, 3, ch.evicted_keys, &s);
-    OP_REQUIRES_OK(ctx, s);
-    HostVector(ctx, 4, ch.evicted_slots, &s);
-    OP_REQUIRES_OK(ctx, s);
-    tf::Tensor* rows = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(5, tf::TensorShape({}), &rows));
-    rows->scalar<int64_t>()() = ch.rows;
+    tf::mutex_lock l(res->mu);
+    const std::string error = res->host->Find(keys.flat<int64_t>().data(), keys.NumElements(), insert_,
+                                              slots->flat<int64_t>().data(), &ch);
+    OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
+    const int64_t evicted = with_evicted_ ? static_cast<int64_t>(ch.evicted_keys.size()) : 0;
+    tf::Tensor *ev_keys = nullptr, *ev_values = nullptr;
+    OP_REQUIRES_OK(ctx, EvictedOutputs(ctx, *res, evicted, &ev_keys, &ev_values));
+    std::copy(ch.evicted_keys.begin(), ch.evicted_keys.begin() + evicted, ev_keys->flat<int64_t>().data());
+    if (!insert_) return;
+    TensorScratch scratch(ctx);
+    OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, MakeDevice<impl::CpuDevice>(ctx, &scratch), res.get(), ch.rows,
+                                         ch.new_keys.data(), ch.new_slots.data(),
+                                         static_cast<int64_t>(ch.new_slots.size()), ch.evicted_slots.data(), evicted,
+                                         ev_values->flat<float>().data()));
   }
 
  private:
@@ -168,58 +253,66 @@ class FindOp : public tf::OpKernel {
     TensorScratch scratch(ctx);
     const impl::GpuDevice d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
     const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+    tf::Tensor* slots = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, keys.shape(), &slots));
     impl::GpuFindResult r;
-    {
-      tf::mutex_lock l(res->mu);
-      const std::string error = res->gpu->Find(d, keys.flat<int64_t>().data(), keys.NumElements(), insert_, &r);
-      OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
-    }
-    auto copy = [&](int output, const int64_t* from, int64_t n) -> bool {
-      tf::Tensor* t = nullptr;
-      if (!ctx->allocate_output(output, tf::TensorShape({n}), &t).ok()) return false;
-      if (n > 0) cudaMemcpyAsync(t->flat<int64_t>().data(), from, 8 * n, cudaMemcpyDeviceToDevice, stream);
-      return true;
-    };
-    OP_REQUIRES(ctx, copy(0, r.slots, keys.NumElements()), absl::ResourceExhaustedError("dynamic table outputs"));
-    OP_REQUIRES(ctx, copy(1, r.new_slots, r.num_new), absl::ResourceExhaustedError("dynamic table outputs"));
-    tf::Tensor* values = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, tf::TensorShape({r.num_new, res->dim}), &values));
-    impl::GpuInitialRows(d, res->init_kind, res->a, res->b, res->seed, r.new_keys, r.num_new, res->dim,
-                         values->flat<float>().data());
-    OP_REQUIRES(ctx, copy(3, r.evicted_keys, r.num_evicted), absl::ResourceExhaustedError("dynamic table outputs"));
-    OP_REQUIRES(ctx, copy(4, r.evicted_slots, r.num_evicted), absl::ResourceExhaustedError("dynamic table outputs"));
-    tf::Tensor* rows = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(5, tf::TensorShape({}), &rows));  // host memory
-    rows->scalar<int64_t>()() = r.rows;
-    // the call's scratch (which the copies read) is freed when Compute returns: keep the stream's order
-    const cudaError_t c = cudaStreamSynchronize(stream);
-    OP_REQUIRES(ctx, c == cudaSuccess, absl::InternalError(std::string("CUDA: ") + cudaGetErrorString(c)));
+    tf::mutex_lock l(res->mu);
+    const std::string error = res->gpu->Find(d, keys.flat<int64_t>().data(), keys.NumElements(), insert_, &r);
+    OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
+    if (keys.NumElements() > 0)
+      cudaMemcpyAsync(slots->flat<int64_t>().data(), r.slots, 8 * keys.NumElements(), cudaMemcpyDeviceToDevice,
+                      stream);
+    const int64_t evicted = with_evicted_ ? r.num_evicted : 0;
+    tf::Tensor *ev_keys = nullptr, *ev_values = nullptr;
+    OP_REQUIRES_OK(ctx, EvictedOutputs(ctx, *res, evicted, &ev_keys, &ev_values));
+    if (evicted > 0)
+      cudaMemcpyAsync(ev_keys->flat<int64_t>().data(), r.evicted_keys, 8 * evicted, cudaMemcpyDeviceToDevice, stream);
+    if (!insert_) return;
+    // stream-ordered: the scratch these read is reused only by work queued after them
+    OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res, r.rows, r.new_keys, r.new_slots, r.num_new, r.evicted_slots,
+                                         evicted, ev_values->flat<float>().data()));
   }
 #endif
-  bool insert_ = true;
+  bool insert_ = true, with_evicted_ = false;
 };
 
-class GenerationsOp : public tf::OpKernel {
+class AttachOp : public tf::OpKernel {
  public:
-  using tf::OpKernel::OpKernel;
+  explicit AttachOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("fill", &fill_));
+    OP_REQUIRES_OK(c, c->GetAttr("values", &values_));
+  }
+
   void Compute(tf::OpKernelContext* ctx) override {
     tf::core::RefCountPtr<IndexResource> res;
     OP_REQUIRES_OK(ctx, GetIndex(ctx, &res));
-    const tf::Tensor& slots = ctx->input(1);
-    tf::Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, slots.shape(), &out));
+    IndexResource::Array a;
+    OP_REQUIRES_OK(ctx, tf::LookupResource(ctx, tf::HandleFromInput(ctx, 1), &a.var));
+    a.fill = fill_;
+    a.values = values_;
     tf::mutex_lock l(res->mu);
+    int64_t rows = 0;
 #if TF_SOK_WITH_CUDA
     if (res->gpu) {
       TensorScratch scratch(ctx);
-      res->gpu->Generations(MakeDevice<impl::GpuDevice>(ctx, &scratch), slots.flat<int64_t>().data(),
-                            slots.NumElements(), out->flat<int64_t>().data());
+      tf::mutex_lock vl(*a.var->mu());
+      OP_REQUIRES_OK(ctx, GrowArray(ctx, MakeDevice<impl::GpuDevice>(ctx, &scratch), *res, a, res->gpu->rows()));
+      res->arrays.push_back(std::move(a));
       return;
     }
 #endif
-    OP_REQUIRES(ctx, res->host != nullptr, Failed(*res, ": ", "its index lives on a GPU"));
-    res->host->Generations(slots.flat<int64_t>().data(), slots.NumElements(), out->flat<int64_t>().data());
+    rows = res->host->rows();
+    TensorScratch scratch(ctx);
+    {
+      tf::mutex_lock vl(*a.var->mu());
+      OP_REQUIRES_OK(ctx, GrowArray(ctx, MakeDevice<impl::CpuDevice>(ctx, &scratch), *res, a, rows));
+    }
+    res->arrays.push_back(std::move(a));
   }
+
+ private:
+  float fill_ = 0;
+  bool values_ = false;
 };
 
 class SizeOp : public tf::OpKernel {
@@ -314,16 +407,16 @@ class ImportOp : public tf::OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicIndex").Device(tf::DEVICE_CPU), IndexOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_CPU), FindOp);
-REGISTER_KERNEL_BUILDER(Name("TfSokDynamicGenerations").Device(tf::DEVICE_CPU), GenerationsOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicAttach").Device(tf::DEVICE_CPU), AttachOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicSize").Device(tf::DEVICE_CPU), SizeOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicExport").Device(tf::DEVICE_CPU), ExportOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicImport").Device(tf::DEVICE_CPU), ImportOp);
 
 #if TF_SOK_WITH_CUDA
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicIndex").Device(tf::DEVICE_GPU).HostMemory("handle"), IndexOp);
-REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_GPU).HostMemory("index").HostMemory("rows"),
-                        FindOp);
-REGISTER_KERNEL_BUILDER(Name("TfSokDynamicGenerations").Device(tf::DEVICE_GPU).HostMemory("index"), GenerationsOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_GPU).HostMemory("index"), FindOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicAttach").Device(tf::DEVICE_GPU).HostMemory("index").HostMemory("array"),
+                        AttachOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicSize")
                             .Device(tf::DEVICE_GPU)
                             .HostMemory("index")

@@ -22,6 +22,10 @@ absl::Status MakeExclusive(tf::OpKernelContext* ctx, const Device& d, tf::Var* v
   *t = copy;
   return absl::OkStatus();
 }
+template absl::Status MakeExclusive<impl::CpuDevice>(tf::OpKernelContext*, const impl::CpuDevice&, tf::Var*);
+#if TF_SOK_WITH_CUDA
+template absl::Status MakeExclusive<impl::GpuDevice>(tf::OpKernelContext*, const impl::GpuDevice&, tf::Var*);
+#endif
 
 namespace {
 

@@ -36,12 +36,10 @@ REGISTER_OP("TfSokDynamicFind")
     .Input("index: resource")
     .Input("keys: int64")
     .Output("slots: int64")
-    .Output("new_slots: int64")
-    .Output("new_values: float")
     .Output("evicted_keys: int64")
-    .Output("evicted_slots: int64")
-    .Output("rows: int64")
+    .Output("evicted_values: float")
     .Attr("insert: bool = true")
+    .Attr("with_evicted: bool = false")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ::tensorflow::shape_inference::ShapeHandle keys;
@@ -49,29 +47,31 @@ REGISTER_OP("TfSokDynamicFind")
       c->set_output(0, keys);
       c->set_output(1, c->Vector(c->UnknownDim()));
       c->set_output(2, c->Matrix(c->UnknownDim(), c->UnknownDim()));
-      c->set_output(3, c->Vector(c->UnknownDim()));
-      c->set_output(4, c->Vector(c->UnknownDim()));
-      c->set_output(5, c->Scalar());
       return absl::OkStatus();
     })
     .Doc(R"doc(
 Rows of `keys`. With insert: missing keys are admitted and inserted (evicting
-when full), every key's score touched; new_slots / new_values are the rows that
-received a key and their initial values, evicted_keys / evicted_slots what made
-room, rows the row count the arrays must have. Without: nothing changes and
-missing keys give -1. An error (a full table without eviction) changes nothing.
+when full), every key's score touched, and the arrays attached to the index
+(TfSokDynamicAttach) kept in step: grown to the index's row count, the rows of
+new keys set (values: the key's initial value; optimizer state: its fill).
+with_evicted: the keys evicted to make room and their values before they left
+(else both empty). Without insert: nothing changes and missing keys give -1.
+An error (a full table without eviction) changes nothing.
 )doc");
 
-REGISTER_OP("TfSokDynamicGenerations")
+REGISTER_OP("TfSokDynamicAttach")
     .Input("index: resource")
-    .Input("slots: int64")
-    .Output("generations: int64")
+    .Input("array: resource")
+    .Attr("fill: float")
+    .Attr("values: bool = false")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->input(1));
-      return absl::OkStatus();
-    })
-    .Doc("How many keys each row has received: per-row state stamped with another count is stale.");
+    .SetShapeFn(::tensorflow::shape_inference::NoOutputs)
+    .Doc(R"doc(
+Attaches a row array (a float32 variable [rows, ...]) to a dynamic table's index:
+the table's values (`values`: new keys' rows get their initial value) or a state
+array of an optimizer (new keys' rows get `fill`, and so does a row whose key was
+evicted before another key took it). It is grown to the index's rows now.
+)doc");
 
 REGISTER_OP("TfSokDynamicSize")
     .Input("index: resource")

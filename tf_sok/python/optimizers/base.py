@@ -37,37 +37,17 @@ def finite_number(name: str, value) -> float:
     return value
 
 
-def _dynamic_slot(name, table, per_row, initial_value, dtype=tf.float32, device=None):
-    """State of a dynamic table: a tf.Variable of its current rows ([None] or [None, dim]) that
-    grows with it (`_fresh_dynamic_state`); next to the table unless `device` says."""
+def _dynamic_slot(name, table, per_row, initial_value):
+    """State of a dynamic table: a tf.Variable of its rows ([None] or [None, dim]), next to it, attached
+    to its index (grown with it; a row reset to `initial_value` when a new key takes it)."""
     var = backing_variable(table)
-    with tf.init_scope(), tf.device(device or var.device):
+    with tf.init_scope(), tf.device(var.device):
         rows = int(tf.shape(var)[0])
         shape = [None] if per_row else [None, var.dimension]
-        value = tf.fill([rows] if per_row else [rows, var.dimension], tf.constant(initial_value, dtype))
-        return tf.Variable(value, shape=tf.TensorShape(shape), trainable=False, name=name)
-
-
-def _fresh_dynamic_state(table, rows, slots, fills, stamp):
-    """Before a dynamic table's update: its state arrays grown to the table's rows, and the state
-    of rows that now hold another key than when their state was written reset to its initial
-    value (the generation count of each row, kept by the table's index, tells)."""
-    from tf_sok.python.dynamic_variable import grow_rows
-
-    var = backing_variable(table)
-    want = var.array_rows()
-    grown = [grow_rows(s, want, f) for s, f in zip(slots, fills)] + [grow_rows(stamp, want, 0)]
-    with tf.control_dependencies(grown):
-        rows = tf.cast(rows, tf.int64)
-        gens = var.generations(rows)
-    with tf.device("/CPU:0"):
-        stale = tf.not_equal(tf.gather(stamp, rows), gens)
-        stale_rows = tf.boolean_mask(rows, stale)
-        resets = [stamp.scatter_update(tf.IndexedSlices(tf.boolean_mask(gens, stale), stale_rows))]
-    for s, f in zip(slots, fills):
-        shape = tf.concat([tf.shape(stale_rows), tf.shape(s)[1:]], 0)
-        resets.append(s.scatter_update(tf.IndexedSlices(tf.fill(shape, tf.constant(f, s.dtype)), stale_rows)))
-    return resets
+        value = tf.fill([rows] if per_row else [rows, var.dimension], tf.constant(initial_value, tf.float32))
+        slot = tf.Variable(value, shape=tf.TensorShape(shape), trainable=False, name=name)
+    var.attach_state(slot, initial_value)
+    return slot
 
 
 def _check_learning_rate(value):
@@ -137,7 +117,6 @@ class SparseOptimizer(tf.Module, abc.ABC):
                                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         self._slots: Dict[str, List] = {}       # checkpoint key -> the table's state
         self._slot_keys: Dict[object, str] = {}  # table variable ref -> its key in _slots
-        self._stamps: Dict[str, tf.Variable] = {}  # dynamic tables: per row, the key count its state is for
         self._slot_factory: SlotFactory = _tf_slot
 
     @abc.abstractmethod
@@ -180,11 +159,9 @@ class SparseOptimizer(tf.Module, abc.ABC):
                 key, n = f"{base}_{n}", n + 1
             self._slot_keys[ref] = key
             prefix = f"{meta.name}_replica{meta.rank}" if meta.num_ranks > 1 else meta.name
-            if meta.dynamic:   # row arrays that grow with the table, and the key count each row's state is for
+            if meta.dynamic:   # row arrays the table's index keeps in step with its keys
                 self._slots[key] = [_dynamic_slot(f"{prefix}/{s.name}", var, s.per_row, s.initial_value)
                                     for s in self.slot_specs()]
-                # the generation stamps are host bookkeeping (int64 scatters stay off the GPU)
-                self._stamps[key] = _dynamic_slot(f"{prefix}/generation", var, True, 0, tf.int64, "/CPU:0")
                 continue
             rows, dim = backing_variable(var).shape.as_list()
             self._slots[key] = [
@@ -226,23 +203,18 @@ class SparseOptimizer(tf.Module, abc.ABC):
             entry[2].append(tf.cast(values, tf.float32))
         if merged:
             tables, all_indices, all_values, dense, steps = [], [], [], [], []
-            prepared = []
             for var, idx, vals in merged.values():
                 tables.append(var)
                 all_indices.append(idx[0] if len(idx) == 1 else tf.concat([tf.cast(i, tf.int64) for i in idx], 0))
                 all_values.append(vals[0] if len(vals) == 1 else tf.concat(vals, 0))
                 slots = self.slots(var)
-                if table_meta(var).dynamic:
-                    prepared += _fresh_dynamic_state(var, all_indices[-1], slots, [s.initial_value for s in specs],
-                                                     self._stamps[self._key(var)])
                 dense += [s.handle for s, spec in zip(slots, specs) if not spec.per_row]
                 steps += [s.handle for s, spec in zip(slots, specs) if spec.per_row]
             kinds = [_lookup_rows(i) for i in all_indices]   # rows a tf_sok lookup gradient made
-            with tf.control_dependencies(prepared):
-                updated = optimizer_ops.sparse_apply(
-                    [backing_variable(v).handle for v in tables], dense, steps, lr, all_indices, all_values,
-                    algorithm=self.algorithm, table_names=[table_meta(v).name for v in tables],
-                    indices_unique=all(k == "ascending" for k in kinds), checked=all(kinds), **self.hyper())
+            updated = optimizer_ops.sparse_apply(
+                [backing_variable(v).handle for v in tables], dense, steps, lr, all_indices, all_values,
+                algorithm=self.algorithm, table_names=[table_meta(v).name for v in tables],
+                indices_unique=all(k == "ascending" for k in kinds), checked=all(kinds), **self.hyper())
             after = [backing_variable(v).after_update() for v in tables if table_meta(v).dynamic]
             with tf.control_dependencies(([updated] if updated is not None else []) + after):
                 self.iterations.assign_add(1)   # only once the update succeeded (a failed one leaves it)
