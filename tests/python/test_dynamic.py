@@ -191,6 +191,20 @@ def test_admission_counts_sightings_and_keys_read_zeros_until_admitted(rng):
     assert set(held(table)) == {k for k, n in seen.items() if n >= 3}
 
 
+def test_assign_inserts_past_admission_and_unadmitted_keys_still_read_zeros(rng):
+    keys = random_keys(rng, 12)
+    values = rng.standard_normal((6, 3)).astype(np.float32)
+    table = sok.DynamicVariable(3, initializer="ones", min_frequency=4, name="admit_assign")
+    sok.assign(table, keys[:6], values)                  # an assignment admits at once
+    got = held(table)
+    assert set(got) == set(keys[:6].tolist())
+    for k, v in zip(keys[:6], values):
+        np.testing.assert_array_equal(got[k], v)
+    out = sok.lookup_sparse(table, tf.constant(keys[4:8, None]), combiners="sum").numpy()
+    np.testing.assert_array_equal(out[:2], values[4:6])
+    np.testing.assert_array_equal(out[2:], np.zeros((2, 3), np.float32))   # seen once: not admitted
+
+
 def test_growth_keeps_values_and_state(rng):
     keys = random_keys(rng, 2000)
     table = sok.DynamicVariable(4, initializer="uniform", init_capacity=16, name="grow")

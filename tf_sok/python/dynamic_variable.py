@@ -258,16 +258,18 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
                             f"{keys.dtype.name}")
         return tf.reshape(tf.cast(keys, tf.int64), [-1])
 
-    def rows_for(self, keys, insert: bool = True, with_evicted: bool = False):
+    def rows_for(self, keys, insert: bool = True, with_evicted: bool = False, admit_all: bool = False):
         """Rows of the value array holding `keys` (any shape; int32 / int64), inserting missing keys at
         their initial value (the arrays grow, and the optimizer state of new keys' rows is reset, in
         the same op); insert=False: -1 for missing keys, nothing changes. with_evicted: also
-        (evicted keys, their values) — what made room for the new keys."""
+        (evicted keys, their values) — what made room for the new keys. admit_all: missing keys are
+        inserted even before min_frequency sightings (an assignment)."""
         keys = tf.convert_to_tensor(keys)
         shape = tf.shape(keys)
         with tf.device(self._index_device):
             slots, ev_keys, ev_values = ops().tf_sok_dynamic_find(self._index.resource_handle, self._keys(keys),
-                                                                  insert=insert, with_evicted=with_evicted)
+                                                                  insert=insert, with_evicted=with_evicted,
+                                                                  admit_all=admit_all)
         slots = tf.reshape(slots, shape)
         return (slots, ev_keys, ev_values) if with_evicted else slots
 
@@ -308,7 +310,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
     def assign_keys(self, keys, values):
         """Inserts or overwrites `keys` with `values` ([n, dim])."""
         values = tf.convert_to_tensor(values, tf.float32)
-        rows = self.rows_for(keys)
+        rows = self.rows_for(keys, admit_all=True)
         return self.scatter_update(tf.IndexedSlices(tf.reshape(values, [-1, self._dimension]),
                                                     tf.reshape(rows, [-1])))
 

@@ -116,7 +116,8 @@ void DynamicIndex::EnsureRows(int64_t needed) {
   rows_ = rows;
 }
 
-std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* ch) {
+std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* ch,
+                               bool admit_all) {
   if (!insert) {
     for (int64_t i = 0; i < n; ++i) slots[i] = slot_of_key_.Get(keys[i], -1);
     ch->rows = rows_;
@@ -142,7 +143,7 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
   // 2. admission (nothing written yet)
   std::vector<uint8_t> admit(missing.size(), 1);
   int64_t admitted = static_cast<int64_t>(missing.size());
-  if (config_.min_frequency > 1) {
+  if (config_.min_frequency > 1 && !admit_all) {
     admitted = 0;
     for (size_t j = 0; j < missing.size(); ++j) {
       admit[j] = candidates_.Get(missing[j], 0) + 1 >= config_.min_frequency;

@@ -75,10 +75,12 @@ class DynamicIndex {
   explicit DynamicIndex(const DynamicIndexConfig& config);
 
   // Maps keys[0..n) to rows in `slots`. With insert, missing keys are admitted
-  // (or counted towards admission), inserted and touched, found keys touched;
-  // without, nothing changes and missing keys map to -1. Returns "" or an error
-  // message, in which case nothing changed.
-  std::string Find(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* changes);
+  // (or counted towards admission; admit_all: admitted whatever their count),
+  // inserted and touched, found keys touched; without, nothing changes and
+  // missing keys map to -1. Returns "" or an error message, in which case
+  // nothing changed.
+  std::string Find(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* changes,
+                   bool admit_all = false);
 
   int64_t size() const { return live_; }
   int64_t rows() const { return rows_; }

@@ -361,7 +361,7 @@ std::string GpuDynamicIndex::EnsureRows(const GpuDevice& d, int64_t needed) {
 }
 
 std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64_t n, bool insert,
-                                  GpuFindResult* out) {
+                                  GpuFindResult* out, bool admit_all) {
   if (!init_error_.empty()) return init_error_;
   cudaStream_t s = StreamOf(d);
   out->rows = rows_;
@@ -430,7 +430,7 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
       return "ran out of GPU memory";
     FindKernel<<<Blocks(m), kThreads, 0, s>>>(candidates_.keys, candidates_.state, candidates_.buckets - 1, missing,
                                               m, seen, where);
-    AdmitFlagsKernel<<<Blocks(m), kThreads, 0, s>>>(seen, m, config_.min_frequency, admit, wait);
+    AdmitFlagsKernel<<<Blocks(m), kThreads, 0, s>>>(seen, m, admit_all ? 1 : config_.min_frequency, admit, wait);
     a = Compact(d, missing, admit, m, admitted, &error);
     Compact(d, where, admit, m, admitted_where, &error);
     waiting_count = Compact(d, missing, wait, m, waiting, &error);

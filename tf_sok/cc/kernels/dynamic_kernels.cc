@@ -214,6 +214,7 @@ class FindOp : public tf::OpKernel {
   explicit FindOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("insert", &insert_));
     OP_REQUIRES_OK(c, c->GetAttr("with_evicted", &with_evicted_));
+    OP_REQUIRES_OK(c, c->GetAttr("admit_all", &admit_all_));
   }
 
   void Compute(tf::OpKernelContext* ctx) override {
@@ -233,7 +234,7 @@ class FindOp : public tf::OpKernel {
     impl::FindChanges ch;
     tf::mutex_lock l(res->mu);
     const std::string error = res->host->Find(keys.flat<int64_t>().data(), keys.NumElements(), insert_,
-                                              slots->flat<int64_t>().data(), &ch);
+                                              slots->flat<int64_t>().data(), &ch, admit_all_);
     OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
     const int64_t evicted = with_evicted_ ? static_cast<int64_t>(ch.evicted_keys.size()) : 0;
     tf::Tensor *ev_keys = nullptr, *ev_values = nullptr;
@@ -257,7 +258,8 @@ class FindOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, keys.shape(), &slots));
     impl::GpuFindResult r;
     tf::mutex_lock l(res->mu);
-    const std::string error = res->gpu->Find(d, keys.flat<int64_t>().data(), keys.NumElements(), insert_, &r);
+    const std::string error =
+        res->gpu->Find(d, keys.flat<int64_t>().data(), keys.NumElements(), insert_, &r, admit_all_);
     OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
     if (keys.NumElements() > 0)
       cudaMemcpyAsync(slots->flat<int64_t>().data(), r.slots, 8 * keys.NumElements(), cudaMemcpyDeviceToDevice,
@@ -273,7 +275,7 @@ class FindOp : public tf::OpKernel {
                                          evicted, ev_values->flat<float>().data()));
   }
 #endif
-  bool insert_ = true, with_evicted_ = false;
+  bool insert_ = true, with_evicted_ = false, admit_all_ = false;
 };
 
 class AttachOp : public tf::OpKernel {

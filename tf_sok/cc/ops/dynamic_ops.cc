@@ -40,6 +40,7 @@ REGISTER_OP("TfSokDynamicFind")
     .Output("evicted_values: float")
     .Attr("insert: bool = true")
     .Attr("with_evicted: bool = false")
+    .Attr("admit_all: bool = false")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ::tensorflow::shape_inference::ShapeHandle keys;
@@ -55,7 +56,8 @@ when full), every key's score touched, and the arrays attached to the index
 (TfSokDynamicAttach) kept in step: grown to the index's row count, the rows of
 new keys set (values: the key's initial value; optimizer state: its fill).
 with_evicted: the keys evicted to make room and their values before they left
-(else both empty). Without insert: nothing changes and missing keys give -1.
+(else both empty). admit_all: missing keys are inserted whatever their admission
+count (an assignment). Without insert: nothing changes and missing keys give -1.
 An error (a full table without eviction) changes nothing.
 )doc");
 
