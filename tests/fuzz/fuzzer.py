@@ -1,5 +1,6 @@
 """A seeded, bounded fuzzer over tf_sok's public calls: `lookup_sparse`, every sparse optimizer's
-`apply_gradients` and `sok.Variable`, eagerly and in `tf.function`.
+`apply_gradients`, `sok.Variable` and `sok.DynamicVariable` (assignments and lookups over
+random int64 keys, bounded or not, with eviction and admission), eagerly and in `tf.function`.
 
 Each case is drawn from its seed alone. A valid case must give the independent reference's result
 (NumPy); a faulty one (an id out of range, negative or at the int64 extremes, corrupt row_splits
@@ -11,6 +12,7 @@ its seed) instead of ending the run.
     python -m tests.fuzz.fuzzer --cases 500 --first-seed 0        (one child's work; prints JSON)
 """
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -33,6 +35,7 @@ OPTIMIZERS = {
 LOOKUP_FAULTS = ("id_past_rows", "negative_id", "int64_max", "int64_min", "splits_decrease", "splits_start",
                  "splits_end", "weights_count", "float_ids", "sparse_past_shape")
 APPLY_FAULTS = ("index_past_rows", "negative_index", "float_indices", "dense_wrong_shape")
+DYNAMIC_FAULTS = ("float_keys", "full_table", "batch_over_capacity", "splits_decrease")
 
 
 def np_lookup(table, lens, ids, weights, combiner):
@@ -53,9 +56,10 @@ class Case:
     def __init__(self, seed):
         self.seed = seed
         self.rng = rng = np.random.default_rng(seed)
-        self.kind = str(rng.choice(["lookup", "apply", "variable"], p=[0.5, 0.4, 0.1]))
+        self.kind = str(rng.choice(["lookup", "apply", "variable", "dynamic"], p=[0.4, 0.35, 0.1, 0.15]))
         self.graph = bool(rng.random() < 0.3)
-        faults = {"lookup": LOOKUP_FAULTS, "apply": APPLY_FAULTS, "variable": ("bad_shape",)}[self.kind]
+        faults = {"lookup": LOOKUP_FAULTS, "apply": APPLY_FAULTS, "variable": ("bad_shape",),
+                  "dynamic": DYNAMIC_FAULTS}[self.kind]
         self.fault = str(rng.choice(faults)) if rng.random() < 0.5 else None
 
 
@@ -222,6 +226,144 @@ def run_variable(case, tf, sok):
     return "ok" if list(v.shape) == shape else "wrong_result"
 
 
+class DynamicModel:
+    """Plain-Python model of a dynamic table: per call, found keys are touched; missing keys are
+    admitted on their min_frequency-th sighting (an assignment admits at once) and enter at the
+    initializer's constant, evicting the untouched keys of lowest (score, key) when full (LRU
+    score: the last call; LFU: calls); keys not admitted read zeros."""
+
+    class Full(Exception):
+        pass
+
+    def __init__(self, dim, const, cap, evict, min_frequency):
+        self.dim, self.const, self.cap, self.evict, self.minf = dim, const, cap, evict, min_frequency
+        self.value, self.score, self.seen, self.clock = {}, {}, {}, 0
+
+    def find(self, keys, admit_all=False):
+        distinct = list(dict.fromkeys(int(k) for k in keys))
+        found = [k for k in distinct if k in self.value]
+        missing = [k for k in distinct if k not in self.value]
+        admit = [k for k in missing if admit_all or self.seen.get(k, 0) + 1 >= self.minf]
+        evicted = []
+        if self.cap and len(self.value) + len(admit) > self.cap:
+            need = len(self.value) + len(admit) - self.cap
+            untouched = sorted((self.score[k], k) for k in self.value if k not in set(found))
+            if not self.evict or len(untouched) < need:
+                raise DynamicModel.Full()
+            evicted = [k for _, k in untouched[:need]]
+        self.clock += 1
+        for k in found:
+            self.score[k] = self.score[k] + 1 if self.evict == "lfu" else self.clock
+        for k in evicted:
+            del self.value[k], self.score[k]
+        for k in missing:
+            if k in admit:
+                self.value[k] = np.full(self.dim, self.const, np.float32)
+                self.score[k] = 1 if self.evict == "lfu" else self.clock
+                self.seen.pop(k, None)
+            else:
+                self.seen[k] = self.seen.get(k, 0) + 1
+        return evicted
+
+    def rows(self, keys):
+        return np.stack([self.value.get(int(k), np.zeros(self.dim, np.float32)) for k in keys]) if len(keys) \
+            else np.zeros((0, self.dim), np.float32)
+
+
+def _held(var):
+    keys, values = var.export()
+    return dict(zip(keys.numpy().tolist(), [v.tobytes() for v in values.numpy()]))
+
+
+def run_dynamic(case, tf, sok):
+    rng = case.rng
+    fault = case.fault
+    dim = int(rng.integers(1, 9))
+    const = float(np.float32(rng.normal()))
+    evict = [None, "lru", "lfu"][int(rng.integers(0, 3))]
+    cap = int(rng.integers(4, 30)) if (evict or rng.random() < 0.5) else None
+    minf = int(rng.choice([1, 1, 2, 3]))
+    if fault == "full_table":            # (admission off: keys not yet admitted take no room)
+        evict, cap, minf = None, int(rng.integers(2, 10)), 1
+    elif fault == "batch_over_capacity":
+        evict, cap, minf = evict or "lru", int(rng.integers(2, 10)), 1
+    table = sok.DynamicVariable(dim, initializer=repr(const), max_capacity=cap, evict_strategy=evict,
+                                min_frequency=minf, init_capacity=int(rng.integers(1, 16)), name="fuzz_dynamic")
+    model = DynamicModel(dim, np.float32(const), cap, evict, minf)
+    edge = [2**63 - 1, -2**63, -1, 0]
+    pool = np.array(edge + rng.integers(-2**63, 2**63 - 1, int(rng.integers(4, 40)), dtype=np.int64,
+                                        endpoint=True).tolist(), np.int64)
+    assigned = rng.choice(pool, min(len(pool), int(rng.integers(0, (cap or 20) + 1))), replace=False)
+    values = rng.standard_normal((len(assigned), dim)).astype(np.float32)
+    if len(assigned):
+        sok.assign(table, assigned, values)
+        model.find(assigned, admit_all=True)
+        for k, v in zip(assigned, values):
+            model.value[int(k)] = v
+    calls = int(rng.integers(1, 5))
+    for c in range(calls):
+        F = int(rng.integers(1, 4))
+        last = c == calls - 1
+        feats = []
+        for _ in range(F):
+            lens = rng.integers(0, 5, int(rng.integers(0, 8)))
+            feats.append([lens, rng.choice(pool, int(lens.sum())), str(rng.choice(["sum", "mean", "sqrtn"]))])
+        if last and fault in ("full_table", "batch_over_capacity"):   # more distinct keys than fit
+            extra = rng.integers(-2**62, 2**62, (cap or 0) + 1 + len(model.value), dtype=np.int64)
+            feats[0][0] = np.array([len(extra)])
+            feats[0][1] = extra
+        if last and fault == "splits_decrease" and sum(len(f[0]) for f in feats) == 0:
+            feats[0][0], feats[0][1] = np.array([1, 1]), pool[:2]
+        inputs = []
+        for k, (lens, ids, _) in enumerate(feats):
+            splits = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+            if last and fault == "splits_decrease" and len(splits) >= 2 and len(ids):
+                splits[-1] = len(ids) + 1
+            vals = ids.astype(np.float32) if (last and fault == "float_keys") else ids
+            inputs.append(tf.RaggedTensor.from_row_splits(vals, splits, validate=False))
+        combiners = [f[2] for f in feats]
+
+        def call():
+            return sok.lookup_sparse([table] * F, inputs, combiners=combiners)
+
+        all_keys = np.concatenate([f[1] for f in feats])
+        trial = copy.deepcopy(model)
+        try:
+            trial.find(all_keys)
+            full = False
+        except DynamicModel.Full:   # a valid call the table must refuse, changing nothing
+            full = True
+        before = _held(table)
+        try:
+            outs = [o.numpy() for o in ((tf.function(call) if case.graph else call)())]
+        except Exception as e:  # noqa: BLE001
+            if (last and fault) or full:
+                verdict = _verdict(case, e, _held(table) == before) if (last and fault) else \
+                    ("ok" if type(e).__name__ == "InvalidArgumentError" and _held(table) == before
+                     else f"full_table_error:{type(e).__name__}:{str(e)[:160]}")
+                if verdict != "ok" or (last and fault):
+                    return verdict
+                continue
+            return f"error_on_valid:{type(e).__name__}:{str(e)[:160]}"
+        if last and fault:
+            return "accepted_fault"
+        if full:
+            return "full_table_accepted"
+        model = trial
+        for k, (lens, ids, comb) in enumerate(feats):
+            want = np_lookup(model.rows(ids), lens, np.arange(len(ids)), None, comb)
+            if outs[k].shape != want.shape or not np.allclose(outs[k], want, rtol=1e-4, atol=1e-4):
+                return "wrong_result"
+    got = table.export()
+    keys = got[0].numpy().tolist()
+    if set(keys) != set(model.value):
+        return "wrong_result"
+    for k, v in zip(keys, got[1].numpy()):
+        if not np.array_equal(v, model.value[k]):
+            return "wrong_result"
+    return "ok"
+
+
 def _verdict(case, error, unchanged):
     if not case.fault:
         return f"error_on_valid:{type(error).__name__}:{str(error)[:160]}"
@@ -232,7 +374,8 @@ def _verdict(case, error, unchanged):
 
 def run_one(seed, tf, sok):
     case = Case(seed)
-    return case, {"lookup": run_lookup, "apply": run_apply, "variable": run_variable}[case.kind](case, tf, sok)
+    return case, {"lookup": run_lookup, "apply": run_apply, "variable": run_variable,
+                  "dynamic": run_dynamic}[case.kind](case, tf, sok)
 
 
 def child(first, count, progress):

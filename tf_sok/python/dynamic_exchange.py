@@ -28,17 +28,35 @@ def _positions(mask):
     return tf.reshape(tf.where(mask), [-1])
 
 
-def _check_same_lookup(comm: Communicator, step: int, metas, feature_table, combiners, names):
-    """Fails on every rank alike when ranks run different dynamic lookups at this step (an
-    exchange between them would mix tables or never complete)."""
+def _splits_valid(splits, ids):
+    """Whether row_splits start at 0, never decrease and end at the id count (a bool tensor)."""
+    return tf.logical_and(tf.logical_and(tf.equal(splits[0], 0), tf.equal(splits[-1], tf.size(ids, out_type=tf.int64))),
+                          tf.reduce_all(splits[1:] >= splits[:-1]))
+
+
+def _check(comm: Communicator, step: int, metas, feature_table, combiners, names, ids, splits):
+    """Fails on every rank alike, before any key moves, when ranks run different dynamic lookups at
+    this step (an exchange between them would mix tables or never complete) or a rank's feature
+    has malformed row_splits (the owners would insert keys of a batch that then fails)."""
     text = repr(([(m.name, m.dim, str(m.sharding)) for m in metas], list(feature_table), list(combiners), list(names)))
     sig = zlib.crc32(text.encode())
-    every = comm.allgather(tf.constant([sig], tf.int64), name=f"tf_sok.dyncheck.{step}")
-    return tf.debugging.Assert(
-        tf.reduce_all(tf.equal(every, sig)),
+    valid = tf.stack([_splits_valid(tf.cast(s, tf.int64), v) for s, v in zip(splits, ids)])
+    first_bad = tf.argmin(tf.concat([tf.cast(valid, tf.int64), [0]], 0))     # = len(ids) when all valid
+    every = comm.allgather(tf.stack([tf.constant(sig, tf.int64), first_bad])[None, :],
+                           name=f"tf_sok.dyncheck.{step}")                    # [N, 2]
+    same = tf.debugging.Assert(
+        tf.reduce_all(tf.equal(every[:, 0], sig)),
         [tf.strings.format("tf_sok lookup: ranks disagree on the dynamic tables' lookup at step {} (different "
-                           "tables, features, combiners or order); signatures per rank: {}", (step, every))],
+                           "tables, features, combiners or order); signatures per rank: {}", (step, every[:, 0]))],
         name="same_dynamic_lookup_on_all_ranks")
+    rank = tf.argmin(every[:, 1])
+    feature = tf.gather(tf.constant(list(names) + [""]), tf.minimum(every[rank, 1], len(names)))
+    ok = tf.debugging.Assert(
+        tf.reduce_all(tf.equal(every[:, 1], len(names))),
+        [tf.strings.join(["tf_sok lookup: feature '", feature, "' on rank ", tf.strings.as_string(rank),
+                          " has malformed row_splits (they must start at 0, never decrease and end at the "
+                          "number of ids)"])], name="valid_row_splits_on_all_ranks")
+    return [same, ok]
 
 
 def dynamic_exchanged_lookup(comm: Communicator, tables: Sequence, metas: Sequence[TableMeta],
@@ -57,7 +75,7 @@ def dynamic_exchanged_lookup(comm: Communicator, tables: Sequence, metas: Sequen
     order = tf.argsort(owner, stable=True)
     send = tf.gather(tf.stack([keys, table_of], 1), order)
     send_splits = tf.math.bincount(tf.cast(owner, tf.int32), minlength=N, maxlength=N)
-    with tf.control_dependencies([_check_same_lookup(comm, step, metas, feature_table, combiners, names)]):
+    with tf.control_dependencies(_check(comm, step, metas, feature_table, combiners, names, ids, splits)):
         send = tf.identity(send)
     recv, recv_splits = comm.alltoall(send, send_splits, name=f"tf_sok.dynkeys.{step}")
     r_keys, r_table = recv[:, 0], recv[:, 1]

@@ -199,7 +199,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
                 outs = _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb,
                                             names, dtype)
                 return outs if as_list else outs[0]
-            ids = _dynamic_rows(tables, metas, feature_table, ids)
+            ids = _dynamic_rows(tables, metas, feature_table, ids, splits, names)
         handles = []
         for t in tables:
             var = backing_variable(t)
@@ -247,7 +247,17 @@ def _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights
     return outs
 
 
-def _dynamic_rows(tables, metas, feature_table, ids):
+def _valid_splits(splits, ids, feature):
+    """An assertion that row_splits start at 0, never decrease and end at the id count."""
+    n = tf.size(splits)
+    ok = tf.logical_and(tf.logical_and(n >= 1, tf.equal(splits[0], 0)),
+                        tf.logical_and(tf.equal(splits[-1], tf.size(ids, out_type=splits.dtype)),
+                                       tf.reduce_all(splits[1:] >= splits[:-1])))
+    return tf.debugging.Assert(ok, [f"lookup_sparse feature {feature}: row_splits must start at 0, never decrease "
+                                    f"and end at the number of ids; got", splits, "for", tf.size(ids), "ids"])
+
+
+def _dynamic_rows(tables, metas, feature_table, ids, splits, names):
     """The ids of features on dynamic tables replaced by the rows holding them (missing keys
     inserted): one find per table over all its features' ids, so that keys of one feature never
     evict those of another in the same step. Every feature's ids become int64."""
@@ -256,6 +266,10 @@ def _dynamic_rows(tables, metas, feature_table, ids):
         if not meta.dynamic:
             continue
         fs = [f for f, ft in enumerate(feature_table) if ft == t]
+        # the find inserts keys: a malformed feature must fail before it, not in the lookup after
+        checks = [_valid_splits(splits[f], ids[f], names[f]) for f in fs]
+        with tf.control_dependencies(checks):
+            ids = [tf.identity(v) if f in fs else v for f, v in enumerate(ids)]
         rows = backing_variable(tables[t]).rows_for(tf.concat([ids[f] for f in fs], 0) if len(fs) > 1 else ids[fs[0]])
         parts = tf.split(rows, [tf.size(ids[f]) for f in fs]) if len(fs) > 1 else [rows]
         for f, part in zip(fs, parts):
