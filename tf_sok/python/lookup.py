@@ -93,8 +93,9 @@ def _listify(x):
 
 
 @tf.autograph.experimental.do_not_convert   # library code: no tensor-dependent Python control flow
-def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequence[str], None] = None,
-                  name: Optional[str] = None, feature_names: Optional[Sequence[str]] = None, dtype=tf.float32):
+def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequence[Optional[str]], None] = None,
+                  name: Optional[str] = None, feature_names: Optional[Sequence[str]] = None, dtype=tf.float32,
+                  prune_negative_ids: Optional[bool] = None):
     """Looks up and combines many features in ONE fused op.
 
     Args:
@@ -104,13 +105,21 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
         or dense [batch, hotness] int32/int64 ids.
       sp_weights: None, or per feature weights of the same structure as its ids.
       combiners: "sum" | "mean" | "sqrtn", one per feature or one for all
-        (default "mean", as `tf.nn.embedding_lookup_sparse`).
+        (default "mean", as `tf.nn.embedding_lookup_sparse`); in a list, None makes
+        a feature a sequence: its output is [batch, (ids), dim] ragged, one vector
+        per id (times its weight), not pooled (TorchRec's EmbeddingCollection; the
+        pooled features are its EmbeddingBagCollection).
       feature_names: used in error messages (default feature0, feature1, ...).
       dtype: the outputs' type: float32, or float16 / bfloat16 (for Keras mixed
         policies: rows are summed in float32 and rounded once, by the kernel;
         tables, their gradients and optimizer state stay float32).
+      prune_negative_ids: drop ids < 0 (padding) before the lookup, as
+        `tf.nn.safe_embedding_lookup_sparse` does; their weights go with them and
+        a row left empty gives zeros. Default (None): for dense [batch, hotness]
+        ids of static tables only (a dynamic table's negative keys are keys).
     Returns:
-      A [batch, dim] tensor per feature (a list when sp_ids is a list).
+      A [batch, dim] tensor per feature (a list when sp_ids is a list); a
+      sequence feature's is a [batch, (ids), dim] tf.RaggedTensor.
       Gradients reach each table as one `tf.IndexedSlices`: its distinct rows read,
       ascending, then repeats of the last one with zero values, so that its size
       (the table's id count in the batch, at most its rows) is known before the
@@ -162,7 +171,10 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
             table_index[key] = len(tables)
             tables.append(p)
         feature_table.append(table_index[key])
-        check_combiner(comb[f], f"lookup_sparse feature {names[f]!r}")
+        if comb[f] is not None or isinstance(combiners, str):
+            check_combiner(comb[f], f"lookup_sparse feature {names[f]!r}")
+    if prune_negative_ids not in (None, True, False):
+        raise TypeError(f"lookup_sparse: prune_negative_ids must be None or a bool, got {prune_negative_ids!r}")
 
     with tf.name_scope(name or "sok_lookup_sparse"):
         ragged, sparse_order = [], {}   # SparseTensor ids: the order their entries take
@@ -194,29 +206,53 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
                     weights.append(tf.cast(tf.identity(wr.values), tf.float32))
                 weighted.append(True)
         metas = [table_meta(t) for t in tables]
-        if any(m.dynamic for m in metas):
-            if ctx.num_ranks > 1:
-                outs = _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb,
-                                            names, dtype)
-                return outs if as_list else outs[0]
-            ids = _dynamic_rows(tables, metas, feature_table, ids, splits, names)
-        handles = []
-        for t in tables:
-            var = backing_variable(t)
-            if var.trainable:
-                tape_lib.variable_accessed(var)  # lets GradientTape / Keras see the read
-            handles.append(var.handle)
-        if ctx.num_ranks > 1:
-            outs = exchange.exchanged_lookup(
-                ctx.communicator, handles, metas, feature_table, [tf.cast(v, tf.int64) for v in ids], splits,
-                [w if on else None for w, on in zip(weights, weighted)], comb, names,
-                ctx.sparse_grad_reduction, ctx.collective_index())
-            outs = [tf.cast(o, dtype) for o in outs]   # pooled from received float32 vectors
-        else:
-            outs = lookup_ops.fused_lookup(
-                handles, ids, splits, weights, feature_table=feature_table, combiners=comb, weighted=weighted,
-                dims=[m.dim for m in metas], feature_names=names, table_names=[m.name for m in metas], dtype=dtype)
+        for f, x in enumerate(ids_list):
+            dense = not isinstance(x, (tf.RaggedTensor, tf.SparseTensor))
+            if prune_negative_ids or (prune_negative_ids is None and dense and not metas[feature_table[f]].dynamic):
+                ids[f], splits[f], weights[f] = _pruned(ids[f], splits[f], weights[f] if weighted[f] else None)
+                if not weighted[f]:
+                    weights[f] = tf.zeros([0], tf.float32)
+        sequence = {f: splits[f] for f in range(F) if comb[f] is None}
+        for f in sequence:   # one output row per id: unit row splits, summed
+            splits[f] = tf.range(tf.size(ids[f], out_type=tf.int64) + 1)
+        comb = ["sum" if c is None else c for c in comb]
+        outs = _lookup(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype)
+        for f, row_splits in sequence.items():
+            outs[f] = tf.RaggedTensor.from_row_splits(outs[f], row_splits, validate=False)
     return outs if as_list else outs[0]
+
+
+def _pruned(ids, splits, weights):
+    """A feature's ids >= 0 only (and their weights), with its row splits recounted."""
+    keep = ids >= 0
+    kept_per_row = tf.reduce_sum(tf.cast(tf.RaggedTensor.from_row_splits(keep, splits, validate=False), tf.int64),
+                                 axis=1)
+    splits = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(kept_per_row)], 0)
+    return tf.boolean_mask(ids, keep), splits, None if weights is None else tf.boolean_mask(weights, keep)
+
+
+def _lookup(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype):
+    """The fused lookup of lookup_sparse's checked, flattened features (pooled outputs)."""
+    if any(m.dynamic for m in metas):
+        if ctx.num_ranks > 1:
+            return _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb,
+                                        names, dtype)
+        ids = _dynamic_rows(tables, metas, feature_table, ids, splits, names)
+    handles = []
+    for t in tables:
+        var = backing_variable(t)
+        if var.trainable:
+            tape_lib.variable_accessed(var)  # lets GradientTape / Keras see the read
+        handles.append(var.handle)
+    if ctx.num_ranks > 1:
+        outs = exchange.exchanged_lookup(
+            ctx.communicator, handles, metas, feature_table, [tf.cast(v, tf.int64) for v in ids], splits,
+            [w if on else None for w, on in zip(weights, weighted)], comb, names,
+            ctx.sparse_grad_reduction, ctx.collective_index())
+        return [tf.cast(o, dtype) for o in outs]   # pooled from received float32 vectors
+    return lookup_ops.fused_lookup(
+        handles, ids, splits, weights, feature_table=feature_table, combiners=comb, weighted=weighted,
+        dims=[m.dim for m in metas], feature_names=names, table_names=[m.name for m in metas], dtype=dtype)
 
 
 def _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype):

@@ -111,8 +111,9 @@ class Embedding(_TableLayer):
                  **kwargs):
         super().__init__(name=name, **kwargs)
         self.supports_jit = False  # the fused ops have no XLA kernels: Keras' jit_compile="auto" must not pick XLA
+        self.combiner = combiner   # None: a sequence feature ([batch, (ids), dim] ragged)
         self.config = TableConfig(name=(name or "embedding").replace("/", "_"), vocab_size=vocab_size, dim=dim,
-                                  combiner=combiner, initializer=initializer, mode=mode, dynamic=dynamic,
+                                  combiner=combiner or "sum", initializer=initializer, mode=mode, dynamic=dynamic,
                                   max_capacity=max_capacity, evict_strategy=evict_strategy,
                                   min_frequency=min_frequency)
         self.table = _add_table(self, self.config)
@@ -121,11 +122,11 @@ class Embedding(_TableLayer):
         # outputs in the compute dtype (bfloat16/float16 under a Keras mixed policy) straight from the
         # kernel; tables, their gradients' rows and optimizer state stay float32
         return lookup_sparse([self.table], [ids], None if weights is None else [weights],
-                             combiners=[self.config.combiner], feature_names=[self.name], dtype=self.compute_dtype)[0]
+                             combiners=[self.combiner], feature_names=[self.name], dtype=self.compute_dtype)[0]
 
     def get_config(self):
         c = self.config
-        return {**super().get_config(), "vocab_size": c.vocab_size, "dim": c.dim, "combiner": c.combiner,
+        return {**super().get_config(), "vocab_size": c.vocab_size, "dim": c.dim, "combiner": self.combiner,
                 "mode": c.mode, "dynamic": c.dynamic, "max_capacity": c.max_capacity,
                 "evict_strategy": c.evict_strategy, "min_frequency": c.min_frequency}
 
@@ -136,7 +137,9 @@ class EmbeddingCollection(_TableLayer):
     Args:
       tables: the tables (`sok.TableConfig`).
       feature_to_table: feature name -> table name (several features may share a table).
-      combiners: optional feature name -> combiner (default: the table's combiner).
+      combiners: optional feature name -> combiner (default: the table's combiner); None makes
+        the feature a sequence: its output is [batch, (ids), dim] ragged (TorchRec's
+        EmbeddingCollection; the pooled features are its EmbeddingBagCollection).
     call(inputs): a dict feature -> ids (ragged, sparse or dense), optionally
     `weights=` a dict of the same structure; returns a dict feature -> [batch, dim].
 
@@ -166,7 +169,9 @@ class EmbeddingCollection(_TableLayer):
         self.table_configs = list(tables)
         self.feature_to_table = dict(feature_to_table)
         self.feature_names = list(feature_to_table)
-        self.combiners = [check_combiner(combiners.get(f, by_name[t].combiner), f"feature {f!r}")
+        # a feature given combiner None is a sequence feature ([batch, (ids), dim] ragged)
+        self.combiners = [combiners[f] if f in combiners and combiners[f] is None else
+                          check_combiner(combiners.get(f, by_name[t].combiner), f"feature {f!r}")
                           for f, t in self.feature_to_table.items()]
         self.tables = {t.name: _add_table(self, t) for t in self.table_configs}
 
