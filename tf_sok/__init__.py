@@ -16,8 +16,28 @@ from tf_sok.python.variable import (ReplicaTable, Variable, broadcast_variables,
 
 __version__ = "0.1.0"
 
+import tensorflow as _tf
+
+# SOK's: the TensorFlow version as integers ([2, 21, 0])
+tf_version = [int("".join(ch for ch in part if ch.isdigit()) or 0) for part in _tf.__version__.split(".")[:3]]
+
+# SOK names tf_sok does not provide, and what to use instead
+_SOK_ONLY = {
+    "DistributedVariable": "sok.Variable(..., mode=\"distributed\")",
+    "LocalizedVariable": "sok.Variable(..., mode=\"localized:<rank>\")",
+    "Saver": "tf.train.Checkpoint (tables, dynamic tables' keys and optimizer state) or model.save_weights",
+    "dump": "tf.train.Checkpoint or model.save_weights (sok.dump / sok.load are not there yet)",
+    "load": "tf.train.Checkpoint or model.load_weights (sok.dump / sok.load are not there yet)",
+    "incremental_model_dump": "tf.train.Checkpoint (incremental dumps are not there yet)",
+    "DistributedEmbedding": "sok.layers.EmbeddingCollection / sok.lookup_sparse with mode=\"distributed\" tables",
+    "All2AllDenseEmbedding": "sok.layers.EmbeddingCollection / sok.lookup_sparse",
+    "all2all_dense_embedding": "sok.lookup_sparse",
+    "set_comm_tool": "sok.init(comm_tool=...)",
+}
+
 __all__ = ["init", "context", "Variable", "DynamicVariable", "export", "assign", "sparse_read_and_evict", "ReplicaTable", "TableConfig", "lookup_sparse", "filter_variables",
-           "broadcast_variables", "local_shard", "table_meta", "build_info", "restore", "optimizers", "OptimizerWrapper", "layers", "keras"]
+           "broadcast_variables", "local_shard", "table_meta", "build_info", "restore", "optimizers", "OptimizerWrapper",
+           "SGD", "layers", "keras", "tf_version"]
 
 
 def __getattr__(name):
@@ -28,8 +48,12 @@ def __getattr__(name):
         return importlib.import_module("tf_sok.python.optimizers")
     if name == "OptimizerWrapper":
         return importlib.import_module("tf_sok.python.optimizers").OptimizerWrapper
+    if name == "SGD":   # SOK's sparse SGD
+        return importlib.import_module("tf_sok.python.optimizers").SGD
     if name == "layers":
         return importlib.import_module("tf_sok.python.keras.layers")
     if name == "keras":
         return importlib.import_module("tf_sok.python.keras")
+    if name in _SOK_ONLY:
+        raise AttributeError(f"tf_sok has no {name} (a SOK name); use {_SOK_ONLY[name]}")
     raise AttributeError(f"module 'tf_sok' has no attribute {name!r}")

@@ -86,8 +86,40 @@ def _with_exchange(comm: Communicator, exchange: str) -> Communicator:
     return comm
 
 
+_COMM_TOOLS = ("horovod", "single")
+
+
+def _sok_comm_tool(comm_tool: str) -> Communicator:
+    """The communicator SOK's `comm_tool` names: "horovod" (initialised already) or "single"."""
+    if comm_tool not in _COMM_TOOLS:
+        raise ValueError(f"sok.init(): comm_tool must be one of {_COMM_TOOLS}, got {comm_tool!r} (tf.distribute "
+                         f"strategies are found by calling sok.init() under strategy.scope())")
+    if comm_tool == "single":
+        return SingleProcess()
+    hvd = sys.modules.get("horovod.tensorflow")
+    if hvd is None or not hvd.is_initialized():
+        raise RuntimeError("sok.init(comm_tool=\"horovod\"): import horovod.tensorflow and call hvd.init() first")
+    from tf_sok.python.comm.horovod import HorovodCommunicator
+
+    return HorovodCommunicator(hvd)
+
+
+def _use_legacy_optimizers() -> None:
+    """SOK's use_legacy_optimizer: where tf.keras is tf_keras (TF_USE_LEGACY_KERAS=1), its optimizers
+    module becomes the legacy one (OptimizerV2), as SOK does; under Keras 3 nothing changes."""
+    try:
+        legacy = tf.keras.optimizers.legacy
+        if legacy.Optimizer.__name__ == "OptimizerV2":
+            tf.keras.optimizers = legacy
+            tf.optimizers = legacy
+            _log.info("tf_sok: tf.keras.optimizers is now tf.keras.optimizers.legacy (use_legacy_optimizer=True)")
+    except AttributeError:
+        pass
+
+
 def init(communicator: Optional[Communicator] = None, *, sparse_grad_reduction: str = "sum",
-         exchange: Optional[str] = None) -> Context:
+         exchange: Optional[str] = None, comm_tool: Optional[str] = None,
+         use_legacy_optimizer: bool = True) -> Context:
     """Initialises tf_sok; call once before creating variables.
 
     Args:
@@ -104,6 +136,12 @@ def init(communicator: Optional[Communicator] = None, *, sparse_grad_reduction: 
         tf.distribute's copies and collectives) or "auto" (default; "nccl"
         where it applies). The TF_SOK_EXCHANGE environment variable sets the
         default.
+      comm_tool: SOK's argument ("horovod": the initialised Horovod, else an
+        error; "single": one process); also accepted as the first positional
+        argument, as SOK scripts pass it. Default: detected as above.
+      use_legacy_optimizer: SOK's argument: where tf.keras is tf_keras
+        (TF_USE_LEGACY_KERAS=1), tf.keras.optimizers becomes its legacy module, as
+        SOK does; a no-op under Keras 3.
 
     Example:
         >>> import tf_sok as sok
@@ -111,6 +149,14 @@ def init(communicator: Optional[Communicator] = None, *, sparse_grad_reduction: 
         1
     """
     global _context
+    if isinstance(communicator, str):
+        communicator, comm_tool = None, communicator
+    if comm_tool is not None:
+        if communicator is not None:
+            raise ValueError("sok.init(): give a communicator or a comm_tool, not both")
+        communicator = _sok_comm_tool(comm_tool)
+    if use_legacy_optimizer:
+        _use_legacy_optimizers()
     if sparse_grad_reduction not in _REDUCTIONS:
         raise ValueError(f"sparse_grad_reduction must be one of {_REDUCTIONS}, got {sparse_grad_reduction!r}")
     exchange = exchange or os.environ.get("TF_SOK_EXCHANGE") or "auto"

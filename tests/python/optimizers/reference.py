@@ -14,7 +14,7 @@ class NumpyOptimizer:
         self.name, self.w, self.lr, self.hp = name, table.astype(np.float64), lr, hp
         shape = table.shape
         init = hp.get("initial_accumulator_value", 0.0)
-        self.s = {k: np.zeros(shape) for k in ("m", "v", "mom", "mg", "lin")}
+        self.s = {k: np.zeros(shape) for k in ("m", "v", "mom", "mg", "lin", "u", "ag", "ad")}
         self.s["acc"] = np.full(shape, init if name in ("adagrad", "ftrl") else 0.0)
         self.step = np.zeros(shape[0])
 
@@ -40,6 +40,18 @@ class NumpyOptimizer:
                 alpha = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
                 w[r] -= alpha * s["m"][r] / (np.sqrt(s["v"][r]) + h["epsilon"])
                 del mhat
+            elif self.name == "adamax":
+                self.step[r] += 1
+                b1 = h["beta_1"]
+                s["m"][r] = b1 * s["m"][r] + (1 - b1) * gr
+                s["u"][r] = np.maximum(h["beta_2"] * s["u"][r], np.abs(gr))
+                w[r] -= lr * s["m"][r] / ((1 - b1 ** self.step[r]) * (s["u"][r] + h["epsilon"]))
+            elif self.name == "adadelta":
+                rho, eps = h["rho"], h["epsilon"]
+                s["ag"][r] = rho * s["ag"][r] + (1 - rho) * gr * gr
+                delta = -np.sqrt(s["ad"][r] + eps) / np.sqrt(s["ag"][r] + eps) * gr
+                s["ad"][r] = rho * s["ad"][r] + (1 - rho) * delta * delta
+                w[r] += lr * delta
             elif self.name == "ftrl":
                 p = h["learning_rate_power"]
                 g2 = gr + 2 * h["l2_shrinkage_regularization_strength"] * w[r]

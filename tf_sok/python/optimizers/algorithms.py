@@ -1,7 +1,10 @@
 """The sparse optimizers. Formulas follow Keras 3's optimizers, applied to
-the rows a batch touched only (Adam keeps its step count per row, like
-SOK's and TensorFlow Addons' LazyAdam)."""
+the rows a batch touched only (Adam and Adamax keep their step count per row,
+like SOK's and TensorFlow Addons' LazyAdam)."""
 from typing import List
+
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 from tf_sok.python.optimizers.base import SlotSpec, SparseOptimizer, finite_number
 
@@ -149,3 +152,71 @@ class RMSprop(SparseOptimizer):
 
     def hyper(self):
         return {"rho": self.rho, "momentum": self.momentum, "epsilon": self.epsilon, "centered": self.centered}
+
+
+def _rows_update(var, rows, new):
+    return var.scatter_update(tf.IndexedSlices(new, rows))
+
+
+def _rows(var, rows):
+    """Rows of a row array by row number (a DynamicVariable's tf.gather would take keys)."""
+    return resource_variable_ops.resource_gather(var.handle, rows, dtype=var.dtype)
+
+
+class Adamax(SparseOptimizer):
+    """Lazy Adamax (Keras 3's formula, per row): m += (g - m)(1 - b1); u = max(b2 u, |g|);
+    w -= lr m / ((1 - b1^t)(u + eps)), t counting the row's updates. TensorFlow's ops (no fused kernel)."""
+
+    algorithm = ""
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name=None):
+        super().__init__(learning_rate, name)
+        self.beta_1 = _unit("beta_1", beta_1)
+        self.beta_2 = _unit("beta_2", beta_2)
+        self.epsilon = _positive("epsilon", epsilon)
+
+    def slot_specs(self):
+        return [SlotSpec("m"), SlotSpec("u"), SlotSpec("step", per_row=True)]
+
+    def hyper(self):
+        return {}
+
+    def apply_rows(self, var, slots, rows, grads, lr):
+        m_var, u_var, t_var = slots
+        t = _rows(t_var, rows) + 1.0
+        m = _rows(m_var, rows)
+        m = m + (grads - m) * (1.0 - self.beta_1)
+        u = tf.maximum(self.beta_2 * _rows(u_var, rows), tf.abs(grads))
+        w = _rows(var, rows) - (lr * m) / ((1.0 - tf.pow(self.beta_1, t))[:, None] * (u + self.epsilon))
+        return tf.group([_rows_update(m_var, rows, m), _rows_update(u_var, rows, u), _rows_update(t_var, rows, t),
+                         _rows_update(var, rows, w)])
+
+
+class Adadelta(SparseOptimizer):
+    """Adadelta per row (Keras 3's formula): a = rho a + (1 - rho) g^2;
+    d = -sqrt(s + eps) / sqrt(a + eps) g; s = rho s + (1 - rho) d^2; w += lr d.
+    TensorFlow's ops (no fused kernel)."""
+
+    algorithm = ""
+
+    def __init__(self, learning_rate=0.001, rho=0.95, epsilon=1e-7, name=None):
+        super().__init__(learning_rate, name)
+        self.rho = _unit("rho", rho)
+        self.epsilon = _positive("epsilon", epsilon)
+
+    def slot_specs(self):
+        return [SlotSpec("accumulated_grad"), SlotSpec("accumulated_delta")]
+
+    def hyper(self):
+        return {}
+
+    def apply_rows(self, var, slots, rows, grads, lr):
+        acc_var, delta_var = slots
+        acc = self.rho * _rows(acc_var, rows) + (1.0 - self.rho) * tf.square(grads)
+        acc_delta = _rows(delta_var, rows)
+        d = -tf.sqrt(acc_delta + self.epsilon) / tf.sqrt(acc + self.epsilon) * grads
+        acc_delta = self.rho * acc_delta + (1.0 - self.rho) * tf.square(d)
+        w = _rows(var, rows) + lr * d
+        return tf.group([_rows_update(acc_var, rows, acc), _rows_update(delta_var, rows, acc_delta),
+                         _rows_update(var, rows, w)])
+

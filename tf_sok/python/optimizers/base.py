@@ -173,6 +173,17 @@ class SparseOptimizer(tf.Module, abc.ABC):
         """The state variables of one table (after build or the first apply)."""
         return self._slots[self._key(var)]
 
+    def get_slot_names(self) -> List[str]:
+        """The names of the per-row state, in the order `slots` gives it (SOK's wrapper's call)."""
+        return [s.name for s in self.slot_specs()]
+
+    def get_slot(self, var, name: str):
+        """One state variable of table `var` by name (after build or the first apply)."""
+        names = self.get_slot_names()
+        if name not in names:
+            raise KeyError(f"{type(self).__name__} has no slot {name!r}; its slots: {names}")
+        return self.slots(var)[names.index(name)]
+
     def apply_gradients(self, grads_and_vars: Iterable, lr_scale=None) -> None:
         """Applies row-sparse gradients to tf_sok tables (`lr_scale`: a factor on this
         step's learning rate, as sok.keras.Optimizer passes it).
@@ -211,12 +222,41 @@ class SparseOptimizer(tf.Module, abc.ABC):
                 dense += [s.handle for s, spec in zip(slots, specs) if not spec.per_row]
                 steps += [s.handle for s, spec in zip(slots, specs) if spec.per_row]
             kinds = [_lookup_rows(i) for i in all_indices]   # rows a tf_sok lookup gradient made
-            updated = optimizer_ops.sparse_apply(
-                [backing_variable(v).handle for v in tables], dense, steps, lr, all_indices, all_values,
-                algorithm=self.algorithm, table_names=[table_meta(v).name for v in tables],
-                indices_unique=all(k == "ascending" for k in kinds), checked=all(kinds), **self.hyper())
+            if not self.algorithm:   # an optimizer written with TensorFlow's ops (apply_rows)
+                updated = self._apply_with_tf_ops(tables, all_indices, all_values, lr)
+            else:
+                updated = optimizer_ops.sparse_apply(
+                    [backing_variable(v).handle for v in tables], dense, steps, lr, all_indices, all_values,
+                    algorithm=self.algorithm, table_names=[table_meta(v).name for v in tables],
+                    indices_unique=all(k == "ascending" for k in kinds), checked=all(kinds), **self.hyper())
             after = [backing_variable(v).after_update() for v in tables if table_meta(v).dynamic]
             with tf.control_dependencies(([updated] if updated is not None else []) + after):
                 self.iterations.assign_add(1)   # only once the update succeeded (a failed one leaves it)
             return
         self.iterations.assign_add(1)
+
+    def apply_rows(self, var, slots, rows, grads, lr):
+        """The update of distinct `rows` of `var` (and of its `slots`) by their summed `grads`, in
+        TensorFlow ops: for optimizers without a fused kernel (algorithm = "")."""
+        raise NotImplementedError
+
+    def _apply_with_tf_ops(self, tables, all_indices, all_values, lr):
+        """apply_rows per table, after every table's rows were checked (a bad index updates nothing)."""
+        checks, prepared = [], []
+        for var, idx in zip(tables, all_indices):
+            v, idx = backing_variable(var), tf.cast(idx, tf.int64)
+            rows = tf.shape(v, out_type=tf.int64)[0]
+            checks.append(tf.debugging.Assert(
+                tf.reduce_all((idx >= 0) & (idx < rows)),
+                [f"{type(self).__name__}: table {table_meta(var).name}: a row index is outside [0, rows); nothing "
+                 f"was updated; rows", rows, "indices", idx]))
+            prepared.append(idx)
+        updates = []
+        with tf.control_dependencies(checks):
+            for var, idx, vals in zip(tables, prepared, all_values):
+                rows, position = tf.unique(idx)
+                grads = tf.math.unsorted_segment_sum(vals, position, tf.size(rows))
+                updates.append(self.apply_rows(backing_variable(var), [backing_variable(x) for x in self.slots(var)],
+                                               rows, grads, lr))
+        return tf.group(updates)
+

@@ -1,43 +1,65 @@
-"""Builds the sparse optimizer matching a Keras optimizer's hyper-parameters."""
-import keras
+"""Builds the sparse optimizer matching a dense optimizer's hyper-parameters: Keras 3's, tf_keras'
+and tf_keras' legacy (OptimizerV2) optimizers alike, read from their configs."""
+import tensorflow as tf
 
 from tf_sok.python.optimizers import algorithms
 
-_UNSUPPORTED = ("clipnorm", "clipvalue", "global_clipnorm", "weight_decay", "use_ema")
+_NEEDS_OFF = ("clipnorm", "clipvalue", "global_clipnorm", "weight_decay", "use_ema", "amsgrad", "decay")
+_SUPPORTED = "SGD, Adagrad, Adam, Adamax, Adadelta, Ftrl or RMSprop"
 
 
-def OptimizerWrapper(optimizer: keras.optimizers.Optimizer):
-    """The tf_sok optimizer equivalent to a Keras optimizer (sharing its learning rate).
+def _shared_learning_rate(optimizer):
+    """The optimizer's own learning rate (a variable, a schedule or a number), read at each update:
+    changing the dense optimizer's rate changes the sparse one's."""
+    def rate(step=None):
+        lr = optimizer.learning_rate
+        if callable(lr) and not isinstance(lr, (tf.Variable, tf.Tensor)):   # a schedule object
+            lr = lr(optimizer.iterations)
+        return tf.convert_to_tensor(lr, tf.float32)
+    return rate
 
-    Supported: SGD (with or without momentum/Nesterov), Adagrad, Adam, Ftrl,
-    RMSprop. Options without a sparse meaning (clipping, weight decay, EMA,
-    amsgrad) raise ValueError.
+
+def OptimizerWrapper(optimizer):
+    """The tf_sok optimizer equivalent to a dense optimizer (sharing its learning rate).
+
+    Takes Keras 3 optimizers, tf_keras optimizers and tf_keras' legacy ones
+    (`tf_keras.optimizers.legacy.*`, what SOK's own scripts pass): SGD (with or
+    without momentum / Nesterov), Adagrad, Adam, Adamax, Adadelta, Ftrl, RMSprop.
+    Options without a sparse meaning (clipping, weight decay, EMA, amsgrad, the
+    legacy `decay`) raise ValueError; other optimizers raise ValueError naming them.
+    The result keeps per-row (per-key) state and updates only the rows a batch
+    touched; `get_slot(var, name)` / `get_slot_names()` give its state as SOK's does.
 
     Example:
         >>> sparse_opt = sok.OptimizerWrapper(keras.optimizers.Adam(0.01))
         >>> sparse_opt.apply_gradients(zip(sok_grads, sok_vars))
     """
     cls = type(optimizer).__name__
-    for opt in _UNSUPPORTED:
-        if getattr(optimizer, opt, None):
-            raise ValueError(f"sok.OptimizerWrapper: {cls} option {opt}={getattr(optimizer, opt)!r} is not "
-                             f"supported for sparse tables")
-    lr = optimizer._learning_rate  # a schedule, or the Keras variable holding the rate
-    if isinstance(optimizer, keras.optimizers.SGD):
-        if optimizer.momentum > 0:
-            return algorithms.Momentum(lr, optimizer.momentum, optimizer.nesterov)
+    if not hasattr(optimizer, "get_config"):
+        raise TypeError(f"sok.OptimizerWrapper: expected a Keras or tf_keras optimizer, got {cls}")
+    cfg = optimizer.get_config()
+    for opt in _NEEDS_OFF:
+        if cfg.get(opt):
+            raise ValueError(f"sok.OptimizerWrapper: {cls} option {opt}={cfg[opt]!r} is not supported for sparse "
+                             f"tables")
+    lr = _shared_learning_rate(optimizer)
+    if cls == "SGD":
+        if cfg.get("momentum", 0.0) > 0:
+            return algorithms.Momentum(lr, cfg["momentum"], bool(cfg.get("nesterov", False)))
         return algorithms.SGD(lr)
-    if isinstance(optimizer, keras.optimizers.Adam):
-        if optimizer.amsgrad:
-            raise ValueError("sok.OptimizerWrapper: Adam(amsgrad=True) is not supported for sparse tables")
-        return algorithms.Adam(lr, optimizer.beta_1, optimizer.beta_2, optimizer.epsilon)
-    if isinstance(optimizer, keras.optimizers.Adagrad):
-        return algorithms.Adagrad(lr, optimizer.initial_accumulator_value, optimizer.epsilon)
-    if isinstance(optimizer, keras.optimizers.Ftrl):
-        return algorithms.Ftrl(lr, optimizer.learning_rate_power, optimizer.initial_accumulator_value,
-                               optimizer.l1_regularization_strength, optimizer.l2_regularization_strength,
-                               optimizer.l2_shrinkage_regularization_strength, optimizer.beta)
-    if isinstance(optimizer, keras.optimizers.RMSprop):
-        return algorithms.RMSprop(lr, optimizer.rho, optimizer.momentum, optimizer.epsilon, optimizer.centered)
-    raise ValueError(f"sok.OptimizerWrapper: no sparse equivalent of {cls}; use SGD, Adagrad, Adam, Ftrl "
-                     f"or RMSprop")
+    if cls == "Adam":
+        return algorithms.Adam(lr, cfg["beta_1"], cfg["beta_2"], cfg["epsilon"])
+    if cls == "Adamax":
+        return algorithms.Adamax(lr, cfg["beta_1"], cfg["beta_2"], cfg["epsilon"])
+    if cls == "Adadelta":
+        return algorithms.Adadelta(lr, cfg["rho"], cfg["epsilon"])
+    if cls == "Adagrad":
+        return algorithms.Adagrad(lr, cfg["initial_accumulator_value"], cfg["epsilon"])
+    if cls == "Ftrl":
+        return algorithms.Ftrl(lr, cfg["learning_rate_power"], cfg["initial_accumulator_value"],
+                               cfg["l1_regularization_strength"], cfg["l2_regularization_strength"],
+                               cfg.get("l2_shrinkage_regularization_strength", 0.0), cfg.get("beta", 0.0))
+    if cls == "RMSprop":
+        return algorithms.RMSprop(lr, cfg["rho"], cfg.get("momentum", 0.0), cfg["epsilon"],
+                                  bool(cfg.get("centered", False)))
+    raise ValueError(f"sok.OptimizerWrapper: no sparse equivalent of {cls}; use {_SUPPORTED}")
