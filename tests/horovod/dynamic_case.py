@@ -66,10 +66,10 @@ def dense_init():
     return np.linspace(0.5, 1.5, 15).astype(np.float32)
 
 
-def train(tables, dense_w, batches, dense_tape=None):
-    """STEPS of Adam on the tables and SGD on the dense weight (dense_tape: wraps the tape, e.g.
-    hvd.DistributedGradientTape)."""
-    sparse_opt = sok.optimizers.Adam(learning_rate=0.05)
+def train(tables, dense_w, batches, dense_tape=None, sparse_opt=None):
+    """STEPS of Adam (or `sparse_opt`) on the tables and SGD on the dense weight (dense_tape: wraps
+    the tape, e.g. hvd.DistributedGradientTape)."""
+    sparse_opt = sparse_opt or sok.optimizers.Adam(learning_rate=0.05)
 
     @tf.function
     def step(feats, target):

@@ -201,19 +201,23 @@ def test_ranks_waiting_on_different_collectives_end_in_bounded_time(tmp_path, mo
     assert elapsed < limit + 30, elapsed  # start-up and the first lookup included
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_dynamic_tables_train_like_one_process(tmp_path, seed, n):
+@pytest.mark.parametrize("n, scenario", [(2, "dynamic_training"), (3, "dynamic_training"), (2, "sok_script")])
+def test_dynamic_tables_train_like_one_process(tmp_path, seed, n, scenario):
     """Each key ends on its owner (floormod(key, n), or the localized rank) with the value one
-    process training on the global batch gives it; dense weights alike."""
+    process training on the global batch gives it; dense weights alike. sok_script: written as
+    SOK's scripts are (comm_tool, OptimizerWrapper over a tf_keras legacy optimizer)."""
+    import tf_keras
+
     from tests.horovod import dynamic_case as dc
     import tf_sok as sok
 
     need_gpus(n)
-    ranks = run_workers(n, "dynamic_training", seed, tmp_path)
+    ranks = run_workers(n, scenario, seed, tmp_path)
     sok.init()
     tables = dc.make_tables(seed)
     dense_w = tf.Variable(dc.dense_init())
-    dc.train(tables, dense_w, [dc.global_batch(seed, s) for s in range(dc.STEPS)])
+    sparse_opt = sok.OptimizerWrapper(tf_keras.optimizers.legacy.Adagrad(0.05)) if scenario == "sok_script" else None
+    dc.train(tables, dense_w, [dc.global_batch(seed, s) for s in range(dc.STEPS)], sparse_opt=sparse_opt)
     ref = dc.results(tables, dense_w)
     for r, res in enumerate(ranks):
         np.testing.assert_allclose(res["dense"], ref["dense"], rtol=1e-4, atol=1e-5)

@@ -223,6 +223,23 @@ def dynamic_training(seed, out):
     np.savez(out, **dc.results(tables, dense_w))
 
 
+def sok_script(seed, out):
+    """As SOK's own scripts: sok.init(comm_tool="horovod", use_legacy_optimizer=True), dynamic tables
+    and sok.OptimizerWrapper over a tf_keras legacy optimizer."""
+    import tf_keras
+
+    from tests.horovod import dynamic_case as dc
+
+    N, r = hvd.size(), hvd.rank()
+    sok.init(comm_tool="horovod", use_legacy_optimizer=True, sparse_grad_reduction="mean")
+    tables = dc.make_tables(seed)
+    dense_w = tf.Variable(dc.dense_init())
+    batches = [dc.rank_slice(*dc.global_batch(seed, s), r, N) for s in range(dc.STEPS)]
+    dc.train(tables, dense_w, batches, dense_tape=hvd.DistributedGradientTape,
+             sparse_opt=sok.OptimizerWrapper(tf_keras.optimizers.legacy.Adagrad(0.05)))
+    np.savez(out, **dc.results(tables, dense_w))
+
+
 if __name__ == "__main__":
     scenario, seed, outdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     globals()[scenario](seed, os.path.join(outdir, f"{scenario}.rank{hvd.rank()}.npz"))
