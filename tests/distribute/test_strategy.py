@@ -14,7 +14,7 @@ import tensorflow as tf
 from tests.horovod import cases, model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MIRRORED_SCENARIOS = ["lookups", "training", "fit"]
+MIRRORED_SCENARIOS = ["lookups", "training", "fit", "dynamic"]
 
 
 def _env(gpu=False, exchange="auto"):
@@ -147,6 +147,36 @@ def test_mirrored_training_with_every_optimizer_equals_one_device(mirrored):
 def test_mirrored_model_fit_equals_one_device_and_checkpoint_restores(mirrored):
     n, seed, res = mirrored
     check_fit(n, seed, res)
+
+
+def test_mirrored_dynamic_tables_train_like_one_device(mirrored):
+    """Each key ends on its replica's shard (floormod(key, n), or the localized replica) with the value
+    one device training on the global batch gives it."""
+    from tests.horovod import dynamic_case as dc
+    import tf_sok as sok
+
+    n, seed, res = mirrored
+    sok.init()
+    tables = dc.make_tables(seed)
+    dense_w = tf.Variable(dc.dense_init())
+    dc.train(tables, dense_w, [dc.global_batch(seed, s) for s in range(dc.STEPS)])
+    ref = dc.results(tables, dense_w)
+    np.testing.assert_allclose(res["dynamic:dense"], ref["dense"], rtol=1e-4, atol=1e-5)
+    for r in range(n):
+        np.testing.assert_allclose(res[f"dynamic:small/rows/{r}"], ref["small/rows"][r::n], rtol=1e-4, atol=1e-5)
+    for name, (_, mode) in dc.TABLES.items():
+        if mode is None:
+            continue
+        want = dict(zip(ref[f"{name}/keys"].tolist(), ref[f"{name}/values"]))
+        got = {}
+        for r in range(n):
+            keys = res[f"dynamic:{name}/keys/{r}"]
+            owner = np.full(len(keys), int(mode.split(":")[1])) if mode.startswith("localized") else np.mod(keys, n)
+            assert (owner == r).all(), (name, r)
+            got.update(zip(keys.tolist(), res[f"dynamic:{name}/values/{r}"]))
+        assert set(got) == set(want), name
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=f"{name} key {k}")
 
 
 def test_mirrored_misuse_raises_clear_errors(tmp_path):

@@ -271,6 +271,41 @@ def nccl_graph(seed, res):
         res[f"op{i}/type"] = op.type
 
 
+def dynamic(seed, res):
+    """Dynamic tables (distributed and localized) with a static one in one fused lookup, trained in a
+    custom loop: each replica on its slice of each global batch, the loss averaged over the global
+    batch (replica gradients summed at the owners and by the strategy)."""
+    from tests.horovod import dynamic_case as dc
+
+    with STRATEGY.scope():
+        init(res)
+        tables = dc.make_tables(seed)
+        dense_w = tf.Variable(dc.dense_init())
+        sparse_opt = sok.optimizers.Adam(learning_rate=0.05)
+        dense_opt = keras.optimizers.SGD(0.05)
+    batches = [dc.global_batch(seed, s) for s in range(dc.STEPS)]
+
+    for s in range(dc.STEPS):
+        def fn(s=s):
+            feats, target = dc.rank_slice(*batches[s], rank(), N)
+            feats = {k: (tf.constant(v[0]), tf.constant(v[1])) for k, v in feats.items()}
+            with tf.GradientTape() as tape:
+                loss = dc.loss_fn(tables, dense_w, feats, tf.constant(target)) / N
+            names = list(tables)
+            grads = tape.gradient(loss, [tables[n] for n in names] + [dense_w])
+            sparse_opt.apply_gradients(zip(grads[:-1], [tables[n] for n in names]))
+            dense_opt.apply_gradients([(grads[-1], dense_w)])
+        STRATEGY.run(tf.function(fn))
+    for name, t in tables.items():
+        for r, shard in zip(sok.context().communicator.local_ranks, t.shards):
+            if dc.TABLES[name][1] is None:
+                res[f"{name}/rows/{r}"] = shard.numpy()
+            else:
+                keys, values = sok.export(shard)
+                res[f"{name}/keys/{r}"], res[f"{name}/values/{r}"] = keys.numpy(), values.numpy()
+    res["dense"] = dense_w.numpy()
+
+
 if __name__ == "__main__":
     OUTDIR, SEED = sys.argv[3], int(sys.argv[4])
     for scenario in sys.argv[5:]:

@@ -27,7 +27,7 @@ from tensorflow.python.trackable import resource as resource_lib
 from tf_sok.python import context as context_lib
 from tf_sok.python.ops.loader import ops
 from tf_sok.python.sharding import ShardingSpec
-from tf_sok.python.variable import TableMeta, _check_same_on_all_ranks, attach_meta
+from tf_sok.python.variable import ReplicaTable, TableMeta, _check_same_on_all_ranks, attach_meta
 
 _log = logging.getLogger("tf_sok")
 
@@ -138,7 +138,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         where TensorFlow places the variable.
       key_type: tf.int64 (int32 ids are cast).
       dtype: tf.float32.
-      mode: "distributed" or "localized:k" (one process only, for now).
+      mode: "distributed" (key k on rank floormod(k, N)) or "localized:k" (every key on rank k).
       init_capacity: rows of the arrays at first (default 8192); they double as keys arrive.
       max_capacity: at most this many keys (default: unbounded).
       evict_strategy: "lru" or "lfu": how a full table makes room (default: no eviction, a full table
@@ -149,9 +149,21 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
     ignored, with a logged note.
     """
 
+    @classmethod
+    def _variable_call(cls, *args, _rank=None, **kwargs):
+        """Under tf.distribute: one shard per local replica (each with its own index), as a ReplicaTable."""
+        comm = context_lib.context().communicator
+        if _rank is not None or not comm.per_replica_tables:
+            return None
+        shards = []
+        for rank in comm.local_ranks:
+            with comm.placement(rank):
+                shards.append(cls(*args, _rank=rank, **kwargs))
+        return ReplicaTable(shards, comm.local_ranks)
+
     def __init__(self, dimension, initializer=None, var_type=None, name=None, constraint=None, trainable=True,
                  key_type=None, dtype=None, mode=None, init_capacity=None, max_capacity=None, evict_strategy=None,
-                 min_frequency=1, seed=0, **kwargs):
+                 min_frequency=1, seed=0, _rank=None, **kwargs):
         name = name or "sok_dynamic_variable"
         dimension = _count(name, "dimension", dimension, 1)
         unknown = sorted(set(kwargs) - set(_TUNING_ARGS))
@@ -180,9 +192,6 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         context_lib.check_creation_scope(ctx, f"table {name!r}")
         spec = ShardingSpec.parse(mode or "distributed")
         spec.validate(ctx.num_ranks, name)
-        if ctx.communicator.per_replica_tables:
-            raise NotImplementedError(f"sok.DynamicVariable {name!r}: dynamic tables under tf.distribute are not "
-                                      f"supported yet; use Horovod (one rank per process) or one process")
         reserved = 1 if min_frequency > 1 else 0
         if max_keys:
             init_rows = min(init_rows, max_keys + reserved)
@@ -191,7 +200,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
             super().__init__(initial_value=tf.zeros([init_rows, dimension]), shape=tf.TensorShape([None, dimension]),
                              dtype=tf.float32, name=name, trainable=trainable)
         # the index lives with the rows: in GPU memory (GPU kernels) when they are on a GPU
-        self._index_device = self.device if "GPU" in self.device.upper() else "/CPU:0"
+        self._index_device = self.device
         self._index = _KeyIndex(self._index_device, table_name=name, dim=dimension, init_rows=init_rows,
                                 max_keys=max_keys, evict=evict or "none", min_frequency=min_frequency,
                                 initializer=kind, init_a=a, init_b=b, seed=int(seed))
@@ -205,8 +214,9 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         self.evict_strategy = evict
         self.max_capacity = max_keys or None
         self.min_frequency = min_frequency
-        meta = TableMeta(name, max_keys, dimension, spec, max_keys, ctx.rank, ctx.num_ranks, dynamic=True)
-        if ctx.num_ranks > 1:
+        meta = TableMeta(name, max_keys, dimension, spec, max_keys, ctx.rank if _rank is None else _rank,
+                         ctx.num_ranks, dynamic=True)
+        if ctx.num_ranks > 1 and not ctx.communicator.per_replica_tables:
             _check_same_on_all_ranks(ctx, meta)
         attach_meta(self, meta)
 

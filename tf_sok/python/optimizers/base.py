@@ -41,7 +41,7 @@ def _dynamic_slot(name, table, per_row, initial_value):
     """State of a dynamic table: a tf.Variable of its rows ([None] or [None, dim]), next to it, attached
     to its index (grown with it; a row reset to `initial_value` when a new key takes it)."""
     var = backing_variable(table)
-    with tf.init_scope(), tf.device(var.device):
+    with state_placement(table):
         rows = int(tf.shape(var)[0])
         shape = [None] if per_row else [None, var.dimension]
         value = tf.fill([rows] if per_row else [rows, var.dimension], tf.constant(initial_value, tf.float32))
