@@ -312,7 +312,7 @@ def run_dynamic(case, tf, sok):
             extra = rng.integers(-2**62, 2**62, (cap or 0) + 1 + len(model.value), dtype=np.int64)
             feats[0][0] = np.array([len(extra)])
             feats[0][1] = extra
-        if last and fault == "splits_decrease" and sum(len(f[0]) for f in feats) == 0:
+        if last and fault == "splits_decrease" and sum(len(f[1]) for f in feats) == 0:   # needs an id
             feats[0][0], feats[0][1] = np.array([1, 1]), pool[:2]
         inputs = []
         for k, (lens, ids, _) in enumerate(feats):
