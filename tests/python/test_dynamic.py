@@ -205,6 +205,56 @@ def test_assign_inserts_past_admission_and_unadmitted_keys_still_read_zeros(rng)
     np.testing.assert_array_equal(out[2:], np.zeros((2, 3), np.float32))   # seen once: not admitted
 
 
+M64 = (1 << 64) - 1
+
+
+def _mix(x):   # splitmix64's finaliser, written from its definition
+    x = (x + 0x9E3779B97F4A7C15) & M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)
+
+
+def _kept(key, clock, ratio):
+    """The low-frequency filter's documented draw for a new key at a lookup's clock."""
+    x = _mix((int(key) & M64) ^ _mix((clock + 0x51ED27) & M64))
+    return (x >> 11) * 2.0 ** -53 < float(np.float32(ratio))
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_low_frequency_filter_inserts_the_drawn_share_of_new_keys(rng, ratio):
+    known = random_keys(rng, 20)
+    values = rng.standard_normal((20, 2)).astype(np.float32)
+    new = np.setdiff1d(rng.integers(-2**63, 2**63 - 1, 200, dtype=np.int64, endpoint=True), known)
+    table = sok.DynamicVariable(2, initializer="ones", name="filtered")
+    sok.assign(table, known, values)                      # the table's first call (clock 1)
+    opt = sok.optimizers.SGD(learning_rate=0.5)
+    batch = np.concatenate([known[:10], new])
+    with tf.GradientTape() as tape:                       # clock 2
+        out = sok.lookup_sparse(table, tf.constant(batch[:, None]), combiners="sum",
+                                use_low_frequency_filter=True, filter_ratio=ratio)
+        loss = tf.reduce_sum(out)
+    opt.apply_gradients([(tape.gradient(loss, table), table)])
+    kept = {int(k) for k in new if _kept(k, 2, ratio)}
+    assert (len(kept) == 0) if ratio == 0 else (60 < len(kept) < 140)
+    got = held(table)
+    assert set(got) == set(known.tolist()) | kept
+    out = out.numpy()
+    np.testing.assert_array_equal(out[:10], values[:10])
+    for k, row in zip(new, out[10:]):
+        np.testing.assert_array_equal(row, np.ones(2) if int(k) in kept else np.zeros(2))
+    for k, v in zip(known, values):                        # trained once (SGD, gradient 1) or not touched
+        np.testing.assert_allclose(got[k], v - 0.5 * (k in known[:10]), rtol=1e-6)
+    for k in kept:
+        np.testing.assert_allclose(got[k], np.full(2, 0.5), rtol=1e-6)
+    again = sok.lookup_sparse(table, tf.constant(new[:, None]), combiners="sum").numpy()   # row 0 zeros again
+    for k, row in zip(new, again):
+        if int(k) in kept:
+            np.testing.assert_allclose(row, np.full(2, 0.5), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"filter_ratio must be a number in \[0, 1\]"):
+        sok.lookup_sparse(table, tf.constant(new[:2, None]), use_low_frequency_filter=True, filter_ratio=1.5)
+
+
 def test_growth_keeps_values_and_state(rng):
     keys = random_keys(rng, 2000)
     table = sok.DynamicVariable(4, initializer="uniform", init_capacity=16, name="grow")

@@ -61,8 +61,8 @@ def _check(comm: Communicator, step: int, metas, feature_table, combiners, names
 
 def dynamic_exchanged_lookup(comm: Communicator, tables: Sequence, metas: Sequence[TableMeta],
                              feature_table: Sequence[int], ids: Sequence[tf.Tensor], splits: Sequence[tf.Tensor],
-                             weights: Sequence, combiners, names: Sequence[str], reduction: str,
-                             step: int) -> List[tf.Tensor]:
+                             weights: Sequence, combiners, names: Sequence[str], reduction: str, step: int,
+                             insert_ratio: float = 1.0) -> List[tf.Tensor]:
     """Pooled [batch, dim] outputs of features whose tables are all dynamic (see the module doc)."""
     N, F, T = comm.size, len(ids), len(metas)
     ids = [tf.cast(v, tf.int64) for v in ids]
@@ -97,7 +97,7 @@ def dynamic_exchanged_lookup(comm: Communicator, tables: Sequence, metas: Sequen
             pos = _positions(tf.equal(r_table, t))
             uniq, back = tf.unique(tf.gather(r_keys, pos), out_idx=tf.int64)
             var = backing_variable(tables[t])
-            rows = var.rows_for(uniq)
+            rows = var.rows_for(uniq, insert_ratio=insert_ratio)
             parts_pos.append(tf.cast(tf.gather(place, pos), tf.int32))   # dynamic_stitch: int32
             parts_vec.append(_gather_rows(var.sparse_read_rows(rows), back))
         vectors = tf.dynamic_stitch(parts_pos, parts_vec) if len(group) > 1 else parts_vec[0]

@@ -192,7 +192,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         context_lib.check_creation_scope(ctx, f"table {name!r}")
         spec = ShardingSpec.parse(mode or "distributed")
         spec.validate(ctx.num_ranks, name)
-        reserved = 1 if min_frequency > 1 else 0
+        reserved = 1   # row 0: what keys not inserted (not admitted yet, filtered) read: zeros
         if max_keys:
             init_rows = min(init_rows, max_keys + reserved)
         init_rows = max(init_rows, reserved + 1)
@@ -210,7 +210,6 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         self._key_type = key_type
         self._var_type = var_type or "hbm"
         self._mode = mode
-        self._reserved = reserved
         self.evict_strategy = evict
         self.max_capacity = max_keys or None
         self.min_frequency = min_frequency
@@ -256,11 +255,6 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
             keys, _ = ops().tf_sok_dynamic_size(self._index.resource_handle)
         return tf.stack([keys, tf.constant(self._dimension, tf.int64)])
 
-    @property
-    def reserved_rows(self) -> int:
-        """1 with admission (row 0 reads zeros for keys not admitted yet), else 0."""
-        return self._reserved
-
     def _keys(self, keys) -> tf.Tensor:
         keys = tf.convert_to_tensor(keys)
         if keys.dtype not in (tf.int32, tf.int64):
@@ -268,18 +262,21 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
                             f"{keys.dtype.name}")
         return tf.reshape(tf.cast(keys, tf.int64), [-1])
 
-    def rows_for(self, keys, insert: bool = True, with_evicted: bool = False, admit_all: bool = False):
+    def rows_for(self, keys, insert: bool = True, with_evicted: bool = False, admit_all: bool = False,
+                 insert_ratio: float = 1.0):
         """Rows of the value array holding `keys` (any shape; int32 / int64), inserting missing keys at
         their initial value (the arrays grow, and the optimizer state of new keys' rows is reset, in
         the same op); insert=False: -1 for missing keys, nothing changes. with_evicted: also
         (evicted keys, their values) — what made room for the new keys. admit_all: missing keys are
-        inserted even before min_frequency sightings (an assignment)."""
+        inserted even before min_frequency sightings (an assignment). insert_ratio < 1 (the
+        low-frequency filter): a new key is inserted with that probability, drawn from the key and
+        the lookup's clock; keys not inserted map to row 0, which reads zeros."""
         keys = tf.convert_to_tensor(keys)
         shape = tf.shape(keys)
         with tf.device(self._index_device):
             slots, ev_keys, ev_values = ops().tf_sok_dynamic_find(self._index.resource_handle, self._keys(keys),
                                                                   insert=insert, with_evicted=with_evicted,
-                                                                  admit_all=admit_all)
+                                                                  admit_all=admit_all, insert_ratio=float(insert_ratio))
         slots = tf.reshape(slots, shape)
         return (slots, ev_keys, ev_values) if with_evicted else slots
 
@@ -304,12 +301,6 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
     def sparse_read(self, indices, name=None):
         """The rows of keys `indices` (inserted when missing): what tf.gather / tf.nn.embedding_lookup call."""
         return self._base_gather(self.rows_for(indices))
-
-    def after_update(self):
-        """After an optimizer update: row 0 of a table with admission reads zeros again."""
-        if not self._reserved:
-            return tf.no_op()
-        return self.scatter_update(tf.IndexedSlices(tf.zeros([1, self._dimension]), tf.constant([0], tf.int64)))
 
     def export(self):
         """(keys, values) of every key held (this process's shard)."""

@@ -95,7 +95,8 @@ def _listify(x):
 @tf.autograph.experimental.do_not_convert   # library code: no tensor-dependent Python control flow
 def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequence[Optional[str]], None] = None,
                   name: Optional[str] = None, feature_names: Optional[Sequence[str]] = None, dtype=tf.float32,
-                  prune_negative_ids: Optional[bool] = None):
+                  prune_negative_ids: Optional[bool] = None, use_low_frequency_filter: bool = False,
+                  filter_ratio: float = 0.0):
     """Looks up and combines many features in ONE fused op.
 
     Args:
@@ -117,6 +118,10 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
         `tf.nn.safe_embedding_lookup_sparse` does; their weights go with them and
         a row left empty gives zeros. Default (None): for dense [batch, hotness]
         ids of static tables only (a dynamic table's negative keys are keys).
+      use_low_frequency_filter: SOK's: keys new to a dynamic table are inserted
+        only with probability `filter_ratio` (default 0: none), drawn per key and
+        lookup; the others read zeros and their gradients are dropped. Keys
+        already held are looked up as always.
     Returns:
       A [batch, dim] tensor per feature (a list when sp_ids is a list); a
       sequence feature's is a [batch, (ids), dim] tf.RaggedTensor.
@@ -173,6 +178,11 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
         feature_table.append(table_index[key])
         if comb[f] is not None or isinstance(combiners, str):
             check_combiner(comb[f], f"lookup_sparse feature {names[f]!r}")
+    if not isinstance(use_low_frequency_filter, bool):
+        raise TypeError(f"lookup_sparse: use_low_frequency_filter must be a bool, got {use_low_frequency_filter!r}")
+    if isinstance(filter_ratio, bool) or not isinstance(filter_ratio, (int, float)) or not 0 <= filter_ratio <= 1:
+        raise ValueError(f"lookup_sparse: filter_ratio must be a number in [0, 1], got {filter_ratio!r}")
+    insert_ratio = float(filter_ratio) if use_low_frequency_filter else 1.0
     if prune_negative_ids not in (None, True, False):
         raise TypeError(f"lookup_sparse: prune_negative_ids must be None or a bool, got {prune_negative_ids!r}")
 
@@ -216,7 +226,8 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
         for f in sequence:   # one output row per id: unit row splits, summed
             splits[f] = tf.range(tf.size(ids[f], out_type=tf.int64) + 1)
         comb = ["sum" if c is None else c for c in comb]
-        outs = _lookup(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype)
+        outs = _lookup(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype,
+                       insert_ratio)
         for f, row_splits in sequence.items():
             outs[f] = tf.RaggedTensor.from_row_splits(outs[f], row_splits, validate=False)
     return outs if as_list else outs[0]
@@ -231,13 +242,13 @@ def _pruned(ids, splits, weights):
     return tf.boolean_mask(ids, keep), splits, None if weights is None else tf.boolean_mask(weights, keep)
 
 
-def _lookup(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype):
+def _lookup(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype, insert_ratio):
     """The fused lookup of lookup_sparse's checked, flattened features (pooled outputs)."""
     if any(m.dynamic for m in metas):
         if ctx.num_ranks > 1:
             return _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb,
-                                        names, dtype)
-        ids = _dynamic_rows(tables, metas, feature_table, ids, splits, names)
+                                        names, dtype, insert_ratio)
+        ids = _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio)
     handles = []
     for t in tables:
         var = backing_variable(t)
@@ -255,7 +266,8 @@ def _lookup(ctx, tables, metas, feature_table, ids, splits, weights, weighted, c
         dims=[m.dim for m in metas], feature_names=names, table_names=[m.name for m in metas], dtype=dtype)
 
 
-def _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype):
+def _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype,
+                         insert_ratio):
     """A multi-rank lookup over dynamic tables (and static ones): the dynamic tables' features by
     their exchange (dynamic_exchange), the static tables' by lookup_sparse's, outputs in order."""
     from tf_sok.python import dynamic_exchange
@@ -268,7 +280,7 @@ def _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights
         ctx.communicator, [tables[t] for t in dyn_tables], [metas[t] for t in dyn_tables],
         [dyn_tables.index(feature_table[f]) for f in dyn], [ids[f] for f in dyn], [splits[f] for f in dyn],
         [weights[f] if weighted[f] else None for f in dyn], [comb[f] for f in dyn], [names[f] for f in dyn],
-        ctx.sparse_grad_reduction, ctx.collective_index())
+        ctx.sparse_grad_reduction, ctx.collective_index(), insert_ratio)
     for f, o in zip(dyn, pooled):
         outs[f] = tf.cast(o, dtype)
     if static:
@@ -293,7 +305,7 @@ def _valid_splits(splits, ids, feature):
                                     f"and end at the number of ids; got", splits, "for", tf.size(ids), "ids"])
 
 
-def _dynamic_rows(tables, metas, feature_table, ids, splits, names):
+def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio=1.0):
     """The ids of features on dynamic tables replaced by the rows holding them (missing keys
     inserted): one find per table over all its features' ids, so that keys of one feature never
     evict those of another in the same step. Every feature's ids become int64."""
@@ -306,7 +318,8 @@ def _dynamic_rows(tables, metas, feature_table, ids, splits, names):
         checks = [_valid_splits(splits[f], ids[f], names[f]) for f in fs]
         with tf.control_dependencies(checks):
             ids = [tf.identity(v) if f in fs else v for f, v in enumerate(ids)]
-        rows = backing_variable(tables[t]).rows_for(tf.concat([ids[f] for f in fs], 0) if len(fs) > 1 else ids[fs[0]])
+        rows = backing_variable(tables[t]).rows_for(tf.concat([ids[f] for f in fs], 0) if len(fs) > 1 else ids[fs[0]],
+                                                    insert_ratio=insert_ratio)
         parts = tf.split(rows, [tf.size(ids[f]) for f in fs]) if len(fs) > 1 else [rows]
         for f, part in zip(fs, parts):
             ids[f] = part

@@ -96,7 +96,7 @@ void KeyMap::Erase(int64_t key) {
 
 DynamicIndex::DynamicIndex(const DynamicIndexConfig& config)
     : config_(config), slot_of_key_(std::max<int64_t>(config.init_rows, 8)), candidates_(8) {
-  reserved_ = config_.min_frequency > 1 ? 1 : 0;
+  reserved_ = 1;  // row 0: what keys not inserted (not admitted, filtered) read
   next_free_ = reserved_;
   int64_t rows = std::max<int64_t>(config_.init_rows, reserved_ + 1);
   if (config_.max_keys > 0) rows = std::min(rows, config_.max_keys + reserved_);
@@ -117,7 +117,7 @@ void DynamicIndex::EnsureRows(int64_t needed) {
 }
 
 std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* ch,
-                               bool admit_all) {
+                               bool admit_all, float insert_ratio) {
   if (!insert) {
     for (int64_t i = 0; i < n; ++i) slots[i] = slot_of_key_.Get(keys[i], -1);
     ch->rows = rows_;
@@ -143,10 +143,11 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
   // 2. admission (nothing written yet)
   std::vector<uint8_t> admit(missing.size(), 1);
   int64_t admitted = static_cast<int64_t>(missing.size());
-  if (config_.min_frequency > 1 && !admit_all) {
+  if ((config_.min_frequency > 1 || insert_ratio < 1.0f) && !admit_all) {
     admitted = 0;
     for (size_t j = 0; j < missing.size(); ++j) {
-      admit[j] = candidates_.Get(missing[j], 0) + 1 >= config_.min_frequency;
+      admit[j] = (config_.min_frequency <= 1 || candidates_.Get(missing[j], 0) + 1 >= config_.min_frequency) &&
+                 KeepNewKey(missing[j], clock_ + 1, insert_ratio);
       admitted += admit[j];
     }
   }
@@ -186,7 +187,7 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
   for (size_t j = 0; j < missing.size(); ++j) {
     const int64_t key = missing[j];
     if (!admit[j]) {
-      candidates_.Put(key, candidates_.Get(key, 0) + 1);
+      if (config_.min_frequency > 1) candidates_.Put(key, candidates_.Get(key, 0) + 1);
       continue;
     }
     if (config_.min_frequency > 1) candidates_.Erase(key);

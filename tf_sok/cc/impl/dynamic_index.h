@@ -4,8 +4,10 @@
 // static table; this index maps any int64 key to a row ("slot") of those arrays,
 // inserting missing keys, growing the arrays' row count by doubling, evicting by
 // score when a bounded table is full (LRU: the call that last touched the key;
-// LFU: the number of calls that touched it), and admitting a key only after it was
-// seen min_frequency times (until then it maps to row 0, which reads zeros).
+// LFU: the number of calls that touched it), admitting a key only after it was
+// seen min_frequency times and, on request, only a share of new keys (a
+// low-frequency filter). A key not inserted maps to row 0, never a key's row,
+// which reads zeros.
 // Each insertion into a row bumps the row's generation (how many keys it held).
 //
 // Open addressing with linear probing and backward-shift deletion: every int64
@@ -30,7 +32,7 @@ struct DynamicIndexConfig {
   int64_t init_rows = 1024;   // rows of the arrays at first (reserved row included)
   int64_t max_keys = 0;       // at most this many keys; 0: unbounded
   Evict evict = Evict::kNone;
-  int64_t min_frequency = 1;  // > 1: admission on; row 0 is reserved for keys not yet admitted
+  int64_t min_frequency = 1;  // > 1: admission on (row 0, reserved, stands for keys not inserted)
 };
 
 // What one Find call changed, for the caller to apply to the arrays.
@@ -79,8 +81,10 @@ class DynamicIndex {
   // inserted and touched, found keys touched; without, nothing changes and
   // missing keys map to -1. Returns "" or an error message, in which case
   // nothing changed.
+  // insert_ratio < 1: a new key that passes admission is inserted only if
+  // KeepNewKey(key, call clock, insert_ratio) (else it counts as not admitted).
   std::string Find(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* changes,
-                   bool admit_all = false);
+                   bool admit_all = false, float insert_ratio = 1.0f);
 
   int64_t size() const { return live_; }
   int64_t rows() const { return rows_; }
@@ -131,6 +135,14 @@ TF_SOK_HD float InitialValue(int kind, float a, float b, uint64_t key_bits, int6
     x = MixBits(x);
     if (kind == 1 || fabs(z) <= 2.0) return static_cast<float>(a + b * z);
   }
+}
+
+// The low-frequency filter's draw: whether new key `key` is inserted by the call
+// whose clock is `clock`, with probability `ratio` (a function of both only).
+TF_SOK_HD bool KeepNewKey(int64_t key, int64_t clock, float ratio) {
+  if (ratio >= 1.0f) return true;
+  const uint64_t x = MixBits(static_cast<uint64_t>(key) ^ MixBits(static_cast<uint64_t>(clock) + 0x51ED27ull));
+  return static_cast<double>(x >> 11) * 0x1.0p-53 < static_cast<double>(ratio);
 }
 
 void InitialRows(int kind, float a, float b, int64_t seed, const int64_t* keys, int64_t n, int64_t dim,

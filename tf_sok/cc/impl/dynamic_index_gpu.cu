@@ -108,12 +108,12 @@ __global__ void MissingFlagsKernel(const int64_t* slot, int64_t n, uint8_t* flag
   if (i < n) flags[i] = i < Count(n, count) && slot[i] < 0;
 }
 
-__global__ void AdmitFlagsKernel(const int64_t* count, int64_t n, int64_t min_frequency, uint8_t* admit,
-                                 uint8_t* wait) {
+__global__ void AdmitFlagsKernel(const int64_t* count, const int64_t* keys, int64_t n, int64_t min_frequency,
+                                 float ratio, int64_t clock, uint8_t* admit, uint8_t* wait) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const int64_t seen = count[i] < 0 ? 0 : count[i];
-  admit[i] = seen + 1 >= min_frequency;
+  admit[i] = seen + 1 >= min_frequency && KeepNewKey(keys[i], clock, ratio);
   wait[i] = !admit[i];
 }
 
@@ -266,7 +266,7 @@ bool SortPairs(const GpuDevice& d, const K* keys_in, K* keys_out, const V* value
 
 GpuDynamicIndex::GpuDynamicIndex(const DynamicIndexConfig& config, DeviceMemory* memory)
     : config_(config), memory_(memory) {
-  reserved_ = config_.min_frequency > 1 ? 1 : 0;
+  reserved_ = 1;  // row 0: what keys not inserted (not admitted, filtered) read
   next_free_ = reserved_;
   int64_t rows = std::max<int64_t>(config_.init_rows, reserved_ + 1);
   if (config_.max_keys > 0) rows = std::min(rows, config_.max_keys + reserved_);
@@ -361,7 +361,7 @@ std::string GpuDynamicIndex::EnsureRows(const GpuDevice& d, int64_t needed) {
 }
 
 std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64_t n, bool insert,
-                                  GpuFindResult* out, bool admit_all) {
+                                  GpuFindResult* out, bool admit_all, float insert_ratio) {
   if (!init_error_.empty()) return init_error_;
   cudaStream_t s = StreamOf(d);
   out->rows = rows_;
@@ -413,7 +413,7 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
   int64_t* admitted = missing;
   int64_t a = m, waiting_count = 0;
   int64_t *waiting = nullptr, *waiting_seen = nullptr, *waiting_where = nullptr, *admitted_where = nullptr;
-  if (config_.min_frequency > 1 && m > 0) {
+  if ((config_.min_frequency > 1 || insert_ratio < 1.0f) && m > 0) {
     error = Room(d, &candidates_, candidates_live_, m);  // now: the bucket positions found below stay valid
     if (!error.empty()) return error;
     auto* seen = gpu::Alloc<int64_t>(d, m);
@@ -430,7 +430,8 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
       return "ran out of GPU memory";
     FindKernel<<<Blocks(m), kThreads, 0, s>>>(candidates_.keys, candidates_.state, candidates_.buckets - 1, missing,
                                               m, seen, where);
-    AdmitFlagsKernel<<<Blocks(m), kThreads, 0, s>>>(seen, m, admit_all ? 1 : config_.min_frequency, admit, wait);
+    AdmitFlagsKernel<<<Blocks(m), kThreads, 0, s>>>(seen, missing, m, admit_all ? 1 : config_.min_frequency,
+                                                    admit_all ? 1.0f : insert_ratio, clock_ + 1, admit, wait);
     a = Compact(d, missing, admit, m, admitted, &error);
     Compact(d, where, admit, m, admitted_where, &error);
     waiting_count = Compact(d, missing, wait, m, waiting, &error);

@@ -50,7 +50,7 @@ class GpuDynamicIndex {
   // As DynamicIndex::Find, with keys and outputs on the device. "" or an error
   // message; an error changes nothing a later call can see.
   std::string Find(const GpuDevice& d, const int64_t* keys, int64_t n, bool insert, GpuFindResult* out,
-                   bool admit_all = false);
+                   bool admit_all = false, float insert_ratio = 1.0f);
   int64_t size() const { return live_; }
   int64_t rows() const { return rows_; }
 

@@ -191,10 +191,11 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
     const int64_t width = t->dims() == 2 ? t->dim_size(1) : 1;
     if (a.values && evicted_values != nullptr && num_evicted > 0)
       GatherRows(d, t->flat<float>().data(), width, evicted_slots, num_evicted, evicted_values);
-    if (num_new == 0 && t->dim_size(0) >= rows) continue;
+    if (num_new == 0 && t->dim_size(0) >= rows && !a.values) continue;
     TF_RETURN_IF_ERROR(GrowArray(ctx, d, *res, a, rows));
     float* base = a.var->tensor()->flat<float>().data();
     if (a.values) {
+      Fill(d, base, width, 0.0f);   // row 0, which keys not inserted read (an update may have moved it)
       InitialRowsAt(d, *res, new_keys, new_slots, num_new, width, base);
     } else {
       FillRows(d, base, width, new_slots, num_new, a.fill);
@@ -215,6 +216,7 @@ class FindOp : public tf::OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("insert", &insert_));
     OP_REQUIRES_OK(c, c->GetAttr("with_evicted", &with_evicted_));
     OP_REQUIRES_OK(c, c->GetAttr("admit_all", &admit_all_));
+    OP_REQUIRES_OK(c, c->GetAttr("insert_ratio", &insert_ratio_));
   }
 
   void Compute(tf::OpKernelContext* ctx) override {
@@ -234,7 +236,7 @@ class FindOp : public tf::OpKernel {
     impl::FindChanges ch;
     tf::mutex_lock l(res->mu);
     const std::string error = res->host->Find(keys.flat<int64_t>().data(), keys.NumElements(), insert_,
-                                              slots->flat<int64_t>().data(), &ch, admit_all_);
+                                              slots->flat<int64_t>().data(), &ch, admit_all_, insert_ratio_);
     OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
     const int64_t evicted = with_evicted_ ? static_cast<int64_t>(ch.evicted_keys.size()) : 0;
     tf::Tensor *ev_keys = nullptr, *ev_values = nullptr;
@@ -259,7 +261,7 @@ class FindOp : public tf::OpKernel {
     impl::GpuFindResult r;
     tf::mutex_lock l(res->mu);
     const std::string error =
-        res->gpu->Find(d, keys.flat<int64_t>().data(), keys.NumElements(), insert_, &r, admit_all_);
+        res->gpu->Find(d, keys.flat<int64_t>().data(), keys.NumElements(), insert_, &r, admit_all_, insert_ratio_);
     OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
     if (keys.NumElements() > 0)
       cudaMemcpyAsync(slots->flat<int64_t>().data(), r.slots, 8 * keys.NumElements(), cudaMemcpyDeviceToDevice,
@@ -276,6 +278,7 @@ class FindOp : public tf::OpKernel {
   }
 #endif
   bool insert_ = true, with_evicted_ = false, admit_all_ = false;
+  float insert_ratio_ = 1.0f;
 };
 
 class AttachOp : public tf::OpKernel {

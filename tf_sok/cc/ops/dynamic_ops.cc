@@ -41,6 +41,7 @@ REGISTER_OP("TfSokDynamicFind")
     .Attr("insert: bool = true")
     .Attr("with_evicted: bool = false")
     .Attr("admit_all: bool = false")
+    .Attr("insert_ratio: float = 1.0")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ::tensorflow::shape_inference::ShapeHandle keys;
@@ -57,7 +58,10 @@ when full), every key's score touched, and the arrays attached to the index
 new keys set (values: the key's initial value; optimizer state: its fill).
 with_evicted: the keys evicted to make room and their values before they left
 (else both empty). admit_all: missing keys are inserted whatever their admission
-count (an assignment). Without insert: nothing changes and missing keys give -1.
+count (an assignment). insert_ratio < 1: a new key is inserted with that
+probability (a function of the key and the call: the low-frequency filter);
+keys not inserted read row 0, zeros. Without insert: nothing changes and
+missing keys give -1.
 An error (a full table without eviction) changes nothing.
 )doc");
 

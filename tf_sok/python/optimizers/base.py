@@ -239,8 +239,7 @@ class SparseOptimizer(tf.Module, abc.ABC):
                     [backing_variable(v).handle for v in tables], dense, steps, lr, all_indices, all_values,
                     algorithm=self.algorithm, table_names=[table_meta(v).name for v in tables],
                     indices_unique=all(k == "ascending" for k in kinds), checked=all(kinds), **self.hyper())
-            after = [backing_variable(v).after_update() for v in tables if table_meta(v).dynamic]
-            with tf.control_dependencies(([updated] if updated is not None else []) + after):
+            with tf.control_dependencies([updated] if updated is not None else []):
                 self.iterations.assign_add(1)   # only once the update succeeded (a failed one leaves it)
             return
         self.iterations.assign_add(1)

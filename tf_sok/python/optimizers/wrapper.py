@@ -9,14 +9,16 @@ _SUPPORTED = "SGD, Adagrad, Adam, Adamax, Adadelta, Ftrl or RMSprop"
 
 
 def _shared_learning_rate(optimizer):
-    """The optimizer's own learning rate (a variable, a schedule or a number), read at each update:
-    changing the dense optimizer's rate changes the sparse one's."""
-    def rate(step=None):
-        lr = optimizer.learning_rate
-        if callable(lr) and not isinstance(lr, (tf.Variable, tf.Tensor)):   # a schedule object
-            lr = lr(optimizer.iterations)
-        return tf.convert_to_tensor(lr, tf.float32)
-    return rate
+    """The optimizer's own learning rate: its variable (so changing the dense rate changes the
+    sparse one) or its schedule (which the sparse optimizer evaluates at its own step)."""
+    if hasattr(optimizer, "_learning_rate"):        # Keras 3, tf_keras
+        return optimizer._learning_rate
+    if hasattr(optimizer, "_get_hyper"):            # tf_keras legacy (OptimizerV2): a number until built
+        lr = optimizer._get_hyper("learning_rate")
+        if isinstance(lr, (int, float)):
+            return lambda: tf.convert_to_tensor(optimizer._get_hyper("learning_rate"), tf.float32)
+        return lr
+    return optimizer.get_config()["learning_rate"]
 
 
 def OptimizerWrapper(optimizer):
