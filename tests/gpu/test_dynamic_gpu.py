@@ -114,3 +114,17 @@ def test_checkpoints_move_between_gpu_and_cpu_tables(rng, tmp_path):
     with tf.device("/CPU:0"):
         tf.gather(restored, b)
     assert_same_tables(restored, gpu)
+
+
+def test_low_frequency_filter_draws_the_same_keys_on_the_gpu(rng):
+    keys = random_keys(rng, 3000)
+    gpu, cpu = pair(dimension=4, initializer="ones", min_frequency=2)
+    for _ in range(4):
+        b = tf.constant(rng.choice(keys, 1500)[:, None])
+        with tf.device("/GPU:0"):
+            g = sok.lookup_sparse(gpu, b, combiners="sum", use_low_frequency_filter=True, filter_ratio=0.3)
+        with tf.device("/CPU:0"):
+            c = sok.lookup_sparse(cpu, b, combiners="sum", use_low_frequency_filter=True, filter_ratio=0.3)
+        np.testing.assert_array_equal(g.numpy(), c.numpy())
+    assert_same_tables(gpu, cpu)
+    assert 0 < gpu.size.numpy()[0] < len(keys)
