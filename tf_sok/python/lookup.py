@@ -295,14 +295,12 @@ def _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights
     return outs
 
 
-def _valid_splits(splits, ids, feature):
-    """An assertion that row_splits start at 0, never decrease and end at the id count."""
+def _splits_ok(splits, ids):
+    """Whether row_splits start at 0, never decrease and end at the id count (a bool tensor)."""
     n = tf.size(splits)
-    ok = tf.logical_and(tf.logical_and(n >= 1, tf.equal(splits[0], 0)),
-                        tf.logical_and(tf.equal(splits[-1], tf.size(ids, out_type=splits.dtype)),
-                                       tf.reduce_all(splits[1:] >= splits[:-1])))
-    return tf.debugging.Assert(ok, [f"lookup_sparse feature {feature}: row_splits must start at 0, never decrease "
-                                    f"and end at the number of ids; got", splits, "for", tf.size(ids), "ids"])
+    return tf.logical_and(tf.logical_and(n >= 1, tf.equal(splits[0], 0)),
+                          tf.logical_and(tf.equal(splits[-1], tf.size(ids, out_type=splits.dtype)),
+                                         tf.reduce_all(splits[1:] >= splits[:-1])))
 
 
 def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio=1.0):
@@ -310,14 +308,19 @@ def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio
     inserted): one find per table over all its features' ids, so that keys of one feature never
     evict those of another in the same step. Every feature's ids become int64."""
     ids = [tf.cast(v, tf.int64) for v in ids]
+    # the finds insert keys: a malformed feature must fail before them, not in the lookup after. One
+    # check for all features (on a GPU, a check is a wait for the device)
+    dynamic = [f for f in range(len(ids)) if metas[feature_table[f]].dynamic]
+    valid = tf.stack([_splits_ok(splits[f], ids[f]) for f in dynamic])
+    check = tf.debugging.Assert(tf.reduce_all(valid), [
+        "lookup_sparse: row_splits must start at 0, never decrease and end at the number of ids; malformed in "
+        "feature(s)", tf.boolean_mask(tf.constant([names[f] for f in dynamic]), tf.logical_not(valid))])
+    with tf.control_dependencies([check]):
+        ids = [tf.identity(v) if f in dynamic else v for f, v in enumerate(ids)]
     for t, meta in enumerate(metas):
         if not meta.dynamic:
             continue
         fs = [f for f, ft in enumerate(feature_table) if ft == t]
-        # the find inserts keys: a malformed feature must fail before it, not in the lookup after
-        checks = [_valid_splits(splits[f], ids[f], names[f]) for f in fs]
-        with tf.control_dependencies(checks):
-            ids = [tf.identity(v) if f in fs else v for f, v in enumerate(ids)]
         rows = backing_variable(tables[t]).rows_for(tf.concat([ids[f] for f in fs], 0) if len(fs) > 1 else ids[fs[0]],
                                                     insert_ratio=insert_ratio)
         parts = tf.split(rows, [tf.size(ids[f]) for f in fs]) if len(fs) > 1 else [rows]
