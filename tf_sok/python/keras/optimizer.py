@@ -121,6 +121,34 @@ class Optimizer(keras.optimizers.Optimizer):
         with tf.control_dependencies(done):
             self.iterations.assign_add(1)
 
+    def _dynamic_state(self):
+        """{weights-file key: variable} of the sparse optimizer's state of dynamic tables (plain
+        tf.Variables that grow with their tables, so not among this optimizer's Keras variables)."""
+        out = {}
+        for key, slots in self.sparse._slots.items():   # noqa: SLF001
+            for i, slot in enumerate(slots):
+                if slot.shape.rank is not None and slot.shape[0] is None:
+                    out[f"sparse:{key}:{i}"] = slot
+        return out
+
+    def save_own_variables(self, store):
+        """Keras' weights file: this optimizer's variables, and the state of dynamic tables."""
+        super().save_own_variables(store)
+        for name, slot in self._dynamic_state().items():
+            store[name] = slot.numpy()
+
+    def load_own_variables(self, store):
+        dynamic = self._dynamic_state()
+        saved = {k for k in store.keys() if k.startswith("sparse:")}
+        if saved - set(dynamic):
+            raise ValueError(f"sok.keras.Optimizer: the weights file holds state of dynamic tables this optimizer "
+                             f"has not built ({sorted(saved - set(dynamic))[:4]}); build it first "
+                             f"(optimizer.build(model.trainable_variables)) or fit a step")
+        super().load_own_variables({k: store[k] for k in store.keys() if not k.startswith("sparse:")})
+        for name, slot in dynamic.items():
+            if name in store:
+                slot.assign(store[name])
+
     def stateless_apply(self, *args, **kwargs):
         raise NotImplementedError("sok.keras.Optimizer updates tables in place; stateless_apply is not supported")
 
