@@ -91,15 +91,18 @@ def test_training_on_the_gpu_equals_the_cpu(rng, case):
     assert_same_tables(gpu, cpu, rtol=1e-3, atol=1e-4)
 
 
+def gather_on_each(gpu, cpu, keys):
+    with tf.device("/GPU:0"):
+        tf.gather(gpu, keys)
+    with tf.device("/CPU:0"):
+        tf.gather(cpu, keys)
+
+
 def test_checkpoints_move_between_gpu_and_cpu_tables(rng, tmp_path):
     keys = random_keys(rng, 2000)
     gpu, cpu = pair(dimension=4, initializer="uniform", max_capacity=1500, evict_strategy="lfu", min_frequency=2)
     for _ in range(5):
-        b = tf.constant(rng.choice(keys, 900))
-        with tf.device("/GPU:0"):
-            tf.gather(gpu, b)
-        with tf.device("/CPU:0"):
-            tf.gather(cpu, b)
+        gather_on_each(gpu, cpu, tf.constant(rng.choice(keys, 900)))
     assert_same_tables(gpu, cpu)
     path = tf.train.Checkpoint(t=gpu).save(str(tmp_path / "g"))
     with tf.device("/CPU:0"):
@@ -108,11 +111,7 @@ def test_checkpoints_move_between_gpu_and_cpu_tables(rng, tmp_path):
     tf.train.Checkpoint(t=restored).restore(path).assert_consumed()
     assert_same_tables(restored, gpu)
     # both go on alike: scores, admission counts and rows came along
-    b = tf.constant(rng.choice(keys, 900))
-    with tf.device("/GPU:0"):
-        tf.gather(gpu, b)
-    with tf.device("/CPU:0"):
-        tf.gather(restored, b)
+    gather_on_each(gpu, restored, tf.constant(rng.choice(keys, 900)))
     assert_same_tables(restored, gpu)
 
 

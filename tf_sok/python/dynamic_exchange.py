@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tf_sok.python.comm import Communicator
 from tf_sok.python.exchange import _gather_rows, _scale_gradient
+from tf_sok.python.lookup import splits_ok
 from tf_sok.python.ops import lookup_ops
 from tf_sok.python.variable import TableMeta, backing_variable
 
@@ -28,19 +29,13 @@ def _positions(mask):
     return tf.reshape(tf.where(mask), [-1])
 
 
-def _splits_valid(splits, ids):
-    """Whether row_splits start at 0, never decrease and end at the id count (a bool tensor)."""
-    return tf.logical_and(tf.logical_and(tf.equal(splits[0], 0), tf.equal(splits[-1], tf.size(ids, out_type=tf.int64))),
-                          tf.reduce_all(splits[1:] >= splits[:-1]))
-
-
 def _check(comm: Communicator, step: int, metas, feature_table, combiners, names, ids, splits):
     """Fails on every rank alike, before any key moves, when ranks run different dynamic lookups at
     this step (an exchange between them would mix tables or never complete) or a rank's feature
     has malformed row_splits (the owners would insert keys of a batch that then fails)."""
     text = repr(([(m.name, m.dim, str(m.sharding)) for m in metas], list(feature_table), list(combiners), list(names)))
     sig = zlib.crc32(text.encode())
-    valid = tf.stack([_splits_valid(tf.cast(s, tf.int64), v) for s, v in zip(splits, ids)])
+    valid = tf.stack([splits_ok(tf.cast(s, tf.int64), v) for s, v in zip(splits, ids)])
     first_bad = tf.argmin(tf.concat([tf.cast(valid, tf.int64), [0]], 0))     # = len(ids) when all valid
     every = comm.allgather(tf.stack([tf.constant(sig, tf.int64), first_bad])[None, :],
                            name=f"tf_sok.dyncheck.{step}")                    # [N, 2]

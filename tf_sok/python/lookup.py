@@ -295,7 +295,7 @@ def _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights
     return outs
 
 
-def _splits_ok(splits, ids):
+def splits_ok(splits, ids):
     """Whether row_splits start at 0, never decrease and end at the id count (a bool tensor)."""
     n = tf.size(splits)
     return tf.logical_and(tf.logical_and(n >= 1, tf.equal(splits[0], 0)),
@@ -311,7 +311,7 @@ def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio
     # the finds insert keys: a malformed feature must fail before them, not in the lookup after. One
     # check for all features (on a GPU, a check is a wait for the device)
     dynamic = [f for f in range(len(ids)) if metas[feature_table[f]].dynamic]
-    valid = tf.stack([_splits_ok(splits[f], ids[f]) for f in dynamic])
+    valid = tf.stack([splits_ok(splits[f], ids[f]) for f in dynamic])
     check = tf.debugging.Assert(tf.reduce_all(valid), [
         "lookup_sparse: row_splits must start at 0, never decrease and end at the number of ids; malformed in "
         "feature(s)", tf.boolean_mask(tf.constant([names[f] for f in dynamic]), tf.logical_not(valid))])

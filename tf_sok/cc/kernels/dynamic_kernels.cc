@@ -428,28 +428,13 @@ REGISTER_KERNEL_BUILDER(Name("TfSokDynamicSize")
                             .HostMemory("size")
                             .HostMemory("rows"),
                         SizeOp);
-REGISTER_KERNEL_BUILDER(Name("TfSokDynamicExport")
-                            .Device(tf::DEVICE_GPU)
-                            .HostMemory("index")
-                            .HostMemory("keys")
-                            .HostMemory("slots")
-                            .HostMemory("scores")
-                            .HostMemory("generations")
-                            .HostMemory("candidate_keys")
-                            .HostMemory("candidate_counts")
-                            .HostMemory("counters"),
-                        ExportOp);
-REGISTER_KERNEL_BUILDER(Name("TfSokDynamicImport")
-                            .Device(tf::DEVICE_GPU)
-                            .HostMemory("index")
-                            .HostMemory("keys")
-                            .HostMemory("slots")
-                            .HostMemory("scores")
-                            .HostMemory("generations")
-                            .HostMemory("candidate_keys")
-                            .HostMemory("candidate_counts")
-                            .HostMemory("counters"),
-                        ImportOp);
+// an index snapshot (export / import) travels in host memory
+#define TF_SOK_SNAPSHOT_ON_HOST                                                                            \
+  HostMemory("index").HostMemory("keys").HostMemory("slots").HostMemory("scores").HostMemory("generations") \
+      .HostMemory("candidate_keys").HostMemory("candidate_counts").HostMemory("counters")
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicExport").Device(tf::DEVICE_GPU).TF_SOK_SNAPSHOT_ON_HOST, ExportOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicImport").Device(tf::DEVICE_GPU).TF_SOK_SNAPSHOT_ON_HOST, ImportOp);
+#undef TF_SOK_SNAPSHOT_ON_HOST
 #endif
 
 }  // namespace

@@ -82,7 +82,17 @@ class Adagrad(SparseOptimizer):
         return {"epsilon": self.epsilon}
 
 
-class Adam(SparseOptimizer):
+class _Moments(SparseOptimizer):
+    """The hyper-parameters Adam and Adamax share (beta_1, beta_2, epsilon), checked."""
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name=None):
+        super().__init__(learning_rate, name)
+        self.beta_1 = _unit("beta_1", beta_1)
+        self.beta_2 = _unit("beta_2", beta_2)
+        self.epsilon = _positive("epsilon", epsilon)
+
+
+class Adam(_Moments):
     """Lazy Adam: moments and the step count t advance only for touched rows.
 
     m += (g - m)(1 - b1); v += (g^2 - v)(1 - b2);
@@ -90,12 +100,6 @@ class Adam(SparseOptimizer):
     """
 
     algorithm = "adam"
-
-    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name=None):
-        super().__init__(learning_rate, name)
-        self.beta_1 = _unit("beta_1", beta_1)
-        self.beta_2 = _unit("beta_2", beta_2)
-        self.epsilon = _positive("epsilon", epsilon)
 
     def slot_specs(self):
         return [SlotSpec("m"), SlotSpec("v"), SlotSpec("step", per_row=True)]
@@ -163,17 +167,11 @@ def _rows(var, rows):
     return resource_variable_ops.resource_gather(var.handle, rows, dtype=var.dtype)
 
 
-class Adamax(SparseOptimizer):
+class Adamax(_Moments):
     """Lazy Adamax (Keras 3's formula, per row): m += (g - m)(1 - b1); u = max(b2 u, |g|);
     w -= lr m / ((1 - b1^t)(u + eps)), t counting the row's updates. TensorFlow's ops (no fused kernel)."""
 
     algorithm = ""
-
-    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name=None):
-        super().__init__(learning_rate, name)
-        self.beta_1 = _unit("beta_1", beta_1)
-        self.beta_2 = _unit("beta_2", beta_2)
-        self.epsilon = _positive("epsilon", epsilon)
 
     def slot_specs(self):
         return [SlotSpec("m"), SlotSpec("u"), SlotSpec("step", per_row=True)]
