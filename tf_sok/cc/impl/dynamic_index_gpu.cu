@@ -37,13 +37,10 @@ __device__ __forceinline__ int64_t Probe(const int64_t* keys, const int64_t* sta
   }
 }
 
-// count: when given, the number of items on the device (n: an upper bound)
-__device__ __forceinline__ int64_t Count(int64_t n, const int64_t* count) { return count ? *count : n; }
-
 __global__ void FindKernel(const int64_t* tkeys, const int64_t* tstate, int64_t mask, const int64_t* keys, int64_t n,
-                           int64_t* value, int64_t* where, const int64_t* count = nullptr) {
+                           int64_t* value, int64_t* where) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= Count(n, count)) return;
+  if (i >= n) return;
   int64_t w;
   value[i] = Probe(tkeys, tstate, mask, keys[i], &w);
   if (where) where[i] = w;
@@ -83,14 +80,31 @@ __global__ void LiveFlagsKernel(const int64_t* state, int64_t n, uint8_t* flags)
   if (i < n) flags[i] = state[i] >= 0;
 }
 
-__global__ void UniqueFlagsKernel(const int64_t* sorted, int64_t n, uint8_t* flags, int64_t* id) {
+__global__ void UniqueFlagsKernel(const int64_t* sorted, int64_t n, uint8_t* flags) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) id[i] = flags[i] = (i == 0 || sorted[i] != sorted[i - 1]);
+  if (i < n) flags[i] = (i == 0 || sorted[i] != sorted[i - 1]);
 }
 
-__global__ void InverseKernel(const int64_t* position, const int64_t* running, int64_t n, int64_t* inverse) {
+// per position: its row (-1 when absent), a flag for absent keys; found rows marked touched by `call`
+__global__ void FindTouchKernel(const int64_t* tkeys, const int64_t* tstate, int64_t mask, const int64_t* keys,
+                                int64_t n, int64_t* slot, uint8_t* missing, int64_t* touched, int64_t call) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) inverse[position[i]] = running[i] - 1;  // inclusive count of distinct keys so far - 1
+  if (i >= n) return;
+  int64_t w;
+  const int64_t r = Probe(tkeys, tstate, mask, keys[i], &w);
+  slot[i] = r;
+  missing[i] = r < 0;
+  if (r >= 0) touched[r] = call;
+}
+
+// positions still without a row probed again (after the inserts); absent keys get `missing_row`
+__global__ void RefindKernel(const int64_t* tkeys, const int64_t* tstate, int64_t mask, const int64_t* keys,
+                             int64_t n, int64_t* slot, int64_t missing_row) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n || slot[i] >= 0) return;
+  int64_t w;
+  const int64_t r = Probe(tkeys, tstate, mask, keys[i], &w);
+  slot[i] = r >= 0 ? r : missing_row;
 }
 
 __global__ void IotaKernel64(int64_t* out, int64_t n, int64_t start) {
@@ -98,14 +112,9 @@ __global__ void IotaKernel64(int64_t* out, int64_t n, int64_t start) {
   if (i < n) out[i] = start + i;
 }
 
-__global__ void TouchKernel(const int64_t* slot, int64_t n, int64_t* touched, int64_t call, const int64_t* count) {
+__global__ void MissingFlagsKernel(const int64_t* slot, int64_t n, uint8_t* flags) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < Count(n, count) && slot[i] >= 0) touched[slot[i]] = call;
-}
-
-__global__ void MissingFlagsKernel(const int64_t* slot, int64_t n, uint8_t* flags, const int64_t* count = nullptr) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) flags[i] = i < Count(n, count) && slot[i] < 0;
+  if (i < n) flags[i] = slot[i] < 0;
 }
 
 __global__ void AdmitFlagsKernel(const int64_t* count, const int64_t* keys, int64_t n, int64_t min_frequency,
@@ -133,10 +142,17 @@ __global__ void GatherKernel(const int64_t* from, const int64_t* index, int64_t 
   if (i < n) out[i] = from[index[i]];
 }
 
-__global__ void ScoreFoundKernel(const int64_t* slot, int64_t n, int64_t* score, int64_t clock, bool lfu,
-                                 const int64_t* count) {
+// once per found row however many positions hold its key: the first to turn touched[row] from
+// `call` to -call scores it (touched then still differs from every later call)
+__global__ void ScoreFoundKernel(const int64_t* slot, int64_t n, int64_t* touched, int64_t call, int64_t* score,
+                                 int64_t clock, bool lfu) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < Count(n, count) && slot[i] >= 0) score[slot[i]] = lfu ? score[slot[i]] + 1 : clock;
+  if (i >= n || slot[i] < 0) return;
+  const int64_t r = slot[i];
+  auto* t = reinterpret_cast<unsigned long long*>(&touched[r]);
+  if (atomicCAS(t, static_cast<unsigned long long>(call), static_cast<unsigned long long>(-call)) ==
+      static_cast<unsigned long long>(call))
+    score[r] = lfu ? score[r] + 1 : clock;
 }
 
 // victims leave: their buckets become tombstones, their rows free (pushed after free[free_count])
@@ -173,14 +189,6 @@ __global__ void NewRowsKernel(const int64_t* keys, const int64_t* rows, int64_t 
   generation[r] += 1;
   score[r] = initial_score;
   touched[r] = call;
-}
-
-__global__ void SlotsKernel(const int64_t* unique_slot, const int64_t* inverse, int64_t n, int64_t missing_row,
-                            int64_t* out) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= n) return;
-  const int64_t s = unique_slot[inverse[i]];
-  out[i] = s >= 0 ? s : missing_row;
 }
 
 __global__ void InitialRowsAtKernel(int kind, float a, float b, int64_t seed, const int64_t* keys,
@@ -236,17 +244,15 @@ int64_t Compact(const GpuDevice& d, const T* in, const uint8_t* flags, int64_t n
   return host;
 }
 
-// flagged items of `in` (n) to `out`, their count left on the device (no wait)
-template <typename T>
-int64_t* CompactOnDevice(const GpuDevice& d, const T* in, const uint8_t* flags, int64_t n, T* out) {
+template <typename K>
+bool SortKeys(const GpuDevice& d, const K* keys_in, K* keys_out, int64_t n) {
   cudaStream_t s = StreamOf(d);
-  auto* count = gpu::Alloc<int64_t>(d, 1);
   size_t bytes = 0;
-  cub::DeviceSelect::Flagged(nullptr, bytes, in, flags, out, count, n, s);
+  cub::DeviceRadixSort::SortKeys(nullptr, bytes, keys_in, keys_out, n, 0, static_cast<int>(sizeof(K) * 8), s);
   void* temp = d.scratch->Allocate(std::max<size_t>(bytes, 1));
-  if (!count || !temp) return nullptr;
-  cub::DeviceSelect::Flagged(temp, bytes, in, flags, out, count, n, s);
-  return count;
+  if (!temp) return false;
+  cub::DeviceRadixSort::SortKeys(temp, bytes, keys_in, keys_out, n, 0, static_cast<int>(sizeof(K) * 8), s);
+  return true;
 }
 
 template <typename K, typename V>
@@ -375,40 +381,28 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
   }
   const int64_t call = ++call_;
   std::string error;
-  // 1. distinct keys (sorted) and, per position, its distinct key
-  auto* position = gpu::Alloc<int64_t>(d, n);
-  auto* sorted = gpu::Alloc<int64_t>(d, n);
-  auto* sorted_position = gpu::Alloc<int64_t>(d, n);
-  auto* first = gpu::Alloc<uint8_t>(d, n);
-  auto* is_first = gpu::Alloc<int64_t>(d, n);
-  auto* running = gpu::Alloc<int64_t>(d, n);
-  auto* inverse = gpu::Alloc<int64_t>(d, n);
-  auto* uniq = gpu::Alloc<int64_t>(d, n);
-  if (!position || !sorted || !sorted_position || !first || !is_first || !running || !inverse || !uniq)
-    return "ran out of GPU memory";
-  IotaKernel64<<<Blocks(n), kThreads, 0, s>>>(position, n, 0);
-  if (!SortPairs(d, keys, sorted, position, sorted_position, n)) return "ran out of GPU memory";
-  UniqueFlagsKernel<<<Blocks(n), kThreads, 0, s>>>(sorted, n, first, is_first);
-  {
-    size_t bytes = 0;
-    cub::DeviceScan::InclusiveSum(nullptr, bytes, is_first, running, n, s);
-    void* temp = d.scratch->Allocate(std::max<size_t>(bytes, 1));
-    if (!temp) return "ran out of GPU memory";
-    cub::DeviceScan::InclusiveSum(temp, bytes, is_first, running, n, s);
-  }
-  InverseKernel<<<Blocks(n), kThreads, 0, s>>>(sorted_position, running, n, inverse);
-  // the distinct keys' count u stays on the device: kernels over them run n threads and stop at u
-  const int64_t* u_dev = CompactOnDevice(d, sorted, first, n, uniq);
-  // 2. found keys touched; missing keys
-  auto* slot = gpu::Alloc<int64_t>(d, n);
+  // 1. every position probed, found rows touched; the keys of the missing positions (the call's one
+  // wait when nothing is new: no sort on the path of a batch whose keys are all held)
+  int64_t* slot = out->slots;
   auto* missing_flags = gpu::Alloc<uint8_t>(d, n);
-  auto* missing = gpu::Alloc<int64_t>(d, n);
-  if (!u_dev || !slot || !missing_flags || !missing) return "ran out of GPU memory";
-  FindKernel<<<Blocks(n), kThreads, 0, s>>>(keys_.keys, keys_.state, mask, uniq, n, slot, nullptr, u_dev);
-  TouchKernel<<<Blocks(n), kThreads, 0, s>>>(slot, n, touched_, call, u_dev);
-  MissingFlagsKernel<<<Blocks(n), kThreads, 0, s>>>(slot, n, missing_flags, u_dev);
-  const int64_t m = Compact(d, uniq, missing_flags, n, missing, &error);   // the call's one wait when nothing is new
+  auto* missing_at = gpu::Alloc<int64_t>(d, n);
+  if (!missing_flags || !missing_at) return "ran out of GPU memory";
+  FindTouchKernel<<<Blocks(n), kThreads, 0, s>>>(keys_.keys, keys_.state, mask, keys, n, slot, missing_flags,
+                                                 touched_, call);
+  const int64_t mp = Compact(d, keys, missing_flags, n, missing_at, &error);
   if (!error.empty()) return error;
+  // 2. the distinct missing keys (sorted)
+  int64_t m = 0;
+  auto* missing = gpu::Alloc<int64_t>(d, std::max<int64_t>(mp, 1));
+  if (!missing) return "ran out of GPU memory";
+  if (mp > 0) {
+    auto* sorted = gpu::Alloc<int64_t>(d, mp);
+    auto* first = gpu::Alloc<uint8_t>(d, mp);
+    if (!sorted || !first || !SortKeys(d, missing_at, sorted, mp)) return "ran out of GPU memory";
+    UniqueFlagsKernel<<<Blocks(mp), kThreads, 0, s>>>(sorted, mp, first);
+    m = Compact(d, sorted, first, mp, missing, &error);
+    if (!error.empty()) return error;
+  }
   // 3. admission (nothing written yet)
   int64_t* admitted = missing;
   int64_t a = m, waiting_count = 0;
@@ -466,10 +460,8 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
     IotaKernel64<<<Blocks(span), kThreads, 0, s>>>(all_rows, span, reserved_);
     const int64_t c = Compact(d, all_rows, flags, span, rows, &error);
     if (!error.empty()) return error;
-    if (c < k) {
-      int64_t u = 0;
-      cudaMemcpy(&u, u_dev, sizeof(u), cudaMemcpyDeviceToHost);
-      return "cannot hold this batch's keys: it uses " + std::to_string(u - m + a) +
+    if (c < k) {  // live rows not evictable: the ones this batch found
+      return "cannot hold this batch's keys: it uses " + std::to_string(live_ - c + a) +
              " distinct keys and max_capacity is " + std::to_string(config_.max_keys);
     }
     GatherKernel<<<Blocks(c), kThreads, 0, s>>>(slot_key_, rows, c, rkeys);
@@ -485,7 +477,7 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
   if (!error.empty()) return error;
   ++clock_;
   const bool lfu = config_.evict == Evict::kLfu;
-  ScoreFoundKernel<<<Blocks(n), kThreads, 0, s>>>(slot, n, score_, clock_, lfu, u_dev);
+  ScoreFoundKernel<<<Blocks(n), kThreads, 0, s>>>(slot, n, touched_, call, score_, clock_, lfu);
   out->num_evicted = k;
   out->evicted_keys = gpu::Alloc<int64_t>(d, k);
   out->evicted_slots = gpu::Alloc<int64_t>(d, k);
@@ -529,10 +521,9 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
     candidates_.used += f;
     candidates_live_ += f - a;
   }
-  // 6. every position's row: the distinct keys looked up again (keys not admitted: row 0)
-  FindKernel<<<Blocks(n), kThreads, 0, s>>>(keys_.keys, keys_.state, keys_.buckets - 1, uniq, n, slot, nullptr,
-                                            u_dev);
-  SlotsKernel<<<Blocks(n), kThreads, 0, s>>>(slot, inverse, n, 0, out->slots);
+  // 6. the missing positions' rows, now that their keys are in (keys not admitted: row 0)
+  if (mp > 0)
+    RefindKernel<<<Blocks(n), kThreads, 0, s>>>(keys_.keys, keys_.state, keys_.buckets - 1, keys, n, slot, 0);
   out->rows = rows_;
   // no wait: the call's scratch is stream-ordered memory (reused only by work queued after this)
   const cudaError_t c = cudaGetLastError();
