@@ -8,6 +8,7 @@
 from tf_sok.python.checkpoint import restore
 from tf_sok.python.config import TableConfig
 from tf_sok.python.context import context, init
+from tf_sok.python.dump import dump, load
 from tf_sok.python.dynamic_variable import DynamicVariable, assign, export, sparse_read_and_evict
 from tf_sok.python.lookup import lookup_sparse
 from tf_sok.python.ops.loader import build_info
@@ -26,8 +27,6 @@ _SOK_ONLY = {
     "DistributedVariable": "sok.Variable(..., mode=\"distributed\")",
     "LocalizedVariable": "sok.Variable(..., mode=\"localized:<rank>\")",
     "Saver": "tf.train.Checkpoint (tables, dynamic tables' keys and optimizer state) or model.save_weights",
-    "dump": "tf.train.Checkpoint or model.save_weights (sok.dump / sok.load are not there yet)",
-    "load": "tf.train.Checkpoint or model.load_weights (sok.dump / sok.load are not there yet)",
     "incremental_model_dump": "tf.train.Checkpoint (incremental dumps are not there yet)",
     "DistributedEmbedding": "sok.layers.EmbeddingCollection / sok.lookup_sparse with mode=\"distributed\" tables",
     "All2AllDenseEmbedding": "sok.layers.EmbeddingCollection / sok.lookup_sparse",
@@ -35,7 +34,7 @@ _SOK_ONLY = {
     "set_comm_tool": "sok.init(comm_tool=...)",
 }
 
-__all__ = ["init", "context", "Variable", "DynamicVariable", "export", "assign", "sparse_read_and_evict", "ReplicaTable", "TableConfig", "lookup_sparse", "filter_variables",
+__all__ = ["init", "context", "Variable", "DynamicVariable", "export", "assign", "sparse_read_and_evict", "dump", "load", "ReplicaTable", "TableConfig", "lookup_sparse", "filter_variables",
            "broadcast_variables", "local_shard", "table_meta", "build_info", "restore", "optimizers", "OptimizerWrapper",
            "SGD", "layers", "keras", "tf_version"]
 

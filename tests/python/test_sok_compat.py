@@ -124,7 +124,7 @@ def test_sok_init_arguments_names_and_version():
     assert sok.tf_version[:2] == [int(x) for x in tf.__version__.split(".")[:2]]
     assert sok.SGD is sok.optimizers.SGD
     for name, instead in (("DistributedVariable", "mode="), ("Saver", "tf.train.Checkpoint"),
-                          ("All2AllDenseEmbedding", "EmbeddingCollection"), ("dump", "save_weights")):
+                          ("All2AllDenseEmbedding", "EmbeddingCollection")):
         with pytest.raises(AttributeError, match=f"tf_sok has no {name} \\(a SOK name\\); use .*{instead}"):
             getattr(sok, name)
     sok.init()

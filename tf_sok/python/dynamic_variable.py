@@ -304,9 +304,23 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
 
     def export(self):
         """(keys, values) of every key held (this process's shard)."""
+        keys, rows = self.export_rows()
+        return keys, self._base_gather(rows)
+
+    def export_rows(self):
+        """(keys, rows) of every key held (this process's shard): where each key's value and state live."""
         with tf.device(self._index_device):
             keys, rows = ops().tf_sok_dynamic_export(self._index.resource_handle)[:2]
-        return keys, self._base_gather(rows)
+        return keys, rows
+
+    def remove_keys(self, keys):
+        """Takes `keys` (those held) out of the table; their rows become free. Eager only."""
+        keys = np.asarray(keys, np.int64).reshape(-1)
+        with tf.device(self._index_device):
+            parts = [p.numpy() for p in ops().tf_sok_dynamic_export(self._index.resource_handle)]
+            keep = ~np.isin(parts[0], keys)
+            parts[0], parts[1], parts[2] = parts[0][keep], parts[1][keep], parts[2][keep]
+            ops().tf_sok_dynamic_import(self._index.resource_handle, *[tf.constant(p, tf.int64) for p in parts])
 
     def assign_keys(self, keys, values):
         """Inserts or overwrites `keys` with `values` ([n, dim])."""
