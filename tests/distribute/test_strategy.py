@@ -160,23 +160,55 @@ def test_mirrored_dynamic_tables_train_like_one_device(mirrored):
     tables = dc.make_tables(seed)
     dense_w = tf.Variable(dc.dense_init())
     dc.train(tables, dense_w, [dc.global_batch(seed, s) for s in range(dc.STEPS)])
-    ref = dc.results(tables, dense_w)
-    np.testing.assert_allclose(res["dynamic:dense"], ref["dense"], rtol=1e-4, atol=1e-5)
+    _check_dynamic(n, res, "dynamic:", dc.results(tables, dense_w), dc.TABLES)
+
+
+def _check_dynamic(n, res, prefix, ref, modes):
+    from tests.horovod import dynamic_case as dc
+
+    np.testing.assert_allclose(res[f"{prefix}dense"], ref["dense"], rtol=1e-4, atol=1e-5)
     for r in range(n):
-        np.testing.assert_allclose(res[f"dynamic:small/rows/{r}"], ref["small/rows"][r::n], rtol=1e-4, atol=1e-5)
-    for name, (_, mode) in dc.TABLES.items():
+        np.testing.assert_allclose(res[f"{prefix}small/rows/{r}"], ref["small/rows"][r::n], rtol=1e-4, atol=1e-5)
+    for name in dc.TABLES:
+        mode = modes[name][1] if isinstance(modes[name], tuple) else modes[name]
         if mode is None:
             continue
         want = dict(zip(ref[f"{name}/keys"].tolist(), ref[f"{name}/values"]))
         got = {}
         for r in range(n):
-            keys = res[f"dynamic:{name}/keys/{r}"]
+            keys = res[f"{prefix}{name}/keys/{r}"]
             owner = np.full(len(keys), int(mode.split(":")[1])) if mode.startswith("localized") else np.mod(keys, n)
             assert (owner == r).all(), (name, r)
-            got.update(zip(keys.tolist(), res[f"dynamic:{name}/values/{r}"]))
+            got.update(zip(keys.tolist(), res[f"{prefix}{name}/values/{r}"]))
         assert set(got) == set(want), name
         for k in want:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=f"{name} key {k}")
+
+
+def test_mirrored_dump_loads_under_other_modes_and_in_one_process(mirrored):
+    """sok.dump of the dynamic scenario's tables under n replicas: loaded back there with the dynamic
+    tables' modes swapped and trained on equals one device training without a break; loaded in this
+    one process it equals the one-device tables at the dump."""
+    from tests.horovod import dynamic_case as dc
+    import tf_sok as sok
+
+    n, seed, res = mirrored
+    sok.init()
+    tables = dc.make_tables(seed)
+    dense_w = tf.Variable(dc.dense_init())
+    batches = [dc.global_batch(seed, s) for s in range(2 * dc.STEPS)]
+    dc.train(tables, dense_w, batches[:dc.STEPS])
+    at_dump = dc.results(tables, dense_w)
+    loaded = dc.make_tables(seed + 1)
+    sok.load(str(res["dynamic:dump_path"]), list(loaded.values()))
+    one = dc.results(loaded, dense_w)
+    _check_dynamic(1, {f"{k.replace('/rows', '/rows/0').replace('/keys', '/keys/0').replace('/values', '/values/0')}": v
+                       for k, v in one.items()}, "", at_dump, {k: "distributed" for k in dc.TABLES} | {"small": None})
+    tables = dc.make_tables(seed)
+    dense_w = tf.Variable(dc.dense_init())
+    dc.train(tables, dense_w, batches)
+    _check_dynamic(n, res, "dynamic:resumed/", dc.results(tables, dense_w),
+                   {"users": f"localized:{n - 1}", "pairs": "distributed", "small": None})
 
 
 def test_mirrored_misuse_raises_clear_errors(tmp_path):

@@ -283,27 +283,42 @@ def dynamic(seed, res):
         dense_w = tf.Variable(dc.dense_init())
         sparse_opt = sok.optimizers.Adam(learning_rate=0.05)
         dense_opt = keras.optimizers.SGD(0.05)
-    batches = [dc.global_batch(seed, s) for s in range(dc.STEPS)]
+    batches = [dc.global_batch(seed, s) for s in range(2 * dc.STEPS)]
 
-    for s in range(dc.STEPS):
-        def fn(s=s):
-            feats, target = dc.rank_slice(*batches[s], rank(), N)
-            feats = {k: (tf.constant(v[0]), tf.constant(v[1])) for k, v in feats.items()}
-            with tf.GradientTape() as tape:
-                loss = dc.loss_fn(tables, dense_w, feats, tf.constant(target)) / N
-            names = list(tables)
-            grads = tape.gradient(loss, [tables[n] for n in names] + [dense_w])
-            sparse_opt.apply_gradients(zip(grads[:-1], [tables[n] for n in names]))
-            dense_opt.apply_gradients([(grads[-1], dense_w)])
-        STRATEGY.run(tf.function(fn))
-    for name, t in tables.items():
-        for r, shard in zip(sok.context().communicator.local_ranks, t.shards):
-            if dc.TABLES[name][1] is None:
-                res[f"{name}/rows/{r}"] = shard.numpy()
-            else:
-                keys, values = sok.export(shard)
-                res[f"{name}/keys/{r}"], res[f"{name}/values/{r}"] = keys.numpy(), values.numpy()
-    res["dense"] = dense_w.numpy()
+    def train(tables, sparse_opt, steps):
+        for s in steps:
+            def fn(s=s):
+                feats, target = dc.rank_slice(*batches[s], rank(), N)
+                feats = {k: (tf.constant(v[0]), tf.constant(v[1])) for k, v in feats.items()}
+                with tf.GradientTape() as tape:
+                    loss = dc.loss_fn(tables, dense_w, feats, tf.constant(target)) / N
+                names = list(tables)
+                grads = tape.gradient(loss, [tables[n] for n in names] + [dense_w])
+                sparse_opt.apply_gradients(zip(grads[:-1], [tables[n] for n in names]))
+                dense_opt.apply_gradients([(grads[-1], dense_w)])
+            STRATEGY.run(tf.function(fn))
+
+    def record(tables, prefix):
+        for name, t in tables.items():
+            for r, shard in zip(sok.context().communicator.local_ranks, t.shards):
+                if dc.TABLES[name][1] is None:
+                    res[f"{prefix}{name}/rows/{r}"] = shard.numpy()
+                else:
+                    keys, values = sok.export(shard)
+                    res[f"{prefix}{name}/keys/{r}"], res[f"{prefix}{name}/values/{r}"] = keys.numpy(), values.numpy()
+        res[f"{prefix}dense"] = dense_w.numpy()
+
+    train(tables, sparse_opt, range(dc.STEPS))
+    record(tables, "")
+    # sok.dump under N replicas; loaded back with the dynamic tables' modes swapped, STEPS more steps
+    res["dump_path"] = path = os.path.join(OUTDIR, "dynamic_dump")
+    sok.dump(path, list(tables.values()), sparse_opt)
+    with STRATEGY.scope():
+        resumed = dc.make_tables(seed, {"users": f"localized:{N - 1}", "pairs": "distributed"})
+        resumed_opt = sok.optimizers.Adam(learning_rate=0.05)
+    sok.load(path, list(resumed.values()), resumed_opt)
+    train(resumed, resumed_opt, range(dc.STEPS, 2 * dc.STEPS))
+    record(resumed, "resumed/")
 
 
 if __name__ == "__main__":

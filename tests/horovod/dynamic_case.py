@@ -20,9 +20,11 @@ def key_pool(seed):
     return pool
 
 
-def make_tables(seed):
+def make_tables(seed, modes=None):
+    """The tables; `modes`: other placements of the dynamic ones ({name: mode})."""
     tables = {}
     for name, (dim, mode) in TABLES.items():
+        mode = (modes or {}).get(name, mode)
         if mode is None:
             init = np.random.default_rng(seed + 7).standard_normal((STATIC_ROWS, dim)).astype(np.float32)
             tables[name] = sok.Variable(init, name=name)

@@ -236,3 +236,38 @@ def test_dynamic_tables_train_like_one_process(tmp_path, seed, n, scenario):
         for k in want:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=f"{name} key {k}")
 
+
+
+def test_dump_at_three_ranks_loads_at_one_two_and_four(tmp_path, seed):
+    """sok.dump under horovodrun -np 3 (static + dynamic tables, Adam state), sok.load under 1, 2 and 4
+    ranks with the dynamic tables' modes swapped (distributed <-> localized), then STEPS more steps:
+    equal to one process training all 2 * STEPS global batches without a break."""
+    from tests.horovod import dynamic_case as dc
+    import tf_sok as sok
+
+    need_gpus(4)
+    p = launch(3, ["-m", "tests.horovod.worker", "dump_tables", str(seed), str(tmp_path)])
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    sok.init()
+    tables = dc.make_tables(seed)
+    dense_w = tf.Variable(dc.dense_init())
+    dc.train(tables, dense_w, [dc.global_batch(seed, s) for s in range(2 * dc.STEPS)])
+    ref = dc.results(tables, dense_w)
+    for m in (1, 2, 4):
+        p = launch(m, ["-m", "tests.horovod.worker", "load_tables", str(seed), str(tmp_path)])
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+        ranks = [dict(np.load(tmp_path / f"load_tables.rank{r}.npz")) for r in range(m)]
+        for r, res in enumerate(ranks):
+            np.testing.assert_allclose(res["dense"], ref["dense"], rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(res["small/rows"], ref["small/rows"][r::m], rtol=1e-4, atol=1e-5)
+        for name in ("users", "pairs"):
+            owner = {"users": lambda k: np.full(len(k), m - 1), "pairs": lambda k: np.mod(k, m)}[name]
+            got = {}
+            for r, res in enumerate(ranks):
+                keys = res[f"{name}/keys"]
+                assert (owner(keys) == r).all(), (m, name, r)
+                got.update(zip(keys.tolist(), res[f"{name}/values"]))
+            want = dict(zip(ref[f"{name}/keys"].tolist(), ref[f"{name}/values"]))
+            assert set(got) == set(want), (m, name)
+            for k in want:
+                np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=f"m={m} {name} key {k}")

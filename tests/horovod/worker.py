@@ -240,6 +240,38 @@ def sok_script(seed, out):
     np.savez(out, **dc.results(tables, dense_w))
 
 
+def dump_tables(seed, out):
+    """Trains the dynamic-table model for STEPS steps at this world size, then sok.dump's the tables
+    and the Adam state next to `out` (rank 0 also saves the dense weight)."""
+    from tests.horovod import dynamic_case as dc
+
+    N, r = hvd.size(), hvd.rank()
+    sok.init(sparse_grad_reduction="mean")
+    tables = dc.make_tables(seed)
+    dense_w = tf.Variable(dc.dense_init())
+    opt = sok.optimizers.Adam(learning_rate=0.05)
+    batches = [dc.rank_slice(*dc.global_batch(seed, s), r, N) for s in range(dc.STEPS)]
+    dc.train(tables, dense_w, batches, dense_tape=hvd.DistributedGradientTape, sparse_opt=opt)
+    sok.dump(os.path.join(os.path.dirname(out), "dump"), list(tables.values()), opt)
+    np.savez(out, dense=dense_w.numpy())
+
+
+def load_tables(seed, out):
+    """Loads that dump at this world size, with other table modes, and trains STEPS more steps."""
+    from tests.horovod import dynamic_case as dc
+
+    N, r = hvd.size(), hvd.rank()
+    sok.init(sparse_grad_reduction="mean")
+    modes = {"users": f"localized:{N - 1}", "pairs": "distributed"}
+    tables = dc.make_tables(seed, modes)
+    opt = sok.optimizers.Adam(learning_rate=0.05)
+    sok.load(os.path.join(os.path.dirname(out), "dump"), list(tables.values()), opt)
+    dense_w = tf.Variable(np.load(os.path.join(os.path.dirname(out), "dump_tables.rank0.npz"))["dense"])
+    batches = [dc.rank_slice(*dc.global_batch(seed, s), r, N) for s in range(dc.STEPS, 2 * dc.STEPS)]
+    dc.train(tables, dense_w, batches, dense_tape=hvd.DistributedGradientTape, sparse_opt=opt)
+    np.savez(out, **dc.results(tables, dense_w))
+
+
 if __name__ == "__main__":
     scenario, seed, outdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     globals()[scenario](seed, os.path.join(outdir, f"{scenario}.rank{hvd.rank()}.npz"))
