@@ -1,4 +1,4 @@
-"""Where a model.fit step of the DLRM example spends its time: TensorFlow's profiler over a few
+"""Where a model.fit step of the DLRM (or DCNv2) example spends its time: TensorFlow's profiler over a few
 executions of cached batches, read back from its trace (no TensorBoard needed).
 
 Prints, per step: wall time, the time the GPU is busy (union of its kernels and copies), and so
@@ -6,7 +6,7 @@ the time it waits for the host; the kernels taking most GPU time, grouped as tf_
 TensorFlow's/Keras'; and the same model's dense part alone (its embeddings replaced by a cached
 input of the same shape), which is what Keras and TensorFlow cost without tf_sok.
 
-    python benchmarks/fit_profile.py [--batch 65536] [--spe 10] [--executions 3]
+    python benchmarks/fit_profile.py [--model dlrm|dcnv2] [--mixed bf16] [--batch 65536] [--spe 10] [--executions 3]
 """
 import argparse
 import collections
@@ -93,38 +93,47 @@ def profiled_fit(model, ds, spe, executions):
 
 
 class DenseTwin(keras.Model):
-    """The DLRM's dense part with fixed embeddings held on the device (no lookup, no copy): what
+    """The model's dense part with fixed embeddings held on the device (no lookup, no copy): what
     Keras and TensorFlow cost."""
 
-    def __init__(self, dlrm, emb):
+    def __init__(self, model, emb):
         super().__init__()
-        self.dlrm, self.bottom, self.top = dlrm, dlrm.bottom, dlrm.top
+        self.model = model
         self.emb = tf.Variable(emb, trainable=False)
 
     def call(self, x):
-        return self.dlrm.dense_part(x["dense"], tf.unstack(self.emb, axis=1))
+        return self.model.dense_part(x["dense"], tf.unstack(self.emb, axis=1))
 
 
 def main():
+    import dcnv2
     import dlrm
     from criteo_common import default_optimizer
 
     gpu = bool(tf.config.list_physical_devices("GPU"))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["dlrm", "dcnv2"], default="dlrm")
+    p.add_argument("--mixed", choices=["off", "bf16"], default="off", help="Keras mixed policy (mixed_bfloat16)")
     p.add_argument("--batch", type=int, default=65536 if gpu else 4096)
     p.add_argument("--dim", type=int, default=128 if gpu else 16)
     p.add_argument("--max-vocab", type=int, default=10_000_000 if gpu else 100_000)
     p.add_argument("--spe", type=int, default=10)
     p.add_argument("--executions", type=int, default=3)
-    p.add_argument("--jit-dense", action="store_true", help="the DLRM's dense part compiled by XLA")
+    p.add_argument("--jit-dense", action="store_true", help="the dense part compiled by XLA")
     a = p.parse_args()
+    if a.mixed == "bf16":
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
     sok.init()
     schema = sd.CriteoSchema.capped(a.max_vocab)
-    model = dlrm.DLRM(schema, a.dim, jit_dense=a.jit_dense)
-    model.compile(optimizer=default_optimizer(), loss="binary_crossentropy", steps_per_execution=a.spe)
-    ds = sd.for_keras(sd.synthetic(10**9, a.batch, sd.SyntheticConfig(schema=schema))).take(4).cache().repeat()
-    print(f"fit_profile: DLRM, 26 tables of dim {a.dim} (at most {a.max_vocab:,} rows), batch {a.batch}, "
-          f"steps_per_execution {a.spe}, {a.executions} executions profiled"
+    if a.model == "dlrm":
+        model, opt, cfg = dlrm.DLRM(schema, a.dim, jit_dense=a.jit_dense), default_optimizer(), sd.SyntheticConfig
+    else:
+        model, opt, cfg = dcnv2.DCNv2(schema, a.dim, jit_dense=a.jit_dense), dcnv2.optimizer(0.005)(), \
+            sd.SyntheticConfig.dcnv2
+    model.compile(optimizer=opt, loss="binary_crossentropy", steps_per_execution=a.spe)
+    ds = sd.for_keras(sd.synthetic(10**9, a.batch, cfg(schema=schema))).take(4).cache().repeat()
+    print(f"fit_profile: {a.model}, 26 tables of dim {a.dim} (at most {a.max_vocab:,} rows), batch {a.batch}, "
+          f"steps_per_execution {a.spe}, {a.executions} executions profiled, policy {a.mixed}"
           f"{', dense part compiled by XLA' if a.jit_dense else ''}")
     print("1. the whole model")
     summarize(*profiled_fit(model, ds, a.spe, a.executions))
