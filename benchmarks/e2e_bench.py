@@ -152,12 +152,17 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
         model, opt = dcnv2.DCNv2(schema, a.dcnv2_dim, jit_dense=jit), dcnv2.optimizer(0.005)()
         cfg, files = sd.SyntheticConfig.dcnv2(schema), os.path.join(d, "dcnv2")
     model.compile(optimizer=opt, loss="binary_crossentropy", steps_per_execution=spe)
-    synthetic = sd.for_keras(sd.synthetic(10**9, a.batch, cfg))
-    sources = {"cached": synthetic.take(4).cache().repeat(), "synthetic": synthetic,
-               "Parquet": sd.for_keras(sd.read_parquet(files, a.batch, drop_remainder=True).repeat())}
-    if tf.config.list_physical_devices("GPU"):
-        sources["Parquet, prefetched to the GPU"] = sd.for_keras(
-            sd.read_parquet(files, a.batch, drop_remainder=True).repeat(), device="/gpu:0")
+    # as the examples feed fit: int32 ids (the tables are capped), batches prefetched to the GPU
+    ids = tf.int32 if max(schema.vocab_sizes) < 2**31 else tf.int64
+    gpu = "/gpu:0" if tf.config.list_physical_devices("GPU") else None
+
+    def fed(ds):
+        return sd.to_device(ds, gpu) if gpu else ds
+
+    synthetic = sd.for_keras(sd.synthetic(10**9, a.batch, cfg), id_dtype=ids)
+    sources = {"cached": fed(synthetic.take(4).cache().repeat()), "synthetic": fed(synthetic),
+               "Parquet": fed(sd.for_keras(sd.read_parquet(files, a.batch, drop_remainder=True).repeat(),
+                                           id_dtype=ids))}
     row, text = {}, f"  {name:14s} spe {spe:2d}:"
     for src, ds in sources.items():
         try:

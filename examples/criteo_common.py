@@ -7,6 +7,7 @@ import time
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import tf_sok as sok
 import tf_sok.data as sd
@@ -45,8 +46,6 @@ def parse_args(description, argv=None, dim=16, batch_size=2048, steps_per_execut
 def jit_dense(a) -> bool:
     """Whether the dense part is compiled by XLA (--jit-dense; auto: where a GPU is visible)."""
     if a.jit_dense == "auto":
-        import tensorflow as tf
-
         return bool(tf.config.list_physical_devices("GPU"))
     return a.jit_dense == "on"
 
@@ -71,7 +70,8 @@ def datasets(a, synthetic_config=None):
         eval_rows = max(1, int(a.steps * a.holdout)) * a.batch_size
         train = sd.synthetic(a.steps * a.batch_size, a.batch_size, cfg, seed=1)
         test = sd.synthetic(eval_rows, a.batch_size, cfg, seed=2)
-        return sd.for_keras(train), sd.for_keras(test), schema
+        ids = id_dtype(schema)
+        return on_gpu(sd.for_keras(train, id_dtype=ids)), on_gpu(sd.for_keras(test, id_dtype=ids)), schema
     fmt = _format(a)
     if fmt == "tsv":
         schema = sd.CriteoSchema.capped(a.max_vocab or 10_000_000)
@@ -81,10 +81,20 @@ def datasets(a, synthetic_config=None):
         schema = sd.CriteoSchema.capped(a.max_vocab) if a.max_vocab else (stored or sd.CriteoSchema())
         ds = (sd.read_parquet if fmt == "parquet" else sd.read_tfrecord)(a.data, a.batch_size, schema=schema)
     every = max(2, round(1 / a.holdout))
-    numbered = sd.for_keras(ds).enumerate()
+    numbered = sd.for_keras(ds, id_dtype=id_dtype(schema)).enumerate()
     train = numbered.filter(lambda i, b: i % every != 0).map(lambda i, b: b)
     test = numbered.filter(lambda i, b: i % every == 0).map(lambda i, b: b)
-    return train.repeat(), test, schema
+    return on_gpu(train.repeat()), on_gpu(test), schema
+
+
+def id_dtype(schema):
+    """int32 ids when every table has fewer than 2**31 rows (half the bytes to the GPU)."""
+    return tf.int32 if max(schema.vocab_sizes) < 2**31 else tf.int64
+
+
+def on_gpu(ds):
+    """Batches copied to the GPU two ahead of the step (where one is visible)."""
+    return sd.to_device(ds, "/gpu:0") if tf.config.list_physical_devices("GPU") else ds
 
 
 class Curves(keras.callbacks.Callback):

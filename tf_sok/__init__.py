@@ -19,6 +19,13 @@ __version__ = "0.1.0"
 
 import tensorflow as _tf
 
+from tf_sok.python.ops.loader import OpLibraryError as _OpLibraryError, ops as _ops
+
+try:   # registers the ops now: a SavedModel holding tf_sok ops loads right after `import tf_sok`
+    _ops()
+except _OpLibraryError:
+    pass   # not built: the first op call raises, saying how to build it
+
 # SOK's: the TensorFlow version as integers ([2, 21, 0])
 tf_version = [int("".join(ch for ch in part if ch.isdigit()) or 0) for part in _tf.__version__.split(".")[:3]]
 

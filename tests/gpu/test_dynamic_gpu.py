@@ -127,3 +127,34 @@ def test_low_frequency_filter_draws_the_same_keys_on_the_gpu(rng):
         np.testing.assert_array_equal(g.numpy(), c.numpy())
     assert_same_tables(gpu, cpu)
     assert 0 < gpu.size.numpy()[0] < len(keys)
+
+
+def test_one_find_for_many_tables_trains_like_the_host(rng):
+    """lookup_sparse over several dynamic tables finds all of them with one op (one wait on the GPU):
+    bounded LRU / LFU tables, one with admission, trained with Adam, equal the same on the CPU."""
+    pool = random_keys(rng, 4000)
+    kinds = [dict(max_capacity=500, evict_strategy="lru"), dict(max_capacity=700, evict_strategy="lfu"),
+             dict(min_frequency=2), {}]
+    states = []
+    for device in ("/GPU:0", "/CPU:0"):
+        with tf.device(device):
+            tables = [sok.DynamicVariable(8, initializer="normal", init_capacity=64, seed=i, name=f"t{i}", **k)
+                      for i, k in enumerate(kinds)]
+            opt = sok.optimizers.Adam(learning_rate=0.05)
+        states.append((device, tables, opt))
+    steps = [[to_lens(rng, pool) for _ in kinds] for _ in range(12)]
+    for device, tables, opt in states:
+        for feats in steps:
+            with tf.device(device):
+                with tf.GradientTape() as tape:
+                    ids = [tf.RaggedTensor.from_row_lengths(tf.constant(k), tf.constant(lens)) for lens, k in feats]
+                    outs = sok.lookup_sparse(tables, ids, combiners=["sum", "mean", "sqrtn", "sum"])
+                    loss = tf.add_n([tf.reduce_sum(tf.sin(o)) for o in outs])
+                opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
+    for g, c in zip(states[0][1], states[1][1]):
+        assert_same_tables(g, c, rtol=1e-5, atol=1e-6)
+
+
+def to_lens(rng, pool):
+    lens = rng.integers(0, 5, 300)
+    return lens.astype(np.int64), rng.choice(pool[:2500], int(lens.sum()))

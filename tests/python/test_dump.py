@@ -255,7 +255,8 @@ def test_dump_killed_part_way_leaves_the_previous_dump_loadable(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(_KILL_CHILD)
     path = str(tmp_path / "d")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=os.getcwd(), CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     for delay in (0.05, 0.13, 0.31, 0.47):
         child = subprocess.Popen([sys.executable, str(script), path], stdout=subprocess.PIPE, env=env, text=True)
         first = child.stdout.readline()                  # one dump done

@@ -361,3 +361,28 @@ def test_checkpoint_round_trip_then_training_continues_alike(rng, tmp_path):
     assert set(a) == set(b)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_one_find_for_many_tables_equals_a_find_each(rng):
+    """rows_for_tables (one TfSokDynamicFindMany op) gives every table the rows, values, evictions
+    and admissions that a find per table gives."""
+    from tf_sok.python.dynamic_variable import rows_for_tables
+
+    pool = random_keys(rng, 500)
+    kinds = [dict(max_capacity=60, evict_strategy="lru"), dict(max_capacity=80, evict_strategy="lfu"),
+             dict(min_frequency=2), {}]
+    many = [sok.DynamicVariable(3, initializer="normal", seed=i, name=f"m{i}", **k) for i, k in enumerate(kinds)]
+    each = [sok.DynamicVariable(3, initializer="normal", seed=i, name=f"e{i}", **k) for i, k in enumerate(kinds)]
+    for _ in range(15):
+        keys = [rng.choice(pool, rng.integers(1, 50)) for _ in kinds]
+        rows = rows_for_tables(many, [tf.constant(k) for k in keys])
+        want = [t.rows_for(tf.constant(k)) for t, k in zip(each, keys)]
+        for t, r, u, w in zip(many, rows, each, want):
+            np.testing.assert_array_equal(t.sparse_read_rows(r).numpy(), u.sparse_read_rows(w).numpy())
+    for a, b in zip(many, each):
+        ha, hb = held(a), held(b)
+        assert set(ha) == set(hb)
+        for k in ha:
+            np.testing.assert_array_equal(ha[k], hb[k])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="given twice"):
+        rows_for_tables([many[0], many[0]], [tf.constant([1]), tf.constant([2])])

@@ -9,11 +9,11 @@ label [b, 1] float32); `for_keras(ds)` turns that into ({"dense", "C1", ...}, la
     ds = sd.synthetic(1_000_000, 4096, sd.SyntheticConfig.dcnv2())
 """
 from tf_sok.python.data.columnar import read_parquet, read_tfrecord, schema_of, write_parquet, write_tfrecord
-from tf_sok.python.data.pipeline import ReadStats, for_keras
+from tf_sok.python.data.pipeline import ReadStats, for_keras, to_device
 from tf_sok.python.data.schema import DCNV2_HOTNESS, KAGGLE_CARDINALITIES, CriteoSchema
 from tf_sok.python.data.synthetic import SyntheticConfig, raw_batches, synthetic, write_criteo_tsv
 from tf_sok.python.data.tsv import read_tsv
 
 __all__ = ["read_tsv", "read_parquet", "read_tfrecord", "write_parquet", "write_tfrecord", "synthetic",
-           "raw_batches", "write_criteo_tsv", "SyntheticConfig", "CriteoSchema", "ReadStats", "for_keras",
+           "raw_batches", "write_criteo_tsv", "SyntheticConfig", "CriteoSchema", "ReadStats", "for_keras", "to_device",
            "KAGGLE_CARDINALITIES", "DCNV2_HOTNESS", "schema_of"]

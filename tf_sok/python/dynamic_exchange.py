@@ -19,6 +19,7 @@ from typing import List, Sequence
 import tensorflow as tf
 
 from tf_sok.python.comm import Communicator
+from tf_sok.python.dynamic_variable import rows_for_tables
 from tf_sok.python.exchange import _gather_rows, _scale_gradient
 from tf_sok.python.lookup import splits_ok
 from tf_sok.python.ops import lookup_ops
@@ -79,6 +80,14 @@ def dynamic_exchanged_lookup(comm: Communicator, tables: Sequence, metas: Sequen
     s_table = send[:, 1]
     sent_owner = tf.gather(owner, order)
 
+    # owner side: each table's received keys, distinct, found (one find op for all tables)
+    received = []
+    for t in range(T):
+        pos = _positions(tf.equal(r_table, t))
+        uniq, back = tf.unique(tf.gather(r_keys, pos), out_idx=tf.int64)
+        received.append((pos, uniq, back))
+    found = rows_for_tables([backing_variable(tables[t]) for t in range(T)], [u for _, u, _ in received],
+                            insert_ratio)
     dims = sorted({m.dim for m in metas})
     returned_by_dim, in_group_position = [], [None] * T
     for dim in dims:
@@ -89,10 +98,8 @@ def dynamic_exchanged_lookup(comm: Communicator, tables: Sequence, metas: Sequen
         place = tf.cumsum(tf.cast(in_group, tf.int64)) - 1
         parts_pos, parts_vec = [], []
         for t in group:
-            pos = _positions(tf.equal(r_table, t))
-            uniq, back = tf.unique(tf.gather(r_keys, pos), out_idx=tf.int64)
-            var = backing_variable(tables[t])
-            rows = var.rows_for(uniq, insert_ratio=insert_ratio)
+            pos, _, back = received[t]
+            var, rows = backing_variable(tables[t]), found[t]
             parts_pos.append(tf.cast(tf.gather(place, pos), tf.int32))   # dynamic_stitch: int32
             parts_vec.append(_gather_rows(var.sparse_read_rows(rows), back))
         vectors = tf.dynamic_stitch(parts_pos, parts_vec) if len(group) > 1 else parts_vec[0]

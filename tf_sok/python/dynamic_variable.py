@@ -330,6 +330,27 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
                                                     tf.reshape(rows, [-1])))
 
 
+def rows_for_tables(variables, keys, insert_ratio: float = 1.0) -> list:
+    """`v.rows_for(k, insert_ratio=...)` for each (v, k) of `variables` and `keys` (vectors): tables
+    whose indices share a device are found by one op, which on a GPU waits once for all of them."""
+    rows = [None] * len(variables)
+    by_device = {}
+    for i, v in enumerate(variables):
+        by_device.setdefault(v._index_device, []).append(i)
+    for device, members in by_device.items():
+        if len(members) == 1:
+            i = members[0]
+            rows[i] = variables[i].rows_for(keys[i], insert_ratio=insert_ratio)
+            continue
+        with tf.device(device):
+            out = ops().tf_sok_dynamic_find_many([variables[i]._index.resource_handle for i in members],
+                                                 [variables[i]._keys(keys[i]) for i in members],
+                                                 insert_ratio=float(insert_ratio))
+        for i, r in zip(members, out):
+            rows[i] = r
+    return rows
+
+
 def is_dynamic(var) -> bool:
     from tf_sok.python.variable import backing_variable
     return isinstance(backing_variable(var), DynamicVariable)

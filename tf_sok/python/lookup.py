@@ -317,13 +317,15 @@ def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio
         "feature(s)", tf.boolean_mask(tf.constant([names[f] for f in dynamic]), tf.logical_not(valid))])
     with tf.control_dependencies([check]):
         ids = [tf.identity(v) if f in dynamic else v for f, v in enumerate(ids)]
-    for t, meta in enumerate(metas):
-        if not meta.dynamic:
-            continue
-        fs = [f for f, ft in enumerate(feature_table) if ft == t]
-        rows = backing_variable(tables[t]).rows_for(tf.concat([ids[f] for f in fs], 0) if len(fs) > 1 else ids[fs[0]],
-                                                    insert_ratio=insert_ratio)
-        parts = tf.split(rows, [tf.size(ids[f]) for f in fs]) if len(fs) > 1 else [rows]
+    from tf_sok.python.dynamic_variable import rows_for_tables
+
+    dyn = [t for t, meta in enumerate(metas) if meta.dynamic]
+    features = [[f for f, ft in enumerate(feature_table) if ft == t] for t in dyn]
+    rows = rows_for_tables([backing_variable(tables[t]) for t in dyn],
+                           [tf.concat([ids[f] for f in fs], 0) if len(fs) > 1 else ids[fs[0]] for fs in features],
+                           insert_ratio)
+    for fs, r in zip(features, rows):
+        parts = tf.split(r, [tf.size(ids[f]) for f in fs]) if len(fs) > 1 else [r]
         for f, part in zip(fs, parts):
             ids[f] = part
     return ids

@@ -244,6 +244,18 @@ int64_t Compact(const GpuDevice& d, const T* in, const uint8_t* flags, int64_t n
   return host;
 }
 
+// flagged items of `in` (n) to `out`, their count written to the device's `count` (no wait)
+template <typename T>
+bool CompactCount(const GpuDevice& d, const T* in, const uint8_t* flags, int64_t n, T* out, int64_t* count) {
+  cudaStream_t s = StreamOf(d);
+  size_t bytes = 0;
+  cub::DeviceSelect::Flagged(nullptr, bytes, in, flags, out, count, n, s);
+  void* temp = d.scratch->Allocate(std::max<size_t>(bytes, 1));
+  if (!temp) return false;
+  cub::DeviceSelect::Flagged(temp, bytes, in, flags, out, count, n, s);
+  return true;
+}
+
 template <typename K>
 bool SortKeys(const GpuDevice& d, const K* keys_in, K* keys_out, int64_t n) {
   cudaStream_t s = StreamOf(d);
@@ -368,29 +380,62 @@ std::string GpuDynamicIndex::EnsureRows(const GpuDevice& d, int64_t needed) {
 
 std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64_t n, bool insert,
                                   GpuFindResult* out, bool admit_all, float insert_ratio) {
+  if (!insert) {
+    if (!init_error_.empty()) return init_error_;
+    out->rows = rows_;
+    out->slots = gpu::Alloc<int64_t>(d, n);
+    if (!out->slots) return "ran out of GPU memory";
+    if (n > 0)
+      FindKernel<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(keys_.keys, keys_.state, keys_.buckets - 1, keys, n,
+                                                          out->slots, nullptr);
+    return "";
+  }
+  GpuFindPending pending;
+  auto* count = gpu::Alloc<int64_t>(d, 1);
+  if (!count) return "ran out of GPU memory";
+  std::string error = Probe(d, keys, n, out, &pending, count);
+  if (!error.empty() || n == 0) return error;
+  int64_t missing = 0;
+  cudaMemcpyAsync(&missing, count, sizeof(missing), cudaMemcpyDeviceToHost, StreamOf(d));
+  const cudaError_t c = cudaStreamSynchronize(StreamOf(d));
+  if (c != cudaSuccess) return std::string("CUDA error ") + cudaGetErrorString(c);
+  return Finish(d, pending, missing, out, admit_all, insert_ratio);
+}
+
+std::string GpuDynamicIndex::Probe(const GpuDevice& d, const int64_t* keys, int64_t n, GpuFindResult* out,
+                                   GpuFindPending* p, int64_t* count) {
   if (!init_error_.empty()) return init_error_;
   cudaStream_t s = StreamOf(d);
   out->rows = rows_;
   out->slots = gpu::Alloc<int64_t>(d, n);
   if (!out->slots) return "ran out of GPU memory";
-  if (n == 0) return "";
-  const int64_t mask = keys_.buckets - 1;
-  if (!insert) {
-    FindKernel<<<Blocks(n), kThreads, 0, s>>>(keys_.keys, keys_.state, mask, keys, n, out->slots, nullptr);
+  p->keys = keys;
+  p->n = n;
+  if (n == 0) {
+    cudaMemsetAsync(count, 0, sizeof(int64_t), s);
     return "";
   }
-  const int64_t call = ++call_;
-  std::string error;
-  // 1. every position probed, found rows touched; the keys of the missing positions (the call's one
-  // wait when nothing is new: no sort on the path of a batch whose keys are all held)
-  int64_t* slot = out->slots;
+  p->call = ++call_;
+  // every position probed, found rows touched; the keys of the missing positions compacted, their
+  // count left on the device (no sort, no wait: a batch whose keys are all held needs neither)
   auto* missing_flags = gpu::Alloc<uint8_t>(d, n);
-  auto* missing_at = gpu::Alloc<int64_t>(d, n);
-  if (!missing_flags || !missing_at) return "ran out of GPU memory";
-  FindTouchKernel<<<Blocks(n), kThreads, 0, s>>>(keys_.keys, keys_.state, mask, keys, n, slot, missing_flags,
-                                                 touched_, call);
-  const int64_t mp = Compact(d, keys, missing_flags, n, missing_at, &error);
-  if (!error.empty()) return error;
+  p->missing_at = gpu::Alloc<int64_t>(d, n);
+  if (!missing_flags || !p->missing_at) return "ran out of GPU memory";
+  FindTouchKernel<<<Blocks(n), kThreads, 0, s>>>(keys_.keys, keys_.state, keys_.buckets - 1, keys, n, out->slots,
+                                                 missing_flags, touched_, p->call);
+  if (!CompactCount(d, keys, missing_flags, n, p->missing_at, count)) return "ran out of GPU memory";
+  return "";
+}
+
+std::string GpuDynamicIndex::Finish(const GpuDevice& d, const GpuFindPending& p, int64_t mp, GpuFindResult* out,
+                                    bool admit_all, float insert_ratio) {
+  if (p.n == 0) return "";
+  cudaStream_t s = StreamOf(d);
+  const int64_t n = p.n, call = p.call;
+  const int64_t* keys = p.keys;
+  int64_t* slot = out->slots;
+  int64_t* missing_at = p.missing_at;
+  std::string error;
   // 2. the distinct missing keys (sorted)
   int64_t m = 0;
   auto* missing = gpu::Alloc<int64_t>(d, std::max<int64_t>(mp, 1));

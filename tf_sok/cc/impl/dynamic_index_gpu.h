@@ -40,6 +40,14 @@ struct GpuFindResult {
   int64_t num_new = 0, num_evicted = 0, rows = 0;
 };
 
+// A find split in two (GpuDynamicIndex::Probe, then Finish): between them the caller reads the
+// missing count back, once for many indices.
+struct GpuFindPending {
+  const int64_t* keys = nullptr;
+  int64_t n = 0, call = 0;
+  int64_t* missing_at = nullptr;  // [n]: the keys of the positions not found, compacted
+};
+
 class GpuDynamicIndex {
  public:
   GpuDynamicIndex(const DynamicIndexConfig& config, DeviceMemory* memory);
@@ -51,6 +59,13 @@ class GpuDynamicIndex {
   // message; an error changes nothing a later call can see.
   std::string Find(const GpuDevice& d, const int64_t* keys, int64_t n, bool insert, GpuFindResult* out,
                    bool admit_all = false, float insert_ratio = 1.0f);
+  // Find with insert, in two halves: Probe queues the work up to the count of positions whose key
+  // is missing (written to the device's *count, not waited for); Finish, given that count read
+  // back, does the rest. Nothing else may use the index in between.
+  std::string Probe(const GpuDevice& d, const int64_t* keys, int64_t n, GpuFindResult* out, GpuFindPending* p,
+                    int64_t* count);
+  std::string Finish(const GpuDevice& d, const GpuFindPending& p, int64_t missing, GpuFindResult* out,
+                     bool admit_all = false, float insert_ratio = 1.0f);
   int64_t size() const { return live_; }
   int64_t rows() const { return rows_; }
 

@@ -2,6 +2,7 @@
 // memory (CPU kernels) or in GPU memory (GPU kernels: keys and rows stay on the
 // device); the rows it hands out index the table's value and state arrays, which
 // the lookup and optimizer kernels read and update like a static table's.
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -281,6 +282,93 @@ class FindOp : public tf::OpKernel {
   float insert_ratio_ = 1.0f;
 };
 
+// TfSokDynamicFindMany: one find (insert) per table; on a GPU the missing-key counts of all
+// tables come back in one wait. Indices are locked in address order (no deadlock with other ops).
+class FindManyOp : public tf::OpKernel {
+ public:
+  explicit FindManyOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("insert_ratio", &insert_ratio_));
+  }
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    const int n = ctx->num_inputs() / 2;
+    std::vector<tf::core::RefCountPtr<IndexResource>> res(n);
+    std::vector<IndexResource*> order;
+    for (int i = 0; i < n; ++i) {
+      OP_REQUIRES_OK(ctx, tf::LookupResource(ctx, tf::HandleFromInput(ctx, i), &res[i]));
+      const tf::Tensor& keys = ctx->input(n + i);
+      OP_REQUIRES(ctx, keys.dims() == 1,
+                  Failed(*res[i], ": ", "keys must be a vector, got shape " + keys.shape().DebugString()));
+      order.push_back(res[i].get());
+    }
+    std::sort(order.begin(), order.end());
+    OP_REQUIRES(ctx, std::adjacent_find(order.begin(), order.end()) == order.end(),
+                absl::InvalidArgumentError("TfSokDynamicFindMany: a dynamic table's index is given twice"));
+    std::vector<std::unique_ptr<tf::mutex_lock>> locks;
+    for (IndexResource* r : order) locks.push_back(std::make_unique<tf::mutex_lock>(r->mu));
+#if TF_SOK_WITH_CUDA
+    if (res[0]->gpu) {
+      ComputeGpu(ctx, res);
+      return;
+    }
+#endif
+    TensorScratch scratch(ctx);
+    const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+    for (int i = 0; i < n; ++i) {
+      IndexResource* r = res[i].get();
+      OP_REQUIRES(ctx, r->host != nullptr, Failed(*r, ": ", "its index lives on a GPU; look it up there"));
+      const tf::Tensor& keys = ctx->input(n + i);
+      tf::Tensor* slots = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, keys.shape(), &slots));
+      impl::FindChanges ch;
+      const std::string error = r->host->Find(keys.flat<int64_t>().data(), keys.NumElements(), true,
+                                              slots->flat<int64_t>().data(), &ch, false, insert_ratio_);
+      OP_REQUIRES(ctx, error.empty(), Failed(*r, " ", error));
+      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, ch.rows, ch.new_keys.data(), ch.new_slots.data(),
+                                           static_cast<int64_t>(ch.new_slots.size()), nullptr, 0, nullptr));
+    }
+  }
+
+ private:
+#if TF_SOK_WITH_CUDA
+  void ComputeGpu(tf::OpKernelContext* ctx, const std::vector<tf::core::RefCountPtr<IndexResource>>& res) {
+    const int n = static_cast<int>(res.size());
+    TensorScratch scratch(ctx);
+    const impl::GpuDevice d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
+    const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+    auto* counts = static_cast<int64_t*>(d.scratch->Allocate(8 * static_cast<size_t>(n)));
+    OP_REQUIRES(ctx, counts != nullptr, absl::ResourceExhaustedError("TfSokDynamicFindMany: out of GPU memory"));
+    std::vector<impl::GpuFindResult> found(n);
+    std::vector<impl::GpuFindPending> pending(n);
+    for (int i = 0; i < n; ++i) {
+      OP_REQUIRES(ctx, res[i]->gpu != nullptr, Failed(*res[i], ": ", "its index is on the host; look it up there"));
+      const tf::Tensor& keys = ctx->input(n + i);
+      const std::string error = res[i]->gpu->Probe(d, keys.flat<int64_t>().data(), keys.NumElements(), &found[i],
+                                                   &pending[i], counts + i);
+      OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
+    }
+    std::vector<int64_t> missing(n);
+    cudaMemcpyAsync(missing.data(), counts, 8 * n, cudaMemcpyDeviceToHost, stream);
+    const cudaError_t c = cudaStreamSynchronize(stream);   // the op's one wait
+    OP_REQUIRES(ctx, c == cudaSuccess, absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(c)));
+    for (int i = 0; i < n; ++i) {
+      IndexResource* r = res[i].get();
+      const tf::Tensor& keys = ctx->input(n + i);
+      const std::string error = r->gpu->Finish(d, pending[i], missing[i], &found[i], false, insert_ratio_);
+      OP_REQUIRES(ctx, error.empty(), Failed(*r, " ", error));
+      tf::Tensor* slots = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, keys.shape(), &slots));
+      if (keys.NumElements() > 0)
+        cudaMemcpyAsync(slots->flat<int64_t>().data(), found[i].slots, 8 * keys.NumElements(),
+                        cudaMemcpyDeviceToDevice, stream);
+      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, found[i].rows, found[i].new_keys, found[i].new_slots,
+                                           found[i].num_new, nullptr, 0, nullptr));
+    }
+  }
+#endif
+  float insert_ratio_ = 1.0f;
+};
+
 class AttachOp : public tf::OpKernel {
  public:
   explicit AttachOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
@@ -412,6 +500,7 @@ class ImportOp : public tf::OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicIndex").Device(tf::DEVICE_CPU), IndexOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_CPU), FindOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFindMany").Device(tf::DEVICE_CPU), FindManyOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicAttach").Device(tf::DEVICE_CPU), AttachOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicSize").Device(tf::DEVICE_CPU), SizeOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicExport").Device(tf::DEVICE_CPU), ExportOp);
@@ -420,6 +509,7 @@ REGISTER_KERNEL_BUILDER(Name("TfSokDynamicImport").Device(tf::DEVICE_CPU), Impor
 #if TF_SOK_WITH_CUDA
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicIndex").Device(tf::DEVICE_GPU).HostMemory("handle"), IndexOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_GPU).HostMemory("index"), FindOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFindMany").Device(tf::DEVICE_GPU).HostMemory("indices"), FindManyOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicAttach").Device(tf::DEVICE_GPU).HostMemory("index").HostMemory("array"),
                         AttachOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicSize")

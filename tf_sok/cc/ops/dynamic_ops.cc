@@ -65,6 +65,29 @@ missing keys give -1.
 An error (a full table without eviction) changes nothing.
 )doc");
 
+REGISTER_OP("TfSokDynamicFindMany")
+    .Input("indices: N * resource")
+    .Input("keys: N * int64")
+    .Output("slots: N * int64")
+    .Attr("N: int >= 1")
+    .Attr("insert_ratio: float = 1.0")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      int n = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      for (int i = 0; i < n; ++i) {
+        ::tensorflow::shape_inference::ShapeHandle keys;
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(n + i), 1, &keys));
+        c->set_output(i, keys);
+      }
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+TfSokDynamicFind (insert, keys not inserted -> row 0) over several dynamic tables
+in one op: on a GPU the calls read their missing-key counts back together, one
+wait for all tables instead of one each. Each index appears once.
+)doc");
+
 REGISTER_OP("TfSokDynamicAttach")
     .Input("index: resource")
     .Input("array: resource")
