@@ -118,6 +118,11 @@ def step_section(a, device, cardinalities):
         for name, tables, ids in (("static", static, static_ids), ("dynamic", dynamic, hashed_ids)):
             step = make_step(tables, sok.optimizers.Adam(1e-3))
             res[name] = timed(lambda: float(step(ids)), a.iters)
+            if a.profile:   # where the step's time goes, per op and kernel (TensorFlow's profiler)
+                from profile_step import profile
+
+                print(f"  -- {name} step, profiled:")
+                profile(lambda i: float(step(ids)), steps=10, top=30)
             del step
     print(f"  static  {res['static'] * 1e3:8.2f} ms per step ({a.batch / res['static']:12,.0f} samples/s)")
     print(f"  dynamic {res['dynamic'] * 1e3:8.2f} ms per step ({a.batch / res['dynamic']:12,.0f} samples/s): "
@@ -183,6 +188,7 @@ def main():
     p.add_argument("--dim", type=int, default=None)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--parts", default="index,step,tf")
+    p.add_argument("--profile", action="store_true", help="(b): also print where each step's time goes")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     gpu = bool(tf.config.list_physical_devices("GPU"))

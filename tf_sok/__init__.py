@@ -11,6 +11,7 @@ from tf_sok.python.context import context, init
 from tf_sok.python.dump import dump, load
 from tf_sok.python.dynamic_variable import DynamicVariable, assign, export, sparse_read_and_evict
 from tf_sok.python.lookup import lookup_sparse
+from tf_sok.python.serving import export_saved_model
 from tf_sok.python.ops.loader import build_info
 from tf_sok.python.variable import (ReplicaTable, Variable, broadcast_variables, filter_variables, local_shard,
                                     table_meta)
@@ -41,7 +42,7 @@ _SOK_ONLY = {
     "set_comm_tool": "sok.init(comm_tool=...)",
 }
 
-__all__ = ["init", "context", "Variable", "DynamicVariable", "export", "assign", "sparse_read_and_evict", "dump", "load", "ReplicaTable", "TableConfig", "lookup_sparse", "filter_variables",
+__all__ = ["init", "context", "Variable", "DynamicVariable", "export", "assign", "sparse_read_and_evict", "dump", "load", "export_saved_model", "ReplicaTable", "TableConfig", "lookup_sparse", "filter_variables",
            "broadcast_variables", "local_shard", "table_meta", "build_info", "restore", "optimizers", "OptimizerWrapper",
            "SGD", "layers", "keras", "tf_version"]
 

@@ -226,10 +226,12 @@ class _Ranks:
         return out
 
     def agree(self, value: str) -> str:
-        """Rank 0's `value` on every rank (a short string)."""
+        """Rank 0's `value` on every rank (a string of at most 1,024 bytes)."""
         if self.alone:
             return value
-        raw = np.frombuffer(value.encode().ljust(64)[:64], np.uint8).astype(np.int64)[None]
+        if len(value.encode()) > 1024:
+            raise ValueError(f"sok.dump: path too long to share between ranks: {value!r}")
+        raw = np.frombuffer(value.encode().ljust(1024), np.uint8).astype(np.int64)[None]
         every = self.gather(np.repeat(raw, len(self.local), axis=0))
         return bytes(every[0].astype(np.uint8)).decode().strip()
 

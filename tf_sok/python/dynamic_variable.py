@@ -219,6 +219,14 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
             _check_same_on_all_ranks(ctx, meta)
         attach_meta(self, meta)
 
+    @property
+    def initial_spec(self):
+        """(kind, a, b, seed) of a new key's value: kind 0 uniform [a, b), 1 normal (mean a, stddev b),
+        2 the same truncated at 2 stddev, 3 the constant a (dynamic_index.h's InitialValue)."""
+        at = self._index._attrs   # noqa: SLF001
+        kind = {"uniform": 0, "normal": 1, "truncated_normal": 2}.get(at["initializer"], 3)
+        return kind, float(at["init_a"]), float(at["init_b"]), int(at["seed"])
+
     def __repr__(self):
         return (f"<sok.DynamicVariable {self._shared_name!r} dim={self._dimension} "
                 f"evict={self.evict_strategy} max_capacity={self.max_capacity}>")

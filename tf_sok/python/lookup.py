@@ -9,6 +9,7 @@ from tf_sok.python import exchange
 from tf_sok.python.config import check_combiner
 from tf_sok.python.context_errors import REPLICA_CONTEXT_MESSAGE, replica_context_required
 from tf_sok.python.ops import lookup_ops
+from tf_sok.python.ops.loader import ops
 from tf_sok.python.variable import backing_variable, table_meta
 
 
@@ -311,7 +312,7 @@ def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio
     # the finds insert keys: a malformed feature must fail before them, not in the lookup after. One
     # check for all features (on a GPU, a check is a wait for the device)
     dynamic = [f for f in range(len(ids)) if metas[feature_table[f]].dynamic]
-    valid = tf.stack([splits_ok(splits[f], ids[f]) for f in dynamic])
+    valid = ops().tf_sok_row_splits_valid([tf.cast(splits[f], tf.int64) for f in dynamic], [ids[f] for f in dynamic])
     check = tf.debugging.Assert(tf.reduce_all(valid), [
         "lookup_sparse: row_splits must start at 0, never decrease and end at the number of ids; malformed in "
         "feature(s)", tf.boolean_mask(tf.constant([names[f] for f in dynamic]), tf.logical_not(valid))])

@@ -298,5 +298,12 @@ void GatherRows(const float* base, int64_t width, const int64_t* rows, int64_t n
 
 void Fill(float* p, int64_t count, float value) { std::fill(p, p + count, value); }
 
+bool RowSplitsValid(const int64_t* splits, int64_t n, int64_t count) {
+  if (n < 1 || splits[0] != 0 || splits[n - 1] != count) return false;
+  for (int64_t i = 1; i < n; ++i)
+    if (splits[i] < splits[i - 1]) return false;
+  return true;
+}
+
 }  // namespace impl
 }  // namespace tf_sok

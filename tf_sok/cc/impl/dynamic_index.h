@@ -156,6 +156,9 @@ void FillRows(float* base, int64_t width, const int64_t* rows, int64_t n, float 
 void GatherRows(const float* base, int64_t width, const int64_t* rows, int64_t n, float* out);
 void Fill(float* p, int64_t count, float value);
 
+// Whether row_splits [n] start at 0, never decrease and end at `count`.
+bool RowSplitsValid(const int64_t* splits, int64_t n, int64_t count);
+
 }  // namespace impl
 }  // namespace tf_sok
 

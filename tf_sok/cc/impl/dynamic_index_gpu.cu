@@ -142,17 +142,22 @@ __global__ void GatherKernel(const int64_t* from, const int64_t* index, int64_t 
   if (i < n) out[i] = from[index[i]];
 }
 
-// once per found row however many positions hold its key: the first to turn touched[row] from
-// `call` to -call scores it (touched then still differs from every later call)
+// found rows scored: LRU, the clock; LFU, +1 once per row however many positions hold its key (the
+// first to turn touched[row] from `call` to -call; touched then differs from every later call)
 __global__ void ScoreFoundKernel(const int64_t* slot, int64_t n, int64_t* touched, int64_t call, int64_t* score,
                                  int64_t clock, bool lfu) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n || slot[i] < 0) return;
   const int64_t r = slot[i];
+  if (!lfu) {   // the same value from every position: no need to pick one
+    score[r] = clock;
+    return;
+  }
   auto* t = reinterpret_cast<unsigned long long*>(&touched[r]);
-  if (atomicCAS(t, static_cast<unsigned long long>(call), static_cast<unsigned long long>(-call)) ==
-      static_cast<unsigned long long>(call))
-    score[r] = lfu ? score[r] + 1 : clock;
+  if (touched[r] == call &&
+      atomicCAS(t, static_cast<unsigned long long>(call), static_cast<unsigned long long>(-call)) ==
+          static_cast<unsigned long long>(call))
+    score[r] += 1;
 }
 
 // victims leave: their buckets become tombstones, their rows free (pushed after free[free_count])
@@ -216,6 +221,14 @@ __global__ void GatherRowsKernel(const float* base, int64_t width, const int64_t
 __global__ void FillKernel(float* p, int64_t count, float value) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < count) p[i] = value;
+}
+
+// one block: whether row_splits start at 0, never decrease and end at `count`
+__global__ void RowSplitsValidKernel(const int64_t* splits, int64_t n, int64_t count, bool* out) {
+  int ok = 1;
+  for (int64_t i = 1 + threadIdx.x; i < n; i += blockDim.x) ok &= splits[i] >= splits[i - 1];
+  ok = __syncthreads_and(ok);
+  if (threadIdx.x == 0) *out = ok && n >= 1 && splits[0] == 0 && splits[n - 1] == count;
 }
 
 int64_t PowerOfTwoAtLeast(int64_t n) {
@@ -688,6 +701,14 @@ void GpuFillRows(const GpuDevice& d, float* base, int64_t width, const int64_t* 
 
 void GpuGatherRows(const GpuDevice& d, const float* base, int64_t width, const int64_t* rows, int64_t n, float* out) {
   if (n * width > 0) GatherRowsKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(base, width, rows, n, out);
+}
+
+void GpuRowSplitsValid(const GpuDevice& d, const int64_t* splits, int64_t n, int64_t count, bool* out) {
+  if (n == 0) {
+    cudaMemsetAsync(out, 0, 1, StreamOf(d));
+    return;
+  }
+  RowSplitsValidKernel<<<1, kThreads, 0, StreamOf(d)>>>(splits, n, count, out);
 }
 
 void GpuFill(const GpuDevice& d, float* p, int64_t count, float value) {

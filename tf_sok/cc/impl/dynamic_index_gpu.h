@@ -103,6 +103,8 @@ void GpuInitialRowsAt(const GpuDevice& d, int kind, float a, float b, int64_t se
 void GpuFillRows(const GpuDevice& d, float* base, int64_t width, const int64_t* rows, int64_t n, float fill);
 void GpuGatherRows(const GpuDevice& d, const float* base, int64_t width, const int64_t* rows, int64_t n, float* out);
 void GpuFill(const GpuDevice& d, float* p, int64_t count, float value);
+// *out: whether row_splits [n] start at 0, never decrease and end at `count` (out: device memory)
+void GpuRowSplitsValid(const GpuDevice& d, const int64_t* splits, int64_t n, int64_t count, bool* out);
 
 }  // namespace impl
 }  // namespace tf_sok

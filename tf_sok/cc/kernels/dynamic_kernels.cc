@@ -369,6 +369,42 @@ class FindManyOp : public tf::OpKernel {
   float insert_ratio_ = 1.0f;
 };
 
+template <typename Device>
+class RowSplitsValidOp : public tf::OpKernel {
+ public:
+  using tf::OpKernel::OpKernel;
+  void Compute(tf::OpKernelContext* ctx) override {
+    const int n = ctx->num_inputs() / 2;
+    tf::Tensor* valid = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({n}), &valid));
+    for (int i = 0; i < n; ++i) {
+      const tf::Tensor& splits = ctx->input(i);
+      OP_REQUIRES(ctx, splits.dims() == 1,
+                  absl::InvalidArgumentError("row_splits must be a vector, got " + splits.shape().DebugString()));
+      Check(ctx, splits.flat<int64_t>().data(), splits.NumElements(), ctx->input(n + i).NumElements(),
+            valid->flat<bool>().data() + i);
+    }
+  }
+
+ private:
+  void Check(tf::OpKernelContext* ctx, const int64_t* splits, int64_t n, int64_t count, bool* out);
+};
+
+template <>
+void RowSplitsValidOp<impl::CpuDevice>::Check(tf::OpKernelContext*, const int64_t* splits, int64_t n, int64_t count,
+                                              bool* out) {
+  *out = impl::RowSplitsValid(splits, n, count);
+}
+
+#if TF_SOK_WITH_CUDA
+template <>
+void RowSplitsValidOp<impl::GpuDevice>::Check(tf::OpKernelContext* ctx, const int64_t* splits, int64_t n,
+                                              int64_t count, bool* out) {
+  TensorScratch scratch(ctx);
+  impl::GpuRowSplitsValid(MakeDevice<impl::GpuDevice>(ctx, &scratch), splits, n, count, out);
+}
+#endif
+
 class AttachOp : public tf::OpKernel {
  public:
   explicit AttachOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
@@ -501,6 +537,7 @@ class ImportOp : public tf::OpKernel {
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicIndex").Device(tf::DEVICE_CPU), IndexOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_CPU), FindOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFindMany").Device(tf::DEVICE_CPU), FindManyOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokRowSplitsValid").Device(tf::DEVICE_CPU), RowSplitsValidOp<impl::CpuDevice>);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicAttach").Device(tf::DEVICE_CPU), AttachOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicSize").Device(tf::DEVICE_CPU), SizeOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicExport").Device(tf::DEVICE_CPU), ExportOp);
@@ -510,6 +547,7 @@ REGISTER_KERNEL_BUILDER(Name("TfSokDynamicImport").Device(tf::DEVICE_CPU), Impor
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicIndex").Device(tf::DEVICE_GPU).HostMemory("handle"), IndexOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_GPU).HostMemory("index"), FindOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFindMany").Device(tf::DEVICE_GPU).HostMemory("indices"), FindManyOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokRowSplitsValid").Device(tf::DEVICE_GPU), RowSplitsValidOp<impl::GpuDevice>);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicAttach").Device(tf::DEVICE_GPU).HostMemory("index").HostMemory("array"),
                         AttachOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicSize")

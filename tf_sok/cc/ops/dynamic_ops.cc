@@ -88,6 +88,24 @@ in one op: on a GPU the calls read their missing-key counts back together, one
 wait for all tables instead of one each. Each index appears once.
 )doc");
 
+REGISTER_OP("TfSokRowSplitsValid")
+    .Input("splits: N * int64")
+    .Input("values: N * T")
+    .Output("valid: bool")
+    .Attr("N: int >= 1")
+    .Attr("T: type")
+    .SetShapeFn([](InferenceContext* c) {
+      int n = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      c->set_output(0, c->Vector(n));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Whether each feature's row_splits start at 0, never decrease and end at the
+number of its values (only the values' count is read): one op for many
+features, on a GPU one small kernel each, the answer left on the device.
+)doc");
+
 REGISTER_OP("TfSokDynamicAttach")
     .Input("index: resource")
     .Input("array: resource")

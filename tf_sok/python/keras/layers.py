@@ -9,6 +9,7 @@ import tensorflow as tf
 from tf_sok.python import context as context_lib
 from tf_sok.python.config import TableConfig, check_combiner
 from tf_sok.python.lookup import lookup_sparse
+from tf_sok.python.serving import serving_lookup, serving_tables_of
 from tf_sok.python.variable import attach_meta, make_initializer, make_shards
 
 
@@ -119,6 +120,9 @@ class Embedding(_TableLayer):
         self.table = _add_table(self, self.config)
 
     def call(self, ids, weights=None):
+        serving = serving_tables_of(self)
+        if serving is not None:   # being exported (sok.export_saved_model): stock TensorFlow ops
+            return serving_lookup(serving[self.config.name], ids, weights, self.combiner, self.compute_dtype)
         # outputs in the compute dtype (bfloat16/float16 under a Keras mixed policy) straight from the
         # kernel; tables, their gradients' rows and optimizer state stay float32
         return lookup_sparse([self.table], [ids], None if weights is None else [weights],
@@ -181,6 +185,11 @@ class EmbeddingCollection(_TableLayer):
             raise ValueError(f"EmbeddingCollection: inputs lack features {missing}")
         ids = [inputs[f] for f in self.feature_names]
         w = None if weights is None else [weights.get(f) for f in self.feature_names]
+        serving = serving_tables_of(self)
+        if serving is not None:   # being exported (sok.export_saved_model): stock TensorFlow ops
+            return {f: serving_lookup(serving[self.feature_to_table[f]], x, None if w is None else w[i], c,
+                                      self.compute_dtype)
+                    for i, (f, x, c) in enumerate(zip(self.feature_names, ids, self.combiners))}
         outs = lookup_sparse([self.tables[self.feature_to_table[f]] for f in self.feature_names], ids, w,
                              combiners=self.combiners, feature_names=self.feature_names, dtype=self.compute_dtype)
         return dict(zip(self.feature_names, outs))   # in the compute dtype, as Embedding's
