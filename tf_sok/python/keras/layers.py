@@ -1,5 +1,6 @@
 """Keras layers over tf_sok tables. They describe tables; the lookup is the
 fused `sok.lookup_sparse` and placement comes from each table's mode."""
+import dataclasses
 from typing import Dict, Mapping, Optional, Sequence
 
 import keras
@@ -62,6 +63,20 @@ class _TableLayer(keras.layers.Layer):
                 v.assign(plain[str(i)])
 
 
+def _initializer_config(init):
+    """A table's initializer as config: names and numbers as they are, Keras initializers serialised."""
+    if init is None or isinstance(init, (str, int, float)):
+        return init
+    if isinstance(init, keras.initializers.Initializer):
+        return keras.initializers.serialize(init)
+    raise ValueError(f"a table initializer given as {type(init).__name__} cannot be saved in a config; use a "
+                     f"name, a number or a keras.initializers.Initializer")
+
+
+def _initializer_from_config(init):
+    return keras.initializers.deserialize(init) if isinstance(init, dict) else init
+
+
 def _assign_rows(var, value):
     """Sets a [None, dim] table array to `value` of any row count."""
     var.assign(tf.convert_to_tensor(value, tf.float32), read_value=False)
@@ -97,6 +112,7 @@ def _add_table(layer: keras.layers.Layer, cfg: TableConfig):
     return make_shards(cfg.name, cfg.vocab_size, cfg.dim, cfg.mode, create)
 
 
+@keras.saving.register_keras_serializable(package="tf_sok")
 class Embedding(_TableLayer):
     """One table, one feature: ragged/sparse/dense ids -> [batch, dim].
 
@@ -131,10 +147,18 @@ class Embedding(_TableLayer):
     def get_config(self):
         c = self.config
         return {**super().get_config(), "vocab_size": c.vocab_size, "dim": c.dim, "combiner": self.combiner,
-                "mode": c.mode, "dynamic": c.dynamic, "max_capacity": c.max_capacity,
-                "evict_strategy": c.evict_strategy, "min_frequency": c.min_frequency}
+                "initializer": _initializer_config(c.initializer), "mode": c.mode, "dynamic": c.dynamic,
+                "max_capacity": c.max_capacity, "evict_strategy": c.evict_strategy,
+                "min_frequency": c.min_frequency}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["initializer"] = _initializer_from_config(config.get("initializer", "uniform"))
+        return cls(**config)
 
 
+@keras.saving.register_keras_serializable(package="tf_sok")
 class EmbeddingCollection(_TableLayer):
     """Many features over many tables in ONE fused lookup.
 
@@ -178,6 +202,20 @@ class EmbeddingCollection(_TableLayer):
                           check_combiner(combiners.get(f, by_name[t].combiner), f"feature {f!r}")
                           for f, t in self.feature_to_table.items()]
         self.tables = {t.name: _add_table(self, t) for t in self.table_configs}
+
+    def get_config(self):
+        combiners = {f: c for f, c in zip(self.feature_names, self.combiners)}
+        tables = [{**dataclasses.asdict(t), "initializer": _initializer_config(t.initializer)}
+                  for t in self.table_configs]
+        return {**super().get_config(), "tables": tables, "feature_to_table": self.feature_to_table,
+                "combiners": combiners}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["tables"] = [TableConfig(**{**t, "initializer": _initializer_from_config(t["initializer"])})
+                            for t in config["tables"]]
+        return cls(**config)
 
     def call(self, inputs, weights=None):
         missing = [f for f in self.feature_names if f not in inputs]

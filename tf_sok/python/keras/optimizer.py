@@ -20,6 +20,7 @@ def _tensors(grads):
             if isinstance(g, (tf.Tensor, tf.IndexedSlices)) and not isinstance(g, tf.Variable)]
 
 
+@keras.saving.register_keras_serializable(package="tf_sok")
 class Optimizer(keras.optimizers.Optimizer):
     """Routes tf_sok tables to `sparse` and the other variables to `dense`.
 
@@ -140,6 +141,12 @@ class Optimizer(keras.optimizers.Optimizer):
     def load_own_variables(self, store):
         dynamic = self._dynamic_state()
         saved = {k for k in store.keys() if k.startswith("sparse:")}
+        plain = [k for k in store.keys() if not k.startswith("sparse:")]
+        if len(plain) != len(self.variables):   # Keras would warn and skip: the state would be lost
+            raise ValueError(f"sok.keras.Optimizer: the weights file holds {len(plain)} optimizer variables, this "
+                             f"optimizer has {len(self.variables)}" + ("" if self.built else " (it is not built)") +
+                             "; build the model and then the optimizer first (e.g. model(batch), then "
+                             "model.optimizer.build(model.trainable_variables)), or fit one step, and load again")
         if saved - set(dynamic):
             raise ValueError(f"sok.keras.Optimizer: the weights file holds state of dynamic tables this optimizer "
                              f"has not built ({sorted(saved - set(dynamic))[:4]}); build it first "
@@ -169,5 +176,19 @@ class Optimizer(keras.optimizers.Optimizer):
                       else "independent")
 
     def get_config(self):
-        raise NotImplementedError("sok.keras.Optimizer is not serialisable to a config; save weights instead")
+        """Both halves' configs (model.save / keras.models.load_model rebuild this optimizer)."""
+        return {"name": self.name, "dense": keras.optimizers.serialize(self.dense),
+                "sparse": {"class_name": type(self.sparse).__name__, "config": self.sparse.get_config()},
+                "sparse_lr_follows_dense": self.sparse_lr_follows_dense}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        from tf_sok.python import optimizers as sparse_optimizers
+
+        sparse_cls = getattr(sparse_optimizers, config["sparse"]["class_name"], None)
+        if sparse_cls is None:
+            raise ValueError(f"sok.keras.Optimizer: unknown sparse optimizer {config['sparse']['class_name']!r}")
+        return cls(dense=keras.optimizers.deserialize(config["dense"], custom_objects=custom_objects),
+                   sparse=sparse_cls.from_config(config["sparse"]["config"]), name=config.get("name"),
+                   sparse_lr_follows_dense=config.get("sparse_lr_follows_dense", True))
 

@@ -1,6 +1,7 @@
 """Sparse optimizers: per-row state, updates that touch only the batch's rows."""
 import abc
 import dataclasses
+import inspect
 import math
 import numbers
 from typing import Callable, Dict, Iterable, List, Optional
@@ -109,6 +110,38 @@ class SparseOptimizer(tf.Module, abc.ABC):
     """
 
     algorithm: str = ""
+
+    def __new__(cls, *args, **kwargs):
+        obj = super().__new__(cls)
+        bound = inspect.signature(cls.__init__).bind(obj, *args, **kwargs)
+        bound.apply_defaults()
+        obj._init_args = {k: v for k, v in list(bound.arguments.items())[1:]}   # what get_config returns
+        return obj
+
+    def get_config(self) -> dict:
+        """The constructor's arguments (a Keras LearningRateSchedule serialised): `from_config` makes
+        the same optimizer. Keras' model.save stores it through sok.keras.Optimizer."""
+        import keras
+
+        config = dict(self._init_args)
+        lr = config["learning_rate"]
+        if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+            config["learning_rate"] = keras.optimizers.schedules.serialize(lr)
+        elif isinstance(lr, (tf.Variable, tf.Tensor)):
+            config["learning_rate"] = float(lr.numpy())
+        elif callable(lr):
+            raise ValueError(f"{type(self).__name__}: a learning rate given as a plain callable cannot be saved "
+                             f"in a config; use a keras.optimizers.schedules.LearningRateSchedule")
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict):
+        import keras
+
+        config = dict(config)
+        if isinstance(config.get("learning_rate"), dict):
+            config["learning_rate"] = keras.optimizers.schedules.deserialize(config["learning_rate"])
+        return cls(**config)
 
     def __init__(self, learning_rate=0.001, name: Optional[str] = None):
         super().__init__(name=name or type(self).__name__)
