@@ -34,8 +34,8 @@ tf_version = [int("".join(ch for ch in part if ch.isdigit()) or 0) for part in _
 _SOK_ONLY = {
     "DistributedVariable": "sok.Variable(..., mode=\"distributed\")",
     "LocalizedVariable": "sok.Variable(..., mode=\"localized:<rank>\")",
-    "Saver": "tf.train.Checkpoint (tables, dynamic tables' keys and optimizer state) or model.save_weights",
-    "incremental_model_dump": "tf.train.Checkpoint (incremental dumps are not there yet)",
+    "Saver": "sok.dump / sok.load, tf.train.Checkpoint (tables, dynamic tables' keys and optimizer state) or model.save_weights",
+    "incremental_model_dump": "sok.dump(path, tables, optimizer, since=previous_dump) (a delta of what changed)",
     "DistributedEmbedding": "sok.layers.EmbeddingCollection / sok.lookup_sparse with mode=\"distributed\" tables",
     "All2AllDenseEmbedding": "sok.layers.EmbeddingCollection / sok.lookup_sparse",
     "all2all_dense_embedding": "sok.lookup_sparse",
