@@ -161,7 +161,7 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
 
     synthetic = sd.for_keras(sd.synthetic(10**9, a.batch, cfg), id_dtype=ids)
     sources = {"cached": fed(synthetic.take(4).cache().repeat()), "synthetic": fed(synthetic),
-               "Parquet": fed(sd.for_keras(sd.read_parquet(files, a.batch, drop_remainder=True).repeat(),
+               "Parquet": fed(sd.for_keras(sd.read_parquet(files, a.batch, drop_remainder=True, id_dtype=ids).repeat(),
                                            id_dtype=ids))}
     row, text = {}, f"  {name:14s} spe {spe:2d}:"
     for src, ds in sources.items():

@@ -79,7 +79,8 @@ def datasets(a, synthetic_config=None):
     else:
         stored = sd.schema_of(a.data, fmt)
         schema = sd.CriteoSchema.capped(a.max_vocab) if a.max_vocab else (stored or sd.CriteoSchema())
-        ds = (sd.read_parquet if fmt == "parquet" else sd.read_tfrecord)(a.data, a.batch_size, schema=schema)
+        ds = sd.read_parquet(a.data, a.batch_size, schema=schema, id_dtype=id_dtype(schema)) if fmt == "parquet" \
+            else sd.read_tfrecord(a.data, a.batch_size, schema=schema)
     every = max(2, round(1 / a.holdout))
     numbered = sd.for_keras(ds, id_dtype=id_dtype(schema)).enumerate()
     train = numbered.filter(lambda i, b: i % every != 0).map(lambda i, b: b)

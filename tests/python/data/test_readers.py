@@ -250,6 +250,10 @@ def test_parquet_matches_python_reference_over_files_and_row_groups(tmp_path, rn
     # several files at once, not in order: the same rows
     unordered = collect(sd.read_parquet(str(tmp_path), batch, SCHEMA, parallel_files=3, deterministic=False))
     assert_same(in_row_order(unordered), in_row_order(got))
+    # int32 ids: the same values, converted while blocks are built
+    narrow = sd.read_parquet(str(tmp_path), batch, SCHEMA, parallel_files=1, id_dtype=tf.int32)
+    assert all(b[1][n].dtype == tf.int32 for b in narrow.take(2) for n in SCHEMA.categorical_names)
+    assert_same(collect(narrow), want)
 
 
 @pytest.mark.parametrize("multi_hot", [True, False])
@@ -286,6 +290,14 @@ def test_parquet_id_outside_the_schema_names_file_column_and_value(tmp_path, rng
     small = sd.CriteoSchema(vocab_sizes=(1000,) * 26)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"x.parquet: column C1 has id \d+ outside \[0, 1000\)"):
         collect(sd.read_parquet(str(tmp_path), 8, small))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"x.parquet: column C1 has id \d+ outside \[0, 1000\)"):
+        collect(sd.read_parquet(str(tmp_path), 8, small, id_dtype=tf.int32))   # checked before the narrowing
+    huge = sd.CriteoSchema(vocab_sizes=(2**31,) + (5000,) * 25)
+    with pytest.raises(ValueError, match=r"id_dtype=tf.int32 needs every vocabulary under 2\*\*31, the largest is "
+                                         r"2147483648"):
+        sd.read_parquet(str(tmp_path), 8, huge, id_dtype=tf.int32)
+    with pytest.raises(ValueError, match="id_dtype must be tf.int32 or tf.int64"):
+        sd.read_parquet(str(tmp_path), 8, small, id_dtype=tf.float32)
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "tfrecord"])

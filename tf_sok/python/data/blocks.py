@@ -1,6 +1,6 @@
 """Batches cut from large in-memory blocks with TensorFlow ops.
 
-A block is (dense_raw [n, 13] int64, {C_i: (values [nnz] int64, row_splits [n+1] int64)},
+A block is (dense_raw [n, 13] int64, {C_i: (values [nnz] int64 or int32, row_splits [n+1] int64)},
 label [n] float32), built by vectorised code (pyarrow, NumPy) once per block;
 `block_batches` turns it into batches of `batch_size` rows by slicing (no
 per-row work, ragged ids stay values + row_splits).
@@ -13,9 +13,10 @@ from tf_sok.python.data.pipeline import finish
 from tf_sok.python.data.schema import NUM_DENSE, CriteoSchema
 
 
-def block_signature(schema: CriteoSchema):
-    vec = tf.TensorSpec([None], tf.int64)
-    return (tf.TensorSpec([None, NUM_DENSE], tf.int64), {n: (vec, vec) for n in schema.categorical_names},
+def block_signature(schema: CriteoSchema, id_dtype=tf.int64):
+    """(dense, {name: (values of id_dtype, row_splits int64)}, label) of a block."""
+    splits, values = tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], id_dtype)
+    return (tf.TensorSpec([None, NUM_DENSE], tf.int64), {n: (values, splits) for n in schema.categorical_names},
             tf.TensorSpec([None], tf.float32))
 
 

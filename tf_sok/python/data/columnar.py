@@ -67,24 +67,31 @@ def _resolve_schema(files, fmt: str, schema: Optional[CriteoSchema]) -> CriteoSc
     return schema
 
 
-def _ids(column, name: str, vocab: int, path: str):
-    """(values, row_splits) of one categorical column, list<int> or plain int (null = missing)."""
+def _ids(column, name: str, vocab: int, path: str, id_dtype=np.int64):
+    """(values, row_splits) of one categorical column (an Arrow array or chunked array), list<int>
+    or plain int (null = missing): values of `id_dtype`, in one pass over each chunk (no combined
+    copy first); their range checked in one pass by Arrow before the cast."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
-    if hasattr(column, "flatten"):  # list<int>: multi-hot
-        values = column.flatten().to_numpy(zero_copy_only=False)
-        lengths = column.value_lengths().fill_null(0).to_numpy(zero_copy_only=False)
-    elif column.null_count == 0:  # one id per row
-        values = column.to_numpy(zero_copy_only=False)
-        lengths = None
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):   # multi-hot
+        parts = [c.flatten() for c in chunks]
+        lengths = np.concatenate([c.value_lengths().fill_null(0).to_numpy(zero_copy_only=False) for c in chunks]) \
+            if chunks else np.zeros([0], np.int64)
+    elif column.null_count == 0:   # one id per row
+        parts, lengths = list(chunks), None
     else:
-        values = pc.drop_null(column).to_numpy(zero_copy_only=False)
-        lengths = column.is_valid().to_numpy(zero_copy_only=False)
-    values = values.astype(np.int64, copy=False)
-    if values.size:
-        lo, hi = int(values.min()), int(values.max())
-        if lo < 0 or hi >= vocab:
+        parts = [pc.drop_null(c) for c in chunks]
+        lengths = np.concatenate([c.is_valid().to_numpy(zero_copy_only=False) for c in chunks])
+    total = sum(len(p) for p in parts)
+    if total:
+        bounds = pc.min_max(pa.chunked_array(parts, type=parts[0].type))
+        lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
+        if lo is not None and (lo < 0 or hi >= vocab):
             raise ValueError(f"{path}: column {name} has id {lo if lo < 0 else hi} outside [0, {vocab})")
+    values = np.concatenate([p.to_numpy(zero_copy_only=False) for p in parts], dtype=id_dtype) if parts \
+        else np.zeros([0], id_dtype)
     if lengths is None:
         return values, np.arange(len(values) + 1, dtype=np.int64)
     splits = np.zeros(len(lengths) + 1, np.int64)
@@ -92,14 +99,16 @@ def _ids(column, name: str, vocab: int, path: str):
     return values, splits
 
 
-def arrow_block(table, schema: CriteoSchema, where: str):
+def arrow_block(table, schema: CriteoSchema, where: str, id_dtype=np.int64):
     """A table in tf_sok's Parquet layout -> a raw block of flat NumPy arrays (see blocks.py)."""
-    cols = {n: table.column(n).combine_chunks() for n in ("label", *schema.dense_names, *schema.categorical_names)}
+    def col(n):
+        return table.column(n).combine_chunks()
     dense = np.empty((table.num_rows, NUM_DENSE), np.int64)
     for i, n in enumerate(schema.dense_names):
-        dense[:, i] = cols[n].fill_null(0).to_numpy(zero_copy_only=False)
-    cats = {n: _ids(cols[n], n, v, where) for n, v in zip(schema.categorical_names, schema.vocab_sizes)}
-    label = cols["label"].fill_null(0).to_numpy(zero_copy_only=False).astype(np.float32)
+        dense[:, i] = col(n).fill_null(0).to_numpy(zero_copy_only=False)
+    cats = {n: _ids(table.column(n), n, v, where, id_dtype)
+            for n, v in zip(schema.categorical_names, schema.vocab_sizes)}
+    label = col("label").fill_null(0).to_numpy(zero_copy_only=False).astype(np.float32)
     return dense, cats, label
 
 
@@ -121,12 +130,14 @@ def exact_blocks(tables: Iterator, block_rows: int) -> Iterator:
         yield pa.Table.from_batches(pending)
 
 
-def _parquet_blocks(path: str, block_rows: int, schema: CriteoSchema, groups=None, batch_size: int = 1) -> Iterator:
+def _parquet_blocks(path: str, block_rows: int, schema: CriteoSchema, groups=None, batch_size: int = 1,
+                    id_dtype=np.int64, threads: bool = True) -> Iterator:
     """Yields blocks of exactly `block_rows` rows (the last one shorter) as flat NumPy arrays.
 
     groups=(first, end): only the batches (of `batch_size` rows, counted from the file's start)
     that start in those row groups, the last one completed from the next row group: pieces of
-    one file read side by side give the file's whole batches between them."""
+    one file read side by side give the file's whole batches between them. threads: pyarrow's
+    own decoding threads (off when as many pieces as cores are read at once already)."""
     import pyarrow.parquet as pq
 
     f = pq.ParquetFile(path)
@@ -135,14 +146,14 @@ def _parquet_blocks(path: str, block_rows: int, schema: CriteoSchema, groups=Non
     if missing:
         raise ValueError(f"Parquet file {path} lacks Criteo columns {missing}")
     if groups is None:
-        stream = f.iter_batches(batch_size=block_rows, columns=columns, use_threads=True)
+        stream = f.iter_batches(batch_size=block_rows, columns=columns, use_threads=threads)
     else:
-        stream = _row_range(f, columns, groups, batch_size, block_rows)
+        stream = _row_range(f, columns, groups, batch_size, block_rows, threads)
     for table in exact_blocks(stream, block_rows):
-        yield arrow_block(table, schema, f"Parquet file {path}")
+        yield arrow_block(table, schema, f"Parquet file {path}", id_dtype)
 
 
-def _row_range(f, columns, groups, batch_size: int, chunk: int) -> Iterator:
+def _row_range(f, columns, groups, batch_size: int, chunk: int, threads: bool = True) -> Iterator:
     """Record batches of the rows [begin, end) of file `f` that row groups [first, end) own: from
     the first batch boundary at or after their first row to the first one at or after their end."""
     sizes = [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)]
@@ -158,7 +169,7 @@ def _row_range(f, columns, groups, batch_size: int, chunk: int) -> Iterator:
         lo, hi = max(begin, int(starts[g])) - int(starts[g]), min(end, int(starts[g + 1])) - int(starts[g])
         # a group only partly needed (the last batch's head) is decoded in pieces of what is needed
         size = chunk if hi == sizes[g] else min(chunk, hi)
-        for rb in f.iter_batches(batch_size=size, row_groups=[g], columns=columns, use_threads=True):
+        for rb in f.iter_batches(batch_size=size, row_groups=[g], columns=columns, use_threads=threads):
             if lo >= rb.num_rows:
                 lo, hi = lo - rb.num_rows, hi - rb.num_rows
                 continue
@@ -197,7 +208,7 @@ def parallel_default(files) -> int:
 def read_parquet(path_or_files, batch_size: int, schema: Optional[CriteoSchema] = None,
                  parallel_files: Optional[int] = None,
                  deterministic: bool = True, drop_remainder: bool = False,
-                 block_rows: int = BLOCK_ROWS) -> tf.data.Dataset:
+                 block_rows: int = BLOCK_ROWS, id_dtype=tf.int64) -> tf.data.Dataset:
     """Criteo batches from Parquet files (a directory, a file or a list of files).
 
     `schema=None` reads with the schema the converter stored in the files; a given
@@ -206,21 +217,31 @@ def read_parquet(path_or_files, batch_size: int, schema: Optional[CriteoSchema] 
     once: whole files, or, with fewer files than that, runs of a file's row groups
     (each piece gives the whole batches that start in it). Pieces are interleaved
     batch by batch (in a fixed order when `deterministic`); each file's last batch
-    may be shorter unless `drop_remainder`.
+    may be shorter unless `drop_remainder`. `id_dtype=tf.int32`: ids come as int32, converted
+    while the block is built (half the bytes from there to the GPU; every vocabulary must be
+    under 2**31).
 
     Example:
         >>> ds = sok.data.read_parquet("criteo_parquet/", batch_size=4096)
     """
     files = _files(path_or_files, ".parquet")
     schema = _resolve_schema(files, "parquet", schema)
+    id_dtype = tf.as_dtype(id_dtype)
+    if id_dtype not in (tf.int32, tf.int64):
+        raise ValueError(f"read_parquet: id_dtype must be tf.int32 or tf.int64, got {id_dtype}")
+    if id_dtype == tf.int32 and max(schema.vocab_sizes) >= 2**31:
+        raise ValueError(f"read_parquet: id_dtype=tf.int32 needs every vocabulary under 2**31, the largest is "
+                         f"{max(schema.vocab_sizes)}")
     rows = max(1, block_rows // batch_size) * batch_size
-    sig = block_signature(schema)
+    sig = block_signature(schema, id_dtype)
     parallel = parallel_files or max(1, os.cpu_count() or 1)
     pieces = _pieces(files, parallel, rows)
+    threads = min(parallel, len(pieces)) < (os.cpu_count() or 1)   # else the pieces alone fill the cores
 
     def one(i):
         blocks = tf.data.Dataset.from_generator(
-            lambda k: _parquet_blocks(pieces[k][0], rows, schema, pieces[k][1], batch_size),
+            lambda k: _parquet_blocks(pieces[k][0], rows, schema, pieces[k][1], batch_size, id_dtype.as_numpy_dtype,
+                                      threads),
             output_signature=sig, args=(i,))
         return batched_blocks(blocks, batch_size, drop_remainder)
 
