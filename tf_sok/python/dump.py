@@ -167,8 +167,7 @@ class _Shard:
         """Sets the rows of `keys` (owned) to blocks[0] (values) and blocks[1:] (state)."""
         with tf.device(self.var.device or None):
             if self.dynamic:
-                self.var.assign_keys(keys, blocks[0])
-                rows = self.var.rows_for(keys, insert=False)
+                rows = self.var._assign(keys, blocks[0])[1]   # noqa: SLF001
             else:
                 m = self.meta
                 local = keys // m.num_ranks if m.sharding.kind == "distributed" else keys
@@ -721,9 +720,10 @@ def load(path, load_vars, optimizer=None) -> None:
             plans.append((reader, name, shards, layout, pieces, delta))
     for reader, name, shards, layout, pieces, delta in plans:
         for s in shards:
-            if s.dynamic:
-                s.refresh()
-                gone = s.keys if not delta else reader.held_file(name, "removed")
+            if s.dynamic and not delta:         # a full dump replaces the keys
+                s.var.remove_keys()
+            elif s.dynamic:
+                gone = reader.held_file(name, "removed")
                 if gone is not None and len(gone):
                     s.var.remove_keys(gone[s.owns(gone)])
         for piece in pieces:

@@ -321,21 +321,24 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
             keys, rows = ops().tf_sok_dynamic_export(self._index.resource_handle)[:2]
         return keys, rows
 
-    def remove_keys(self, keys):
-        """Takes `keys` (those held) out of the table; their rows become free. Eager only."""
-        keys = np.asarray(keys, np.int64).reshape(-1)
+    def remove_keys(self, keys=None):
+        """Takes `keys` (those held; None: every key) out of the table; their rows become free. Eager only."""
         with tf.device(self._index_device):
             parts = [p.numpy() for p in ops().tf_sok_dynamic_export(self._index.resource_handle)]
-            keep = ~np.isin(parts[0], keys)
+            keep = np.zeros(len(parts[0]), bool) if keys is None else \
+                ~np.isin(parts[0], np.asarray(keys, np.int64).reshape(-1))
             parts[0], parts[1], parts[2] = parts[0][keep], parts[1][keep], parts[2][keep]
             ops().tf_sok_dynamic_import(self._index.resource_handle, *[tf.constant(p, tf.int64) for p in parts])
 
     def assign_keys(self, keys, values):
         """Inserts or overwrites `keys` with `values` ([n, dim])."""
+        return self._assign(keys, values)[0]
+
+    def _assign(self, keys, values):
+        """(the update, the keys' rows) of assign_keys."""
         values = tf.convert_to_tensor(values, tf.float32)
-        rows = self.rows_for(keys, admit_all=True)
-        return self.scatter_update(tf.IndexedSlices(tf.reshape(values, [-1, self._dimension]),
-                                                    tf.reshape(rows, [-1])))
+        rows = tf.reshape(self.rows_for(keys, admit_all=True), [-1])
+        return self.scatter_update(tf.IndexedSlices(tf.reshape(values, [-1, self._dimension]), rows)), rows
 
 
 def rows_for_tables(variables, keys, insert_ratio: float = 1.0) -> list:
