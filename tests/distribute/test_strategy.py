@@ -90,7 +90,8 @@ def mirrored(request, tmp_path_factory):
 def multiworker(tmp_path_factory):
     seed = secrets.randbits(31)
     print(f"MultiWorkerMirroredStrategy, 2 workers, seed {seed}")
-    return 2, seed, run_multiworker(2, ["lookups", "training_adam", "fit"], seed, tmp_path_factory.mktemp("mwms"))
+    return 2, seed, run_multiworker(2, ["lookups", "training_adam", "fit", "dynamic"], seed,
+                                    tmp_path_factory.mktemp("mwms"))
 
 
 def check_lookups(n, seed, res, modes):
@@ -250,6 +251,26 @@ def test_multiworker_lookups_training_and_fit_equal_one_device(multiworker):
     check_lookups(n, seed, res, ("function",))
     check_training(n, seed, res, "training_adam", ["adam"])
     check_fit(n, seed, res)
+
+
+def test_multiworker_dynamic_tables_and_dumps_equal_one_device(multiworker):
+    """MultiWorkerMirroredStrategy, one process per worker: dynamic tables (with a static one) train
+    like one device; a dump of both workers, loaded back with other modes, trains on alike."""
+    from tests.horovod import dynamic_case as dc
+    import tf_sok as sok
+
+    n, seed, res = multiworker
+    sok.init()
+    tables = dc.make_tables(seed)
+    dense_w = tf.Variable(dc.dense_init())
+    batches = [dc.global_batch(seed, s) for s in range(2 * dc.STEPS)]
+    dc.train(tables, dense_w, batches[:dc.STEPS])
+    _check_dynamic(n, res, "dynamic:", dc.results(tables, dense_w), dc.TABLES)
+    tables = dc.make_tables(seed)
+    dense_w = tf.Variable(dc.dense_init())
+    dc.train(tables, dense_w, batches)
+    _check_dynamic(n, res, "dynamic:resumed/", dc.results(tables, dense_w),
+                   {"users": f"localized:{n - 1}", "pairs": "distributed", "small": None})
 
 
 @pytest.mark.gpu

@@ -221,8 +221,12 @@ class _Ranks:
         if self.alone:
             return rows
         self._n += 1
-        out = self.comm.allgather(tf.constant(rows), name=f"tf_sok.dump.{self._n}").numpy()
-        return out
+        strategy = self.comm.strategy
+        if strategy is not None:   # MultiWorkerMirroredStrategy: a collective of its replicas, one per process
+            value = tf.constant(rows)
+            out = strategy.run(lambda: tf.distribute.get_replica_context().all_gather(value, axis=0))
+            return strategy.experimental_local_results(out)[0].numpy()
+        return self.comm.allgather(tf.constant(rows), name=f"tf_sok.dump.{self._n}").numpy()
 
     def agree(self, value: str) -> str:
         """Rank 0's `value` on every rank (a string of at most 1,024 bytes)."""
@@ -241,8 +245,11 @@ class _Ranks:
         """Every process's `keys` (any lengths), concatenated."""
         if self.alone:
             return keys
-        self._n += 1
-        return self.comm.allgather(tf.constant(keys.astype(np.int64)), name=f"tf_sok.dump.{self._n}").numpy()
+        lengths = self.gather(np.array([[len(keys)]]))[:, 0]
+        padded = np.zeros([1, int(lengths.max())], np.int64)
+        padded[0, :len(keys)] = keys
+        every = self.gather(padded)
+        return np.concatenate([every[i, :n] for i, n in enumerate(lengths)])
 
 
 # ----------------------------------------------------------------------------------------------
