@@ -8,7 +8,7 @@
 from tf_sok.python.checkpoint import restore
 from tf_sok.python.config import TableConfig
 from tf_sok.python.context import context, init
-from tf_sok.python.dump import dump, load
+from tf_sok.python.dump import dump, incremental_model_dump, load
 from tf_sok.python.dynamic_variable import DynamicVariable, assign, export, sparse_read_and_evict
 from tf_sok.python.lookup import lookup_sparse
 from tf_sok.python.serving import export_saved_model
@@ -35,14 +35,13 @@ _SOK_ONLY = {
     "DistributedVariable": "sok.Variable(..., mode=\"distributed\")",
     "LocalizedVariable": "sok.Variable(..., mode=\"localized:<rank>\")",
     "Saver": "sok.dump / sok.load, tf.train.Checkpoint (tables, dynamic tables' keys and optimizer state) or model.save_weights",
-    "incremental_model_dump": "sok.dump(path, tables, optimizer, since=previous_dump) (a delta of what changed)",
     "DistributedEmbedding": "sok.layers.EmbeddingCollection / sok.lookup_sparse with mode=\"distributed\" tables",
     "All2AllDenseEmbedding": "sok.layers.EmbeddingCollection / sok.lookup_sparse",
     "all2all_dense_embedding": "sok.lookup_sparse",
     "set_comm_tool": "sok.init(comm_tool=...)",
 }
 
-__all__ = ["init", "context", "Variable", "DynamicVariable", "export", "assign", "sparse_read_and_evict", "dump", "load", "export_saved_model", "ReplicaTable", "TableConfig", "lookup_sparse", "filter_variables",
+__all__ = ["init", "context", "Variable", "DynamicVariable", "export", "assign", "sparse_read_and_evict", "dump", "load", "incremental_model_dump", "export_saved_model", "ReplicaTable", "TableConfig", "lookup_sparse", "filter_variables",
            "broadcast_variables", "local_shard", "table_meta", "build_info", "restore", "optimizers", "OptimizerWrapper",
            "SGD", "layers", "keras", "tf_version"]
 

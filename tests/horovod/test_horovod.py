@@ -251,6 +251,16 @@ def test_dump_at_three_ranks_loads_at_one_two_and_four(tmp_path, seed):
     sok.init()
     tables = dc.make_tables(seed)
     dense_w = tf.Variable(dc.dense_init())
+    dc.train(tables, dense_w, [dc.global_batch(seed, s) for s in range(dc.STEPS)])
+    at_dump = dc.results(tables, dense_w)
+    for r in range(3):         # sok.incremental_model_dump gathered every rank's keys on each rank
+        got = np.load(tmp_path / f"dump_tables.rank{r}.npz")
+        want = dict(zip(at_dump["users/keys"].tolist(), at_dump["users/values"]))
+        assert sorted(got["touched_keys"].tolist()) == sorted(want)
+        for k, v in zip(got["touched_keys"], got["touched_values"]):
+            np.testing.assert_allclose(v, want[int(k)], rtol=1e-4, atol=1e-5)
+    tables = dc.make_tables(seed)
+    dense_w = tf.Variable(dc.dense_init())
     dc.train(tables, dense_w, [dc.global_batch(seed, s) for s in range(2 * dc.STEPS)])
     ref = dc.results(tables, dense_w)
     for m in (1, 2, 4):

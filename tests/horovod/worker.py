@@ -253,7 +253,8 @@ def dump_tables(seed, out):
     batches = [dc.rank_slice(*dc.global_batch(seed, s), r, N) for s in range(dc.STEPS)]
     dc.train(tables, dense_w, batches, dense_tape=hvd.DistributedGradientTape, sparse_opt=opt)
     sok.dump(os.path.join(os.path.dirname(out), "dump"), list(tables.values()), opt)
-    np.savez(out, dense=dense_w.numpy())
+    keys, values = sok.incremental_model_dump(tables["users"], 0)   # every key touched, from every rank
+    np.savez(out, dense=dense_w.numpy(), touched_keys=keys, touched_values=values)
 
 
 def load_tables(seed, out):

@@ -275,3 +275,42 @@ def test_dump_killed_part_way_leaves_the_previous_dump_loadable(tmp_path):
         assert len(keys.numpy()) == int(100 * i) % 5000 + 1 and np.all(vals.numpy() == i)
     sok.dump(path, [t, d], opt)                          # the next dump clears what the kills left
     assert sorted(os.listdir(tmp_path)) == ["child.py", "d"]
+
+
+def test_incremental_model_dump_gives_the_keys_touched_since_a_time(rng):
+    """SOK's incremental_model_dump: keys looked up in training (or assigned) at or after the time,
+    with their current values; against the sets of keys each step used."""
+    import datetime
+
+    keys = random_keys(rng, 60)
+    table = sok.DynamicVariable(4, initializer="normal", name="inc")
+    static = sok.Variable(shape=[5, 4], name="st")
+    opt = sok.optimizers.SGD(0.1)
+    stamps, used = [], []
+    for _ in range(5):
+        stamps.append(datetime.datetime.now(datetime.timezone.utc))
+        time.sleep(0.003)
+        batch = rng.choice(keys[:50], 8)
+        used.append(set(batch.tolist()))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(sok.lookup_sparse(table, tf.constant(batch[:, None]), combiners="sum")))
+        opt.apply_gradients([(tape.gradient(loss, table), table)])
+        time.sleep(0.003)
+    stamps.append(datetime.datetime.now(datetime.timezone.utc))
+    time.sleep(0.003)
+    sok.assign(table, keys[50:53], np.ones([3, 4], np.float32))
+    used.append(set(keys[50:53].tolist()))
+    now = by_key(table)
+    for k, t in enumerate(stamps):
+        got_keys, got_values = sok.incremental_model_dump(table, t)
+        assert set(got_keys.tolist()) == set().union(*used[k:]), k
+        for key, value in zip(got_keys, got_values):
+            np.testing.assert_array_equal(value, now[int(key)][0])
+    naive = stamps[2].replace(tzinfo=None)              # naive datetimes are UTC
+    assert set(sok.incremental_model_dump([table], naive)[0][0].tolist()) == set().union(*used[2:])
+    assert len(sok.incremental_model_dump(table, time.time() + 60)[0]) == 0
+    assert set(sok.incremental_model_dump(table, 0)[0].tolist()) == set(now)     # everything since creation
+    with pytest.raises(TypeError, match="table 'st' is static, not a sok.DynamicVariable"):
+        sok.incremental_model_dump(static, 0)
+    with pytest.raises(TypeError, match="time_threshold must be a datetime or seconds since the epoch"):
+        sok.incremental_model_dump(table, "yesterday")

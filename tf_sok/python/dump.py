@@ -758,3 +758,52 @@ def _chain(paths) -> List[_Reader]:
             raise DumpError(f"sok.load: {after.path} is not a delta of {before.path} (give a base dump and the "
                             f"deltas written after it, in order)")
     return readers
+
+
+# ----------------------------------------------------------------------------------------------
+# SOK's incremental dump
+
+def incremental_model_dump(dump_vars, time_threshold):
+    """SOK's `incremental_model_dump`: the keys of dynamic tables touched (looked up for training, or
+    assigned) at or after `time_threshold`, and their current values, gathered from every rank.
+
+    `time_threshold`: a `datetime` (naive ones are UTC) or seconds since the epoch. Returns
+    `(keys, values)` NumPy arrays for one table, a list of them for a list. Touches are counted
+    since the table was made or restored in this process (a lookup that failed counts too: its
+    keys are reported with their unchanged values). For files on disk and static tables, write a
+    delta instead: `sok.dump(path, tables, optimizer, since=previous_dump)`.
+    """
+    import datetime
+
+    if isinstance(time_threshold, datetime.datetime):
+        if time_threshold.tzinfo is None:
+            time_threshold = time_threshold.replace(tzinfo=datetime.timezone.utc)
+        since = int(time_threshold.timestamp() * 1e9)
+    elif isinstance(time_threshold, (int, float)) and not isinstance(time_threshold, bool):
+        since = int(time_threshold * 1e9)
+    else:
+        raise TypeError(f"incremental_model_dump: time_threshold must be a datetime or seconds since the epoch, "
+                        f"got {type(time_threshold).__name__}")
+    single = not isinstance(dump_vars, (list, tuple))
+    ranks = _Ranks()
+    out = []
+    for v in ([dump_vars] if single else list(dump_vars)):
+        meta = table_meta(v)
+        if meta is None or not meta.dynamic:
+            what = f"table {meta.name!r} is static," if meta is not None else f"{getattr(v, 'name', v)!r} is"
+            raise TypeError(f"incremental_model_dump: {what} not a sok.DynamicVariable (static tables: "
+                            f"sok.dump(..., since=previous_dump))")
+        keys, values = [], []
+        for shard in expand_tables([v]):
+            var = backing_variable(shard)
+            k, rows = var.touched_since(since)
+            keys.append(k.numpy())
+            values.append(var.sparse_read_rows(rows).numpy())
+        k, x = np.concatenate(keys), np.concatenate(values).reshape(-1, meta.dim)
+        if not ranks.alone:
+            k = ranks.gather_keys(k)
+            x = ranks.gather_keys(x.view(np.uint32).astype(np.int64).reshape(-1)).astype(np.uint32) \
+                .view(np.float32).reshape(-1, meta.dim)
+        out.append((k, x))
+    return out[0] if single else out
+

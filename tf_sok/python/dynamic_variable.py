@@ -321,6 +321,12 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
             keys, rows = ops().tf_sok_dynamic_export(self._index.resource_handle)[:2]
         return keys, rows
 
+    def touched_since(self, unix_ns: int):
+        """(keys, rows) this rank holds that a find with insert (a training lookup, an assignment)
+        touched at or after `unix_ns` (ns since the epoch), since the table was made or restored."""
+        with tf.device(self._index_device):
+            return ops().tf_sok_dynamic_touched_since(self._index.resource_handle, tf.constant(int(unix_ns), tf.int64))
+
     def remove_keys(self, keys=None):
         """Takes `keys` (those held; None: every key) out of the table; their rows become free. Eager only."""
         with tf.device(self._index_device):

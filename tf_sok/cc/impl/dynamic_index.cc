@@ -1,6 +1,7 @@
 #include "tf_sok/cc/impl/dynamic_index.h"
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <tuple>
 
@@ -123,7 +124,8 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
     ch->rows = rows_;
     return "";
   }
-  const int64_t call = ++call_;  // marks rows this call touched (a failed call's marks are never read)
+  const int64_t call = ++call_;  // marks rows this call touched
+  call_times_.Record(call);
   // 1. found keys (their distinct rows) and distinct missing keys, in order of first sight
   std::vector<int64_t> found_rows, missing;
   KeyMap missing_index(std::min<int64_t>(n, 1 << 20));
@@ -216,6 +218,27 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
   return "";
 }
 
+void CallTimes::Record(int64_t call) {
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::system_clock::now().time_since_epoch()).count();
+  calls_.emplace_back(call, calls_.empty() ? now : std::max(now, calls_.back().second));
+}
+
+int64_t CallTimes::FirstAtOrAfter(int64_t unix_ns) const {
+  const auto it = std::lower_bound(calls_.begin(), calls_.end(), unix_ns,
+                                   [](const std::pair<int64_t, int64_t>& c, int64_t t) { return c.second < t; });
+  return it == calls_.end() ? (calls_.empty() ? 1 : calls_.back().first + 1) : it->first;
+}
+
+void DynamicIndex::TouchedSince(int64_t unix_ns, std::vector<int64_t>* keys, std::vector<int64_t>* rows) const {
+  const int64_t first = call_times_.FirstAtOrAfter(unix_ns);
+  for (int64_t r = reserved_; r < next_free_; ++r) {
+    if (!live_row_[r] || touched_[r] < first) continue;
+    keys->push_back(slot_key_[r]);
+    rows->push_back(r);
+  }
+}
+
 DynamicIndexSnapshot DynamicIndex::Export() const {
   DynamicIndexSnapshot s;
   for (int64_t r = reserved_; r < next_free_; ++r) {
@@ -265,6 +288,7 @@ std::string DynamicIndex::Import(const DynamicIndexSnapshot& s) {
   for (size_t i = 0; i < s.candidate_keys.size(); ++i) fresh.candidates_.Put(s.candidate_keys[i], s.candidate_counts[i]);
   fresh.live_ = static_cast<int64_t>(n);
   fresh.next_free_ = s.next_free;
+  fresh.call_ = call_;   // touch marks of the import start clean, calls keep counting
   fresh.clock_ = s.clock;
   *this = std::move(fresh);
   return "";

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tf_sok/cc/impl/common.h"
@@ -72,6 +73,18 @@ class KeyMap {
   int64_t mask_ = 0, count_ = 0;
 };
 
+// When each find with insert ran: (call number, ns since the epoch), in call order.
+class CallTimes {
+ public:
+  void Record(int64_t call);
+  // The first call that ran at or after `unix_ns` (past the last call when none did).
+  int64_t FirstAtOrAfter(int64_t unix_ns) const;
+  void Clear() { calls_.clear(); }
+
+ private:
+  std::vector<std::pair<int64_t, int64_t>> calls_;
+};
+
 class DynamicIndex {
  public:
   explicit DynamicIndex(const DynamicIndexConfig& config);
@@ -94,6 +107,10 @@ class DynamicIndex {
   // Replaces the contents; "" or an error message (nothing changed then).
   std::string Import(const DynamicIndexSnapshot& s);
 
+  // The keys held (and their rows) that a find with insert touched at or after `unix_ns`
+  // (nanoseconds since the epoch), since this index was made or last imported.
+  void TouchedSince(int64_t unix_ns, std::vector<int64_t>* keys, std::vector<int64_t>* rows) const;
+
  private:
   void EnsureRows(int64_t needed);
 
@@ -106,6 +123,7 @@ class DynamicIndex {
   std::vector<uint8_t> live_row_;
   std::vector<int64_t> free_;
   int64_t next_free_ = 0, rows_ = 0, live_ = 0, clock_ = 0, call_ = 0;
+  CallTimes call_times_;
 };
 
 // splitmix64's finaliser: the hash of keys and the initializer's random bits.

@@ -429,6 +429,7 @@ std::string GpuDynamicIndex::Probe(const GpuDevice& d, const int64_t* keys, int6
     return "";
   }
   p->call = ++call_;
+  call_times_.Record(p->call);
   // every position probed, found rows touched; the keys of the missing positions compacted, their
   // count left on the device (no sort, no wait: a batch whose keys are all held needs neither)
   auto* missing_flags = gpu::Alloc<uint8_t>(d, n);
@@ -686,6 +687,30 @@ std::string GpuDynamicIndex::Import(const GpuDevice& d, const DynamicIndexSnapsh
   next_free_ = snap.next_free;
   clock_ = snap.clock;
   call_ = 0;
+  call_times_.Clear();
+  return "";
+}
+
+std::string GpuDynamicIndex::TouchedSince(const GpuDevice& d, int64_t unix_ns, std::vector<int64_t>* keys,
+                                          std::vector<int64_t>* rows) {
+  if (!init_error_.empty()) return init_error_;
+  const int64_t first = call_times_.FirstAtOrAfter(unix_ns);
+  const int64_t span = next_free_ - reserved_;
+  if (span <= 0) return "";
+  cudaStream_t s = StreamOf(d);
+  std::vector<int64_t> touched(span), slot_key(span);
+  std::vector<uint8_t> live(span);
+  cudaMemcpyAsync(touched.data(), touched_ + reserved_, 8 * span, cudaMemcpyDeviceToHost, s);
+  cudaMemcpyAsync(slot_key.data(), slot_key_ + reserved_, 8 * span, cudaMemcpyDeviceToHost, s);
+  cudaMemcpyAsync(live.data(), live_row_ + reserved_, span, cudaMemcpyDeviceToHost, s);
+  const cudaError_t c = cudaStreamSynchronize(s);
+  if (c != cudaSuccess) return std::string("CUDA error ") + cudaGetErrorString(c);
+  for (int64_t i = 0; i < span; ++i) {
+    const int64_t t = touched[i] < 0 ? -touched[i] : touched[i];   // LFU marks a scored row -call
+    if (!live[i] || t < first) continue;
+    keys->push_back(slot_key[i]);
+    rows->push_back(reserved_ + i);
+  }
   return "";
 }
 

@@ -70,6 +70,9 @@ class GpuDynamicIndex {
   int64_t rows() const { return rows_; }
 
   std::string Export(const GpuDevice& d, DynamicIndexSnapshot* s);
+  // As DynamicIndex::TouchedSince (host vectors; reads the row marks back, one wait).
+  std::string TouchedSince(const GpuDevice& d, int64_t unix_ns, std::vector<int64_t>* keys,
+                           std::vector<int64_t>* rows);
   std::string Import(const GpuDevice& d, const DynamicIndexSnapshot& s);
 
  private:
@@ -94,6 +97,7 @@ class GpuDynamicIndex {
   int64_t* free_ = nullptr;
   uint8_t* live_row_ = nullptr;
   int64_t free_count_ = 0, next_free_ = 0, rows_ = 0, live_ = 0, clock_ = 0, call_ = 0;
+  CallTimes call_times_;
   std::string init_error_;
 };
 

@@ -499,6 +499,38 @@ class ExportOp : public tf::OpKernel {
   }
 };
 
+class TouchedSinceOp : public tf::OpKernel {
+ public:
+  using tf::OpKernel::OpKernel;
+  void Compute(tf::OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<IndexResource> res;
+    OP_REQUIRES_OK(ctx, GetIndex(ctx, &res));
+    const tf::Tensor& since = ctx->input(1);
+    OP_REQUIRES(ctx, since.dims() == 0, Failed(*res, ": ", "since must be a scalar (ns since the epoch)"));
+    std::vector<int64_t> keys, rows;
+    {
+      tf::mutex_lock l(res->mu);
+#if TF_SOK_WITH_CUDA
+      if (res->gpu) {
+        TensorScratch scratch(ctx);
+        const std::string error = res->gpu->TouchedSince(MakeDevice<impl::GpuDevice>(ctx, &scratch),
+                                                         since.scalar<int64_t>()(), &keys, &rows);
+        OP_REQUIRES(ctx, error.empty(), Failed(*res, ": reading its touched keys: ", error));
+      } else {
+        res->host->TouchedSince(since.scalar<int64_t>()(), &keys, &rows);
+      }
+#else
+      res->host->TouchedSince(since.scalar<int64_t>()(), &keys, &rows);
+#endif
+    }
+    absl::Status s;
+    HostVector(ctx, 0, keys, &s);
+    OP_REQUIRES_OK(ctx, s);
+    HostVector(ctx, 1, rows, &s);
+    OP_REQUIRES_OK(ctx, s);
+  }
+};
+
 class ImportOp : public tf::OpKernel {
  public:
   using tf::OpKernel::OpKernel;
@@ -541,6 +573,7 @@ REGISTER_KERNEL_BUILDER(Name("TfSokRowSplitsValid").Device(tf::DEVICE_CPU), RowS
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicAttach").Device(tf::DEVICE_CPU), AttachOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicSize").Device(tf::DEVICE_CPU), SizeOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicExport").Device(tf::DEVICE_CPU), ExportOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicTouchedSince").Device(tf::DEVICE_CPU), TouchedSinceOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicImport").Device(tf::DEVICE_CPU), ImportOp);
 
 #if TF_SOK_WITH_CUDA
@@ -561,6 +594,13 @@ REGISTER_KERNEL_BUILDER(Name("TfSokDynamicSize")
   HostMemory("index").HostMemory("keys").HostMemory("slots").HostMemory("scores").HostMemory("generations") \
       .HostMemory("candidate_keys").HostMemory("candidate_counts").HostMemory("counters")
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicExport").Device(tf::DEVICE_GPU).TF_SOK_SNAPSHOT_ON_HOST, ExportOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicTouchedSince")
+                            .Device(tf::DEVICE_GPU)
+                            .HostMemory("index")
+                            .HostMemory("since")
+                            .HostMemory("keys")
+                            .HostMemory("rows"),
+                        TouchedSinceOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicImport").Device(tf::DEVICE_GPU).TF_SOK_SNAPSHOT_ON_HOST, ImportOp);
 #undef TF_SOK_SNAPSHOT_ON_HOST
 #endif

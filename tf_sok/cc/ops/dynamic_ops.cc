@@ -106,6 +106,23 @@ number of its values (only the values' count is read): one op for many
 features, on a GPU one small kernel each, the answer left on the device.
 )doc");
 
+REGISTER_OP("TfSokDynamicTouchedSince")
+    .Input("index: resource")
+    .Input("since: int64")
+    .Output("keys: int64")
+    .Output("rows: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The keys the index holds that a find with insert (a training lookup, an
+assignment) touched at or after `since` (nanoseconds since the epoch), and their
+rows; since the index was made or last imported.
+)doc");
+
 REGISTER_OP("TfSokDynamicAttach")
     .Input("index: resource")
     .Input("array: resource")
