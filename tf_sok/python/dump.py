@@ -117,6 +117,20 @@ def _state_names(sparse) -> List[str]:
     return [_SOK_SLOT.get((name, s), s) for s in sparse.slot_names()]
 
 
+class _Affine:
+    """first + step * i for i in [0, n): what slicing it gives is made then (static tables' ids)."""
+
+    def __init__(self, first: int, step: int, n: int):
+        self.first, self.step, self.n = first, step, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, piece: slice) -> np.ndarray:
+        a, b, _ = piece.indices(self.n)
+        return self.first + self.step * np.arange(a, b, dtype=np.int64)
+
+
 class _Shard:
     """One rank's part of a table in this process, read and written by rows."""
 
@@ -139,11 +153,11 @@ class _Shard:
                 order = tf.argsort(keys)
                 self.keys = tf.gather(keys, order).numpy()
                 self.rows = tf.gather(rows, order).numpy()
-            else:
+            else:   # row r holds global id first + step * r: made a piece at a time, never whole
                 m = self.meta
                 first, step = (m.rank, m.num_ranks) if m.sharding.kind == "distributed" else (0, 1)
-                self.rows = np.arange(m.local_rows, dtype=np.int64)
-                self.keys = first + step * self.rows
+                self.rows = _Affine(0, 1, m.local_rows)
+                self.keys = _Affine(first, step, m.local_rows)
 
     def arrays(self) -> list:
         return [self.var] + self.state
@@ -454,20 +468,22 @@ def _write_held(directory, manifest, tables, ranks, previous) -> None:
 def _delta_rows(shard: _Shard, previous: "_State", table: str):
     """(keys, rows) of the shard whose value or state differ from the previous dump's (or are new)."""
     keys, rows = shard.keys, shard.rows
-    changed = np.ones(len(keys), bool)
     step = _piece_rows(shard.meta.dim)
+    out_keys, out_rows = [np.zeros([0], np.int64)], [np.zeros([0], np.int64)]
     for a in range(0, len(keys), step):
         k, r = keys[a:a + step], rows[a:a + step]
         old = previous.rows(table, k, len(shard.arrays()))
-        if old is None:
-            continue
-        found, arrays = old
-        same = found.copy()
-        for w, before in enumerate(arrays):
-            now = shard.read(w, r[found]).reshape(int(found.sum()), -1)
-            same[found] &= np.all(now.view(np.uint32) == before.reshape(now.shape).view(np.uint32), axis=1)
-        changed[a:a + step] = ~same
-    return keys[changed], rows[changed]
+        changed = np.ones(len(k), bool)
+        if old is not None:
+            found, arrays = old
+            same = found.copy()
+            for w, before in enumerate(arrays):
+                now = shard.read(w, r[found]).reshape(int(found.sum()), -1)
+                same[found] &= np.all(now.view(np.uint32) == before.reshape(now.shape).view(np.uint32), axis=1)
+            changed = ~same
+        out_keys.append(k[changed])
+        out_rows.append(r[changed])
+    return np.concatenate(out_keys), np.concatenate(out_rows)
 
 
 # ----------------------------------------------------------------------------------------------
