@@ -749,6 +749,8 @@ def load(path, load_vars, optimizer=None) -> None:
                 gone = reader.held_file(name, "removed")
                 if gone is not None and len(gone):
                     s.var.remove_keys(gone[s.owns(gone)])
+        if all(s.meta.sharding.kind == "localized" and s.meta.rank != s.meta.sharding.owner for s in shards):
+            continue                            # another rank's table (every rank checked it above)
         for piece in pieces:
             blocks = reader.read_piece(name, layout, piece)
             keys = blocks[0]
