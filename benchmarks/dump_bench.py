@@ -16,7 +16,6 @@ import tempfile
 import time
 
 import numpy as np
-import tensorflow as tf
 
 import tf_sok as sok
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import tf_sok as sok
 from tests.python.optimizers.test_optimizers import CASES
-from tests.python.test_dynamic import held, random_keys
+from tests.python.test_dynamic import random_keys
 
 DIM = 4
 ROWS = 37

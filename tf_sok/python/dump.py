@@ -29,7 +29,7 @@ import shutil
 import string
 import uuid
 import zlib
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import numpy as np
 import tensorflow as tf
