@@ -150,18 +150,31 @@ def test_mirrored_model_fit_equals_one_device_and_checkpoint_restores(mirrored):
     check_fit(n, seed, res)
 
 
+def _one_device(seed, steps):
+    """The dynamic scenario's model trained on one device on `steps` global batches: (tables, dense
+    weight, their results)."""
+    from tests.horovod import dynamic_case as dc
+    import tf_sok as sok
+
+    sok.init()
+    tables = dc.make_tables(seed)
+    dense_w = tf.Variable(dc.dense_init())
+    dc.train(tables, dense_w, [dc.global_batch(seed, s) for s in range(steps)])
+    return tables, dense_w, dc.results(tables, dense_w)
+
+
+def _swapped_modes(n):
+    """The modes the dynamic scenario reloads its dump with."""
+    return {"users": f"localized:{n - 1}", "pairs": "distributed", "small": None}
+
+
 def test_mirrored_dynamic_tables_train_like_one_device(mirrored):
     """Each key ends on its replica's shard (floormod(key, n), or the localized replica) with the value
     one device training on the global batch gives it."""
     from tests.horovod import dynamic_case as dc
-    import tf_sok as sok
 
     n, seed, res = mirrored
-    sok.init()
-    tables = dc.make_tables(seed)
-    dense_w = tf.Variable(dc.dense_init())
-    dc.train(tables, dense_w, [dc.global_batch(seed, s) for s in range(dc.STEPS)])
-    _check_dynamic(n, res, "dynamic:", dc.results(tables, dense_w), dc.TABLES)
+    _check_dynamic(n, res, "dynamic:", _one_device(seed, dc.STEPS)[2], dc.TABLES)
 
 
 def _check_dynamic(n, res, prefix, ref, modes):
@@ -194,22 +207,13 @@ def test_mirrored_dump_loads_under_other_modes_and_in_one_process(mirrored):
     import tf_sok as sok
 
     n, seed, res = mirrored
-    sok.init()
-    tables = dc.make_tables(seed)
-    dense_w = tf.Variable(dc.dense_init())
-    batches = [dc.global_batch(seed, s) for s in range(2 * dc.STEPS)]
-    dc.train(tables, dense_w, batches[:dc.STEPS])
-    at_dump = dc.results(tables, dense_w)
+    _, dense_w, at_dump = _one_device(seed, dc.STEPS)
     loaded = dc.make_tables(seed + 1)
     sok.load(str(res["dynamic:dump_path"]), list(loaded.values()))
     one = dc.results(loaded, dense_w)
     _check_dynamic(1, {f"{k.replace('/rows', '/rows/0').replace('/keys', '/keys/0').replace('/values', '/values/0')}": v
                        for k, v in one.items()}, "", at_dump, {k: "distributed" for k in dc.TABLES} | {"small": None})
-    tables = dc.make_tables(seed)
-    dense_w = tf.Variable(dc.dense_init())
-    dc.train(tables, dense_w, batches)
-    _check_dynamic(n, res, "dynamic:resumed/", dc.results(tables, dense_w),
-                   {"users": f"localized:{n - 1}", "pairs": "distributed", "small": None})
+    _check_dynamic(n, res, "dynamic:resumed/", _one_device(seed, 2 * dc.STEPS)[2], _swapped_modes(n))
 
 
 def test_mirrored_misuse_raises_clear_errors(tmp_path):
@@ -257,20 +261,10 @@ def test_multiworker_dynamic_tables_and_dumps_equal_one_device(multiworker):
     """MultiWorkerMirroredStrategy, one process per worker: dynamic tables (with a static one) train
     like one device; a dump of both workers, loaded back with other modes, trains on alike."""
     from tests.horovod import dynamic_case as dc
-    import tf_sok as sok
 
     n, seed, res = multiworker
-    sok.init()
-    tables = dc.make_tables(seed)
-    dense_w = tf.Variable(dc.dense_init())
-    batches = [dc.global_batch(seed, s) for s in range(2 * dc.STEPS)]
-    dc.train(tables, dense_w, batches[:dc.STEPS])
-    _check_dynamic(n, res, "dynamic:", dc.results(tables, dense_w), dc.TABLES)
-    tables = dc.make_tables(seed)
-    dense_w = tf.Variable(dc.dense_init())
-    dc.train(tables, dense_w, batches)
-    _check_dynamic(n, res, "dynamic:resumed/", dc.results(tables, dense_w),
-                   {"users": f"localized:{n - 1}", "pairs": "distributed", "small": None})
+    _check_dynamic(n, res, "dynamic:", _one_device(seed, dc.STEPS)[2], dc.TABLES)
+    _check_dynamic(n, res, "dynamic:resumed/", _one_device(seed, 2 * dc.STEPS)[2], _swapped_modes(n))
 
 
 @pytest.mark.gpu
