@@ -328,3 +328,19 @@ def test_synthetic_pool_is_cycled_and_a_small_run_is_all_distinct():
     assert whole[1]["C7"] == raw[1]["C7"].to_list()
     with pytest.raises(ValueError, match="positive"):
         sd.synthetic(0, 64, cfg)
+
+
+@pytest.mark.parametrize("shape,dtype", [([0], np.int32), ([1], np.int64), ([777], np.int32), ((513, 13), np.int64),
+                                         ([3001], np.float32)])
+def test_block_arrays_are_aligned_so_tensorflow_takes_them_without_a_copy(shape, dtype):
+    from tf_sok.python.data.blocks import aligned_empty
+
+    arrays = [aligned_empty(shape, dtype) for _ in range(4)]
+    for a in arrays:
+        assert a.shape == tuple(shape) and a.dtype == dtype and a.flags["C_CONTIGUOUS"]
+        assert a.size == 0 or a.ctypes.data % 64 == 0   # (an empty array has nothing to copy)
+        a[...] = np.arange(a.size, dtype=dtype).reshape(shape)
+    # the arrays do not overlap, and come through a generator dataset unchanged
+    ds = tf.data.Dataset.from_generator(lambda: iter(arrays), output_signature=tf.TensorSpec(None, dtype))
+    for a, t in zip(arrays, ds):
+        np.testing.assert_array_equal(t.numpy(), np.arange(a.size, dtype=dtype).reshape(shape))

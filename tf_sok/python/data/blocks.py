@@ -7,10 +7,24 @@ per-row work, ragged ids stay values + row_splits).
 """
 from typing import Dict, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 from tf_sok.python.data.pipeline import finish
 from tf_sok.python.data.schema import NUM_DENSE, CriteoSchema
+
+
+def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an `align`-byte boundary.
+
+    A block's arrays are built in such memory: TensorFlow takes an aligned NumPy array from a
+    generator as a tensor without copying it (an unaligned one is copied, holding the GIL, which
+    serialises readers running side by side)."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    raw = np.empty(count * dtype.itemsize + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + count * dtype.itemsize].view(dtype).reshape(shape)
 
 
 def block_signature(schema: CriteoSchema, id_dtype=tf.int64):

@@ -18,7 +18,7 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
-from tf_sok.python.data.blocks import batched_blocks, block_signature
+from tf_sok.python.data.blocks import aligned_empty, batched_blocks, block_signature
 from tf_sok.python.data.pipeline import finish
 from tf_sok.python.data.schema import METADATA_KEY, NUM_DENSE, CriteoSchema, schema_file_of, write_schema_file
 
@@ -90,12 +90,15 @@ def _ids(column, name: str, vocab: int, path: str, id_dtype=np.int64):
         lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
         if lo is not None and (lo < 0 or hi >= vocab):
             raise ValueError(f"{path}: column {name} has id {lo if lo < 0 else hi} outside [0, {vocab})")
-    values = np.concatenate([p.to_numpy(zero_copy_only=False) for p in parts], dtype=id_dtype) if parts \
-        else np.zeros([0], id_dtype)
+    values = aligned_empty([total], id_dtype)
+    if parts:
+        np.concatenate([p.to_numpy(zero_copy_only=False) for p in parts], out=values, casting="same_kind")
+    splits = aligned_empty([(total if lengths is None else len(lengths)) + 1], np.int64)
     if lengths is None:
-        return values, np.arange(len(values) + 1, dtype=np.int64)
-    splits = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=splits[1:])
+        splits[:] = np.arange(total + 1, dtype=np.int64)
+    else:
+        splits[0] = 0
+        np.cumsum(lengths, out=splits[1:])
     return values, splits
 
 
@@ -103,12 +106,13 @@ def arrow_block(table, schema: CriteoSchema, where: str, id_dtype=np.int64):
     """A table in tf_sok's Parquet layout -> a raw block of flat NumPy arrays (see blocks.py)."""
     def col(n):
         return table.column(n).combine_chunks()
-    dense = np.empty((table.num_rows, NUM_DENSE), np.int64)
+    dense = aligned_empty((table.num_rows, NUM_DENSE), np.int64)
     for i, n in enumerate(schema.dense_names):
         dense[:, i] = col(n).fill_null(0).to_numpy(zero_copy_only=False)
     cats = {n: _ids(table.column(n), n, v, where, id_dtype)
             for n, v in zip(schema.categorical_names, schema.vocab_sizes)}
-    label = col("label").fill_null(0).to_numpy(zero_copy_only=False).astype(np.float32)
+    label = aligned_empty([table.num_rows], np.float32)
+    label[:] = col("label").fill_null(0).to_numpy(zero_copy_only=False)
     return dense, cats, label
 
 
