@@ -84,6 +84,12 @@ def readers_section(a, d, schema, tsv, conv_rate):
         rate = graph_rows_per_second(ds, steps)
         out[name] = rate
         print(f"  {name:32s} {rate:12,.0f} rows/s")
+    # how the multi-hot reader scales with the pieces read at once (int32 ids, as the examples read)
+    for par in sorted({1, max(1, cores // 4), max(1, cores // 2), cores}):
+        rate = graph_rows_per_second(sd.read_parquet(os.path.join(d, "dcnv2"), a.batch, parallel_files=par,
+                                                     id_dtype=tf.int32), steps)
+        out[f"Parquet DCNv2 int32, {par} at once"] = rate
+        print(f"  {'Parquet DCNv2 int32, ' + str(par) + ' at once':32s} {rate:12,.0f} rows/s")
     return out
 
 
