@@ -30,15 +30,15 @@ def random_lines(rng, n):
     return out
 
 
-def expected(lines):
+def expected(lines, schema=SCHEMA):
     """Independent reference: plain Python parsing of the same lines."""
-    dense, cats, labels = [], {n: [] for n in SCHEMA.categorical_names}, []
+    dense, cats, labels = [], {n: [] for n in schema.categorical_names}, []
     for l in lines:
         f = l.split("\t")
         labels.append(float(f[0]))
         dense.append([np.log1p(max(int(x), 0)) if x else 0.0 for x in f[1:14]])
-        for i, n in enumerate(SCHEMA.categorical_names):
-            cats[n].append([int(f[14 + i], 16) % SCHEMA.vocab_sizes[i]] if f[14 + i] else [])
+        for i, n in enumerate(schema.categorical_names):
+            cats[n].append([int(f[14 + i], 16) % schema.vocab_sizes[i]] if f[14 + i] else [])
     return np.array(dense, np.float32), cats, np.array(labels, np.float32)[:, None]
 
 
@@ -208,7 +208,7 @@ class TestConverterBadLines:
         assert_same(collect(sd.read_parquet(str(tmp_path / "o"), 16)), expected(good))
 
 
-def _write_random_parquet(rng, path, n, schema, multi_hot):
+def _write_random_parquet(rng, path, n, schema, multi_hot, statistics=True):
     """A Parquet file written by pyarrow directly (several row groups, nulls, empty lists)
     and the plain-Python reference of what reading it gives."""
     cols = {"label": pa.array(rng.integers(0, 2, n).astype(np.float32))}
@@ -228,7 +228,7 @@ def _write_random_parquet(rng, path, n, schema, multi_hot):
             vals = [None if rng.random() < 0.1 else int(rng.integers(0, vocab)) for _ in range(n)]
             cols[name] = pa.array(vals, pa.int64())
             ref_cats[name] = [[] if v is None else [v] for v in vals]
-    pq.write_table(pa.table(cols), path, row_group_size=int(rng.integers(7, 60)))
+    pq.write_table(pa.table(cols), path, row_group_size=int(rng.integers(7, 60)), write_statistics=statistics)
     return ref_dense, ref_cats, cols["label"].to_numpy()[:, None]
 
 
@@ -285,8 +285,10 @@ def in_row_order(batches):
     return dense[order], {n: [cats[n][i] for i in order] for n in names}, label[order]
 
 
-def test_parquet_id_outside_the_schema_names_file_column_and_value(tmp_path, rng):
-    _write_random_parquet(rng, str(tmp_path / "x.parquet"), 30, sd.CriteoSchema(vocab_sizes=(5000,) * 26), False)
+@pytest.mark.parametrize("statistics", [True, False])   # the range read from row-group statistics, or scanned
+def test_parquet_id_outside_the_schema_names_file_column_and_value(tmp_path, rng, statistics):
+    _write_random_parquet(rng, str(tmp_path / "x.parquet"), 30, sd.CriteoSchema(vocab_sizes=(5000,) * 26), False,
+                          statistics)
     small = sd.CriteoSchema(vocab_sizes=(1000,) * 26)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"x.parquet: column C1 has id \d+ outside \[0, 1000\)"):
         collect(sd.read_parquet(str(tmp_path), 8, small))
@@ -344,3 +346,20 @@ def test_block_arrays_are_aligned_so_tensorflow_takes_them_without_a_copy(shape,
     ds = tf.data.Dataset.from_generator(lambda: iter(arrays), output_signature=tf.TensorSpec(None, dtype))
     for a, t in zip(arrays, ds):
         np.testing.assert_array_equal(t.numpy(), np.arange(a.size, dtype=dtype).reshape(shape))
+
+
+def test_written_ids_are_int32_under_2_31_rows_and_statistics_spare_the_scan(tmp_path, rng):
+    schema = sd.CriteoSchema(vocab_sizes=(2**31 - 1,) + (77,) * 25)
+    lines = random_lines(rng, 40)
+    (tmp_path / "d.tsv").write_text("\n".join(lines) + "\n")
+    convert([str(tmp_path / "d.tsv")], str(tmp_path / "pq"), "parquet", schema)
+    path = sorted((tmp_path / "pq").glob("*.parquet"))[0]
+    f = pq.ParquetFile(str(path))
+    assert {f.schema_arrow.field(n).type for n in schema.categorical_names} == {pa.int32()}
+    assert columnar._in_range_by_statistics(f, schema) == frozenset(schema.categorical_names)
+    # a table smaller than a column's largest id: that column must be scanned (and then fails)
+    small = sd.CriteoSchema(vocab_sizes=schema.vocab_sizes[:4] + (3,) + schema.vocab_sizes[5:])
+    assert "C5" not in columnar._in_range_by_statistics(f, small)
+    wide = sd.CriteoSchema(vocab_sizes=(2**31,) + (77,) * 25)
+    assert pq.read_schema(str(path)).field("C1").type == pa.int32() and columnar.id_arrow_type(wide) == pa.int64()
+    assert_same(collect(sd.read_parquet(str(path), 8, schema)), expected(lines, schema))

@@ -122,11 +122,12 @@ def convert_block(parsed, schema: CriteoSchema):
     """A parsed block (see _parse_block) -> the Parquet layout tf_sok reads."""
     import pyarrow as pa
 
-    from tf_sok.python.data.columnar import parquet_fields
+    from tf_sok.python.data.columnar import id_arrow_type, parquet_fields
     label, ints, cats = parsed
     arrays = [label] + ints
+    id_dtype = id_arrow_type(schema).to_pandas_dtype()
     for (ids, present), vocab in zip(cats, schema.vocab_sizes):  # one id or none per row: nullable integers
-        full = np.zeros(len(present), np.int64)
+        full = np.zeros(len(present), id_dtype)
         full[present] = ids % vocab
         arrays.append(pa.array(full, mask=~present))
     return pa.Table.from_arrays(arrays, schema=parquet_fields(schema, multi_hot=False))

@@ -1,0 +1,66 @@
+"""Where the Parquet reader's scaling stops: the block builder alone in T Python threads (no
+TensorFlow), then the tf.data reader at T pieces, over DCNv2 multi-hot files.
+
+    python benchmarks/reader_scaling.py [--files 8] [--rows 131072]
+"""
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tf_sok.data as sd  # noqa: E402
+from tf_sok.python.data import columnar  # noqa: E402
+from e2e_bench import graph_rows_per_second  # noqa: E402
+
+
+def threads_rate(files, schema, threads: int, pyarrow_threads: bool) -> float:
+    rows = [0] * threads
+
+    def work(t):
+        for k in range(t, len(files) * 2, threads):   # each file twice over
+            for block in columnar._parquet_blocks(files[k % len(files)], 1 << 18, schema, None, 1, np.int32,
+                                                  pyarrow_threads):
+                rows[t] += len(block[2])
+    ts = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return sum(rows) / (time.perf_counter() - t0)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--files", type=int, default=8)
+    p.add_argument("--rows", type=int, default=131072)
+    p.add_argument("--batch", type=int, default=65536)
+    a = p.parse_args()
+    schema = sd.CriteoSchema.capped(10_000_000)
+    d = tempfile.mkdtemp()
+    cfg = sd.SyntheticConfig.dcnv2(schema)
+    files = []
+    for k in range(a.files):
+        files.append(os.path.join(d, f"part-{k}.parquet"))
+        sd.write_parquet(sd.raw_batches(a.rows, min(a.rows, 65536), cfg, seed=k), files[-1], schema)
+    cores = len(os.sched_getaffinity(0))
+    print(f"{cores} cores, {a.files} DCNv2 files of {a.rows:,} rows")
+    for t in sorted({1, 2, 4, 8, cores}):
+        print(f"  block builder, {t:2d} Python threads: {threads_rate(files, schema, t, False):12,.0f} rows/s "
+              f"(pyarrow threads on: {threads_rate(files, schema, t, True):12,.0f})", flush=True)
+    steps = max(2, a.files * a.rows // a.batch)
+    for t in sorted({1, 4, 8, cores}):
+        for det in (True, False):
+            ds = sd.read_parquet(d, a.batch, parallel_files=t, id_dtype=tf.int32, deterministic=det)
+            print(f"  read_parquet, {t:2d} pieces, deterministic={det}: "
+                  f"{graph_rows_per_second(ds, steps):12,.0f} rows/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
