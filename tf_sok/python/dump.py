@@ -147,8 +147,15 @@ class _Shard:
 
     def refresh(self):
         """The keys held and their local rows, in key order."""
+        self.held = None
         with tf.device(self.var.device or None):
-            if self.dynamic:
+            if self.dynamic and self.var.hybrid:   # rows partly in host memory: read whole, through the cache
+                keys, arrays = self.var.export_state(self.arrays())
+                order = np.argsort(keys.numpy(), kind="stable")
+                self.keys = keys.numpy()[order]
+                self.rows = np.arange(len(order), dtype=np.int64)
+                self.held = [a.numpy()[order] for a in arrays]
+            elif self.dynamic:
                 keys, rows = self.var.export_rows()
                 order = tf.argsort(keys)
                 self.keys = tf.gather(keys, order).numpy()
@@ -164,6 +171,8 @@ class _Shard:
 
     def read(self, which: int, rows: np.ndarray) -> np.ndarray:
         """Values of array `which` (0: the table, 1..: its state) at local `rows`."""
+        if self.held is not None:
+            return self.held[which][rows]
         rows = tf.constant(rows, tf.int64)
         with tf.device(self.var.device or None):
             if which == 0 and self.dynamic:       # tf.gather would take rows for keys

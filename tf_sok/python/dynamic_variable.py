@@ -32,7 +32,7 @@ from tf_sok.python.variable import ReplicaTable, TableMeta, _check_same_on_all_r
 _log = logging.getLogger("tf_sok")
 
 # SOK / HierarchicalKV arguments that tune the GPU hash table's internals: accepted, not used here
-_TUNING_ARGS = ("max_hbm_for_vectors", "max_bucket_size", "max_load_factor", "block_size", "device_id", "io_by_cpu",
+_TUNING_ARGS = ("max_bucket_size", "max_load_factor", "block_size", "device_id", "io_by_cpu",
                 "use_constant_memory", "reserved_key_start_bit", "num_of_buckets_per_alloc", "kv_mode")
 _DEFAULT_INIT_ROWS = 8192
 _uid = [0]
@@ -107,14 +107,30 @@ class _KeyIndex(resource_lib.TrackableResource):
         tf.raw_ops.DestroyResourceOp(resource=self.resource_handle, ignore_lookup_error=True)
 
     def _serialize_to_tensors(self):
+        out = {}
         with tf.device(self._resource_device):
-            parts = ops().tf_sok_dynamic_export(self.resource_handle)
-        return dict(zip(_EXPORT_PARTS, parts))
+            if self._attrs.get("cache_bytes", -1) >= 0:   # the host tier, its rows current first
+                keys, rows, _ = ops().tf_sok_dynamic_store_export(self.resource_handle)
+                out.update(store_keys=keys, store_rows=rows)
+                with tf.control_dependencies([keys, rows]):
+                    parts = ops().tf_sok_dynamic_export(self.resource_handle)
+            else:
+                parts = ops().tf_sok_dynamic_export(self.resource_handle)
+        out.update(zip(_EXPORT_PARTS, parts))
+        return out
 
     def _restore_from_tensors(self, restored_tensors):
         with tf.device(self._resource_device):
-            return ops().tf_sok_dynamic_import(self.resource_handle,
+            done = ops().tf_sok_dynamic_import(self.resource_handle,
                                                *[tf.cast(restored_tensors[k], tf.int64) for k in _EXPORT_PARTS])
+            if self._attrs.get("cache_bytes", -1) < 0:
+                return done
+            if "store_keys" not in restored_tensors:
+                raise ValueError(f"sok.DynamicVariable {self._attrs['table_name']!r} is hybrid but the checkpoint "
+                                 f"has no host tier for it (saved from a table without max_hbm_for_vectors?)")
+            with tf.control_dependencies([done] if done is not None else []):
+                return ops().tf_sok_dynamic_store_import(self.resource_handle, restored_tensors["store_keys"],
+                                                         restored_tensors["store_rows"], clear_cache=False)
 
 
 _EXPORT_PARTS = ("keys", "slots", "scores", "generations", "candidate_keys", "candidate_counts", "counters")
@@ -134,8 +150,14 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
       initializer: a key's initial value: "uniform" ([-0.05, 0.05)), "normal" / "random"
         (stddev 0.05), "truncated_normal", "zeros", "ones", a number or its string ("13"), or a Keras
         RandomUniform / RandomNormal / TruncatedNormal / Constant / Zeros / Ones initializer.
-      var_type: "hbm" or "hybrid" (SOK's backends); both keep the index in host memory and the rows
-        where TensorFlow places the variable.
+      var_type: "hbm" (every row where TensorFlow places the variable) or "hybrid" with
+        `max_hbm_for_vectors`: a host tier (see below).
+      max_hbm_for_vectors: with var_type "hybrid", the device memory in GiB (2**30 bytes, as SOK;
+        fractions allowed) for cached rows, values and optimizer state together. Every key's rows live
+        in host memory (pinned, on a GPU); the cache holds the rows that fit, the keys a step uses are
+        brought in (their rows read from host memory by the GPU in place) and the least recently used
+        (lfu: least often used) others written back to make room. A step whose keys exceed the budget
+        holds them all for that step. On a CPU the cache is host memory too (same results; for tests).
       key_type: tf.int64 (int32 ids are cast).
       dtype: tf.float32.
       mode: "distributed" (key k on rank floormod(k, N)) or "localized:k" (every key on rank k).
@@ -145,7 +167,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         is an error naming it).
       min_frequency: training lookups a key needs before it is inserted (default 1).
       seed: the per-key initializer's seed.
-    Other SOK / HierarchicalKV arguments (max_hbm_for_vectors, max_bucket_size, ...) are accepted and
+    Other SOK / HierarchicalKV arguments (max_bucket_size, max_load_factor, ...) are accepted and
     ignored, with a logged note.
     """
 
@@ -163,7 +185,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
 
     def __init__(self, dimension, initializer=None, var_type=None, name=None, constraint=None, trainable=True,
                  key_type=None, dtype=None, mode=None, init_capacity=None, max_capacity=None, evict_strategy=None,
-                 min_frequency=1, seed=0, _rank=None, **kwargs):
+                 min_frequency=1, seed=0, max_hbm_for_vectors=None, _rank=None, **kwargs):
         name = name or "sok_dynamic_variable"
         dimension = _count(name, "dimension", dimension, 1)
         unknown = sorted(set(kwargs) - set(_TUNING_ARGS))
@@ -186,6 +208,9 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
                              f"got {evict_strategy!r}")
         init_rows = _count(name, "init_capacity", init_capacity, 1) or _DEFAULT_INIT_ROWS
         max_keys = _count(name, "max_capacity", max_capacity, 1) or 0
+        cache_bytes = _cache_bytes(name, var_type, max_hbm_for_vectors, max_keys)
+        if cache_bytes >= 0:
+            evict = evict or "lru"
         min_frequency = _count(name, "min_frequency", min_frequency, 1)
         kind, a, b = _initializer_spec(initializer, name)
         ctx = context_lib.context()
@@ -195,6 +220,8 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         reserved = 1   # row 0: what keys not inserted (not admitted yet, filtered) read: zeros
         if max_keys:
             init_rows = min(init_rows, max_keys + reserved)
+        if cache_bytes >= 0:
+            init_rows = min(init_rows, cache_bytes // (4 * dimension) + reserved)
         init_rows = max(init_rows, reserved + 1)
         with tf.init_scope():
             super().__init__(initial_value=tf.zeros([init_rows, dimension]), shape=tf.TensorShape([None, dimension]),
@@ -203,7 +230,9 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         self._index_device = self.device
         self._index = _KeyIndex(self._index_device, table_name=name, dim=dimension, init_rows=init_rows,
                                 max_keys=max_keys, evict=evict or "none", min_frequency=min_frequency,
-                                initializer=kind, init_a=a, init_b=b, seed=int(seed))
+                                initializer=kind, init_a=a, init_b=b, seed=int(seed), cache_bytes=cache_bytes)
+        self._hybrid = cache_bytes >= 0
+        self._attached = []
         self._attach(self, 0.0, values=True)
         self._track_trackable(self._index, name="tf_sok_index")
         self._dimension = dimension
@@ -218,6 +247,11 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         if ctx.num_ranks > 1 and not ctx.communicator.per_replica_tables:
             _check_same_on_all_ranks(ctx, meta)
         attach_meta(self, meta)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the table has a host tier (var_type "hybrid" with max_hbm_for_vectors)."""
+        return self._hybrid
 
     @property
     def initial_spec(self):
@@ -279,6 +313,9 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         inserted even before min_frequency sightings (an assignment). insert_ratio < 1 (the
         low-frequency filter): a new key is inserted with that probability, drawn from the key and
         the lookup's clock; keys not inserted map to row 0, which reads zeros."""
+        if self._hybrid and not insert:
+            raise ValueError(f"sok.DynamicVariable {self.table.name!r} is hybrid: rows_for(insert=False) would see "
+                             f"only its cached keys")
         keys = tf.convert_to_tensor(keys)
         shape = tf.shape(keys)
         with tf.device(self._index_device):
@@ -291,6 +328,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
     def _attach(self, array, fill: float, values: bool = False):
         with tf.init_scope(), tf.device(self._index_device):
             ops().tf_sok_dynamic_attach(self._index.resource_handle, array.handle, fill=float(fill), values=values)
+        self._attached.append(array)
 
     def attach_state(self, array, fill: float):
         """Makes `array` ([rows] or [rows, dim] float32 tf.Variable of this table's rows) per-key
@@ -312,11 +350,44 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
 
     def export(self):
         """(keys, values) of every key held (this process's shard)."""
+        if self._hybrid:
+            keys, arrays = self.export_state()
+            return keys, arrays[0]
         keys, rows = self.export_rows()
         return keys, self._base_gather(rows)
 
+    def export_state(self, arrays=None):
+        """(keys, [rows of each array]) of every key held (this process's shard), host tensors; `arrays`:
+        the value variable and state arrays attached to this table (default: all, in attach order).
+        A hybrid table's cached rows are written back to its host tier first (they stay cached)."""
+        arrays = list(self._attached) if arrays is None else list(arrays)
+        where = [self._position(a) for a in arrays]
+        if not self._hybrid:
+            keys, rows = self.export_rows()
+            with tf.device(self._index_device):
+                return keys, [self._base_gather(rows) if a is self else tf.gather(a, rows) for a in arrays]
+        with tf.device(self._index_device):
+            keys, rows, widths = ops().tf_sok_dynamic_store_export(self._index.resource_handle)
+        bounds = np.concatenate([[0], np.cumsum(widths.numpy())])
+        out = []
+        for a, i in zip(arrays, where):
+            part = rows[:, int(bounds[i]):int(bounds[i + 1])]
+            out.append(part if len(a.shape) == 2 else tf.reshape(part, [-1]))
+        return keys, out
+
+    def _position(self, array):
+        for i, a in enumerate(self._attached):
+            if a is array or getattr(a, "handle", None) is getattr(array, "handle", 0):
+                return i
+        raise ValueError(f"sok.DynamicVariable {self.table.name!r}: {getattr(array, 'name', array)!r} is not one of "
+                         f"its arrays")
+
     def export_rows(self):
-        """(keys, rows) of every key held (this process's shard): where each key's value and state live."""
+        """(keys, rows) of every key held (this process's shard): where each key's value and state live
+        (not for hybrid tables, whose rows are partly in host memory: see export_state)."""
+        if self._hybrid:
+            raise ValueError(f"sok.DynamicVariable {self.table.name!r} is hybrid: its keys' rows are not all in its "
+                             f"arrays; use export_state()")
         with tf.device(self._index_device):
             keys, rows = ops().tf_sok_dynamic_export(self._index.resource_handle)[:2]
         return keys, rows
@@ -324,11 +395,23 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
     def touched_since(self, unix_ns: int):
         """(keys, rows) this rank holds that a find with insert (a training lookup, an assignment)
         touched at or after `unix_ns` (ns since the epoch), since the table was made or restored."""
+        if self._hybrid:
+            raise ValueError(f"sok.DynamicVariable {self.table.name!r} is hybrid: the keys touched since a time are "
+                             f"not tracked past its cache; dump it whole (sok.dump) instead")
         with tf.device(self._index_device):
             return ops().tf_sok_dynamic_touched_since(self._index.resource_handle, tf.constant(int(unix_ns), tf.int64))
 
     def remove_keys(self, keys=None):
         """Takes `keys` (those held; None: every key) out of the table; their rows become free. Eager only."""
+        if self._hybrid:
+            with tf.device(self._index_device):
+                held, rows, _ = ops().tf_sok_dynamic_store_export(self._index.resource_handle)
+                held, rows = held.numpy(), rows.numpy()
+                keep = np.zeros(len(held), bool) if keys is None else \
+                    ~np.isin(held, np.asarray(keys, np.int64).reshape(-1))
+                ops().tf_sok_dynamic_store_import(self._index.resource_handle, tf.constant(held[keep]),
+                                                  tf.constant(rows[keep]), clear_cache=True)
+            return
         with tf.device(self._index_device):
             parts = [p.numpy() for p in ops().tf_sok_dynamic_export(self._index.resource_handle)]
             keep = np.zeros(len(parts[0]), bool) if keys is None else \
@@ -345,6 +428,26 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         values = tf.convert_to_tensor(values, tf.float32)
         rows = tf.reshape(self.rows_for(keys, admit_all=True), [-1])
         return self.scatter_update(tf.IndexedSlices(tf.reshape(values, [-1, self._dimension]), rows)), rows
+
+
+def _cache_bytes(name, var_type, max_hbm_for_vectors, max_keys) -> int:
+    """The device-memory budget of a hybrid table's cached rows in bytes (-1: not hybrid)."""
+    if max_hbm_for_vectors is None:
+        if var_type == "hybrid":
+            _log.info("sok.DynamicVariable %r: var_type=\"hybrid\" without max_hbm_for_vectors keeps every row "
+                      "in device memory", name)
+        return -1
+    if var_type == "hbm":
+        raise ValueError(f"sok.DynamicVariable {name!r}: max_hbm_for_vectors needs var_type=\"hybrid\" (a host "
+                         f"tier), got var_type=\"hbm\"")
+    if isinstance(max_hbm_for_vectors, bool) or not isinstance(max_hbm_for_vectors, numbers.Real) or \
+            not max_hbm_for_vectors >= 0:
+        raise ValueError(f"sok.DynamicVariable {name!r}: max_hbm_for_vectors must be a number of GiB >= 0, got "
+                         f"{max_hbm_for_vectors!r}")
+    if max_keys:
+        raise ValueError(f"sok.DynamicVariable {name!r}: a hybrid table (max_hbm_for_vectors) keeps every key in "
+                         f"its host tier; max_capacity (evicting keys from the table) is not supported with it")
+    return int(round(float(max_hbm_for_vectors) * 2**30))
 
 
 def rows_for_tables(variables, keys, insert_ratio: float = 1.0) -> list:
@@ -366,6 +469,35 @@ def rows_for_tables(variables, keys, insert_ratio: float = 1.0) -> list:
         for i, r in zip(members, out):
             rows[i] = r
     return rows
+
+
+_STAT_NAMES = ("finds", "lookups", "misses", "loaded", "new_keys", "evicted", "bytes_to_device", "bytes_to_host")
+
+
+def cache_stats(var) -> dict:
+    """Counters of a hybrid table's cache since the table was made (this process's shard): `finds`
+    (training lookups, assignments), `lookups` (ids looked up), `misses` (ids whose key was not cached),
+    `hit_rate` (1 - misses / lookups), `loaded` (keys taken into the cache), `new_keys` (of those, keys
+    the table had never held), `evicted` (keys written back to host memory to make room),
+    `bytes_to_device` / `bytes_to_host` (rows of values and optimizer state moved), `keys` (held in
+    all), `cached` (held in device memory).
+
+    Example:
+        >>> v = sok.DynamicVariable(dimension=16, var_type="hybrid", max_hbm_for_vectors=0.5)
+        >>> sok.cache_stats(v)["hit_rate"]
+    """
+    v = _dynamic(var, "sok.cache_stats")
+    if not v.hybrid:
+        raise ValueError(f"sok.cache_stats: {v.table.name!r} is not a hybrid table (var_type=\"hybrid\" with "
+                         f"max_hbm_for_vectors)")
+    with tf.device(v._index_device):
+        counts = [int(x) for x in ops().tf_sok_dynamic_cache_stats(v._index.resource_handle).numpy()]
+        keys = int(ops().tf_sok_dynamic_size(v._index.resource_handle)[0])
+        cached = int(ops().tf_sok_dynamic_export(v._index.resource_handle)[0].shape[0])
+    out = dict(zip(_STAT_NAMES, counts))
+    out["hit_rate"] = 1.0 - out["misses"] / out["lookups"] if out["lookups"] else 0.0
+    out.update(keys=keys, cached=cached)
+    return out
 
 
 def is_dynamic(var) -> bool:

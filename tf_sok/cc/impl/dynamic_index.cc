@@ -100,7 +100,7 @@ DynamicIndex::DynamicIndex(const DynamicIndexConfig& config)
   reserved_ = 1;  // row 0: what keys not inserted (not admitted, filtered) read
   next_free_ = reserved_;
   int64_t rows = std::max<int64_t>(config_.init_rows, reserved_ + 1);
-  if (config_.max_keys > 0) rows = std::min(rows, config_.max_keys + reserved_);
+  if (config_.bounded()) rows = std::max(reserved_ + 1, std::min(rows, config_.max_keys + reserved_));
   rows_ = 0;
   EnsureRows(rows);
 }
@@ -108,7 +108,7 @@ DynamicIndex::DynamicIndex(const DynamicIndexConfig& config)
 void DynamicIndex::EnsureRows(int64_t needed) {
   if (needed <= rows_) return;
   int64_t rows = std::max(needed, rows_ * 2);
-  if (config_.max_keys > 0) rows = std::max(needed, std::min(rows, config_.max_keys + reserved_));
+  if (config_.bounded()) rows = std::max(needed, std::min(rows, config_.max_keys + reserved_));
   slot_key_.resize(rows, 0);
   score_.resize(rows, 0);
   generation_.resize(rows, 0);
@@ -137,7 +137,7 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
         touched_[s] = call;
         found_rows.push_back(s);
       }
-    } else if (missing_index.Get(keys[i], -1) < 0) {
+    } else if (++ch->missing_positions, missing_index.Get(keys[i], -1) < 0) {
       missing_index.Put(keys[i], static_cast<int64_t>(missing.size()));
       missing.push_back(keys[i]);
     }
@@ -155,8 +155,8 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
   }
   // 3. room: evict the lowest-scored rows this call did not touch (score, then key, ascending)
   std::vector<int64_t> victims;
-  if (config_.max_keys > 0 && live_ + admitted > config_.max_keys) {
-    const int64_t need = live_ + admitted - config_.max_keys;
+  if (config_.bounded() && live_ + admitted > config_.max_keys) {
+    int64_t need = live_ + admitted - config_.max_keys;
     if (config_.evict == Evict::kNone) {
       return "is full: " + std::to_string(live_) + " of max_capacity " + std::to_string(config_.max_keys) +
              " keys held and this batch brings " + std::to_string(admitted) +
@@ -166,12 +166,15 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
     candidates.reserve(live_);
     for (int64_t s = reserved_; s < next_free_; ++s)
       if (live_row_[s] && touched_[s] != call) candidates.emplace_back(score_[s], slot_key_[s], s);
+    if (config_.cache) need = std::min<int64_t>(need, static_cast<int64_t>(candidates.size()));
     if (static_cast<int64_t>(candidates.size()) < need) {
       return "cannot hold this batch's keys: it uses " + std::to_string(found_rows.size() + admitted) +
              " distinct keys and max_capacity is " + std::to_string(config_.max_keys);
     }
-    std::nth_element(candidates.begin(), candidates.begin() + (need - 1), candidates.end());
-    std::sort(candidates.begin(), candidates.begin() + need);
+    if (need > 0) {
+      std::nth_element(candidates.begin(), candidates.begin() + (need - 1), candidates.end());
+      std::sort(candidates.begin(), candidates.begin() + need);
+    }
     for (int64_t v = 0; v < need; ++v) victims.push_back(std::get<2>(candidates[v]));
   }
   // 4. commit
@@ -264,7 +267,7 @@ std::string DynamicIndex::Import(const DynamicIndexSnapshot& s) {
     return "the saved index is inconsistent (keys, rows and scores differ in length)";
   if (s.next_free < reserved_ || s.rows < s.next_free || static_cast<int64_t>(s.generations.size()) != s.next_free)
     return "the saved index is inconsistent (row counts); was it saved with another min_frequency?";
-  if (config_.max_keys > 0 && static_cast<int64_t>(n) > config_.max_keys)
+  if (!config_.cache && config_.max_keys > 0 && static_cast<int64_t>(n) > config_.max_keys)
     return "the saved index holds " + std::to_string(n) + " keys, more than max_capacity " +
            std::to_string(config_.max_keys);
   DynamicIndexConfig config = config_;

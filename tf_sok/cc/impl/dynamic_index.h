@@ -34,6 +34,10 @@ struct DynamicIndexConfig {
   int64_t max_keys = 0;       // at most this many keys; 0: unbounded
   Evict evict = Evict::kNone;
   int64_t min_frequency = 1;  // > 1: admission on (row 0, reserved, stands for keys not inserted)
+  // a cache over a host store (hybrid tables): max_keys bounds the keys held between calls (0: none),
+  // but a call whose own keys exceed it holds them all (evicting every other key) instead of failing
+  bool cache = false;
+  bool bounded() const { return cache || max_keys > 0; }
 };
 
 // What one Find call changed, for the caller to apply to the arrays.
@@ -41,6 +45,7 @@ struct FindChanges {
   std::vector<int64_t> new_slots, new_keys;          // rows that received a key (to initialise)
   std::vector<int64_t> evicted_keys, evicted_slots;  // keys removed to make room, and their rows
   int64_t rows = 0;                                  // the row count the arrays must have now
+  int64_t missing_positions = 0;                     // positions whose key was not held (cache statistics)
 };
 
 // A copy of the index, for checkpoints.
@@ -102,6 +107,9 @@ class DynamicIndex {
   int64_t size() const { return live_; }
   int64_t rows() const { return rows_; }
   int64_t reserved_rows() const { return reserved_; }
+  // A cache's bound (hybrid tables: the HBM budget over the bytes of a row of every array); the
+  // next find evicts down to it.
+  void set_max_keys(int64_t max_keys) { config_.max_keys = max_keys; }
 
   DynamicIndexSnapshot Export() const;
   // Replaces the contents; "" or an error message (nothing changed then).

@@ -204,6 +204,32 @@ __global__ void InitialRowsAtKernel(int kind, float a, float b, int64_t seed, co
   base[rows[j] * width + c] = InitialValue(kind, a, b, InitialKeyBits(seed, keys[j]), c);
 }
 
+// one thread per float of the moved rows; the store side is pinned host memory, read or written
+// in place over the host link (consecutive threads touch consecutive floats of a row)
+__global__ void StoreWriteKernel(const float* cache, int64_t width, const int64_t* cache_rows,
+                                 const int64_t* store_rows, int64_t n, float* store) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n * width) return;
+  const int64_t j = i / width, c = i - j * width;
+  store[store_rows[j] * width + c] = cache[cache_rows[j] * width + c];
+}
+
+__global__ void StoreReadKernel(const float* store, int64_t width, const int64_t* store_rows, const uint8_t* fresh,
+                                const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind, float a,
+                                float b, int64_t seed, float fill, float* cache) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n * width) return;
+  const int64_t j = i / width, c = i - j * width;
+  float v;
+  if (!fresh[j])
+    v = store[store_rows[j] * width + c];
+  else if (init_kind >= 0)
+    v = InitialValue(init_kind, a, b, InitialKeyBits(seed, keys[j]), c);
+  else
+    v = fill;
+  cache[cache_rows[j] * width + c] = v;
+}
+
 __global__ void FillRowsKernel(float* base, int64_t width, const int64_t* rows, int64_t n, float fill) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n * width) return;
@@ -300,7 +326,7 @@ GpuDynamicIndex::GpuDynamicIndex(const DynamicIndexConfig& config, DeviceMemory*
   reserved_ = 1;  // row 0: what keys not inserted (not admitted, filtered) read
   next_free_ = reserved_;
   int64_t rows = std::max<int64_t>(config_.init_rows, reserved_ + 1);
-  if (config_.max_keys > 0) rows = std::min(rows, config_.max_keys + reserved_);
+  if (config_.bounded()) rows = std::max(reserved_ + 1, std::min(rows, config_.max_keys + reserved_));
   init_error_ = NewTable(&keys_, PowerOfTwoAtLeast(2 * rows), nullptr);
   if (init_error_.empty()) init_error_ = NewTable(&candidates_, 1024, nullptr);
   if (init_error_.empty()) {
@@ -370,7 +396,7 @@ std::string GpuDynamicIndex::Room(const GpuDevice& d, Table* t, int64_t live, in
 std::string GpuDynamicIndex::EnsureRows(const GpuDevice& d, int64_t needed) {
   if (needed <= rows_) return "";
   int64_t rows = std::max(needed, rows_ * 2);
-  if (config_.max_keys > 0) rows = std::max(needed, std::min(rows, config_.max_keys + reserved_));
+  if (config_.bounded()) rows = std::max(needed, std::min(rows, config_.max_keys + reserved_));
   cudaStream_t s = d.stream ? StreamOf(d) : nullptr;
   auto grow = [&](auto*& p, size_t width) -> bool {
     void* fresh = memory_->Allocate(width * rows);
@@ -444,6 +470,7 @@ std::string GpuDynamicIndex::Probe(const GpuDevice& d, const int64_t* keys, int6
 std::string GpuDynamicIndex::Finish(const GpuDevice& d, const GpuFindPending& p, int64_t mp, GpuFindResult* out,
                                     bool admit_all, float insert_ratio) {
   if (p.n == 0) return "";
+  out->missing_positions = mp;
   cudaStream_t s = StreamOf(d);
   const int64_t n = p.n, call = p.call;
   const int64_t* keys = p.keys;
@@ -495,7 +522,7 @@ std::string GpuDynamicIndex::Finish(const GpuDevice& d, const GpuFindPending& p,
   // 4. room: the untouched rows of lowest (score, key), by two stable radix sorts
   int64_t* victims = nullptr;
   int64_t k = 0;
-  if (config_.max_keys > 0 && live_ + a > config_.max_keys) {
+  if (config_.bounded() && live_ + a > config_.max_keys) {
     k = live_ + a - config_.max_keys;
     if (config_.evict == Evict::kNone) {
       return "is full: " + std::to_string(live_) + " of max_capacity " + std::to_string(config_.max_keys) +
@@ -519,6 +546,7 @@ std::string GpuDynamicIndex::Finish(const GpuDevice& d, const GpuFindPending& p,
     IotaKernel64<<<Blocks(span), kThreads, 0, s>>>(all_rows, span, reserved_);
     const int64_t c = Compact(d, all_rows, flags, span, rows, &error);
     if (!error.empty()) return error;
+    if (config_.cache) k = std::min(k, c);   // a cache holds this call's keys, whatever their number
     if (c < k) {  // live rows not evictable: the ones this batch found
       return "cannot hold this batch's keys: it uses " + std::to_string(live_ - c + a) +
              " distinct keys and max_capacity is " + std::to_string(config_.max_keys);
@@ -719,6 +747,40 @@ void GpuInitialRowsAt(const GpuDevice& d, int kind, float a, float b, int64_t se
   if (n * width > 0)
     InitialRowsAtKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(kind, a, b, seed, keys, rows, n, width, base);
 }
+
+void GpuStoreWrite(const GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
+                   const int64_t* store_rows, int64_t n, float* store) {
+  if (n * width > 0)
+    StoreWriteKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(cache, width, cache_rows, store_rows, n, store);
+}
+
+void GpuStoreRead(const GpuDevice& d, const float* store, int64_t width, const int64_t* store_rows,
+                  const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind,
+                  float a, float b, int64_t seed, float fill, float* cache) {
+  if (n * width > 0)
+    StoreReadKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(store, width, store_rows, fresh, keys,
+                                                                     cache_rows, n, init_kind, a, b, seed, fill,
+                                                                     cache);
+}
+
+namespace {
+class PinnedHostMemory : public HostMemory {
+ public:
+  void* Allocate(size_t bytes) override {
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky-free error
+      return nullptr;
+    }
+    return p;
+  }
+  void Free(void* p) override {
+    if (p) cudaFreeHost(p);
+  }
+};
+}  // namespace
+
+std::unique_ptr<HostMemory> NewPinnedHostMemory() { return std::make_unique<PinnedHostMemory>(); }
 
 void GpuFillRows(const GpuDevice& d, float* base, int64_t width, const int64_t* rows, int64_t n, float fill) {
   if (n * width > 0) FillRowsKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(base, width, rows, n, fill);

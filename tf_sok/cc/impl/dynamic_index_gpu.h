@@ -18,6 +18,7 @@
 
 #include "tf_sok/cc/impl/common.h"
 #include "tf_sok/cc/impl/dynamic_index.h"
+#include "tf_sok/cc/impl/host_store.h"
 
 namespace tf_sok {
 namespace impl {
@@ -38,6 +39,7 @@ struct GpuFindResult {
   int64_t* evicted_keys = nullptr;   // [num_evicted]
   int64_t* evicted_slots = nullptr;  // [num_evicted]
   int64_t num_new = 0, num_evicted = 0, rows = 0;
+  int64_t missing_positions = 0;     // positions whose key was not held (cache statistics)
 };
 
 // A find split in two (GpuDynamicIndex::Probe, then Finish): between them the caller reads the
@@ -68,6 +70,9 @@ class GpuDynamicIndex {
                      bool admit_all = false, float insert_ratio = 1.0f);
   int64_t size() const { return live_; }
   int64_t rows() const { return rows_; }
+  // A cache's bound (hybrid tables: the HBM budget over the bytes of a row of every array); the
+  // next find evicts down to it.
+  void set_max_keys(int64_t max_keys) { config_.max_keys = max_keys; }
 
   std::string Export(const GpuDevice& d, DynamicIndexSnapshot* s);
   // As DynamicIndex::TouchedSince (host vectors; reads the row marks back, one wait).
@@ -107,6 +112,16 @@ void GpuInitialRowsAt(const GpuDevice& d, int kind, float a, float b, int64_t se
 void GpuFillRows(const GpuDevice& d, float* base, int64_t width, const int64_t* rows, int64_t n, float fill);
 void GpuGatherRows(const GpuDevice& d, const float* base, int64_t width, const int64_t* rows, int64_t n, float* out);
 void GpuFill(const GpuDevice& d, float* p, int64_t count, float value);
+// Pinned host memory mapped into the GPUs' address space: a hybrid table's host tier, which the
+// kernels below read and write in place.
+std::unique_ptr<HostMemory> NewPinnedHostMemory();
+// StoreWrite / StoreRead (host_store.h) as CUDA kernels: cache rows in device memory, the store in
+// pinned memory, row lists in either (device-accessible) memory.
+void GpuStoreWrite(const GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
+                   const int64_t* store_rows, int64_t n, float* store);
+void GpuStoreRead(const GpuDevice& d, const float* store, int64_t width, const int64_t* store_rows,
+                  const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind,
+                  float a, float b, int64_t seed, float fill, float* cache);
 // *out: whether row_splits [n] start at 0, never decrease and end at `count` (out: device memory)
 void GpuRowSplitsValid(const GpuDevice& d, const int64_t* splits, int64_t n, int64_t count, bool* out);
 

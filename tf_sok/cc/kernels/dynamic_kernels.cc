@@ -11,6 +11,7 @@
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/platform/mutex.h"
 #include "tf_sok/cc/impl/dynamic_index.h"
+#include "tf_sok/cc/impl/host_store.h"
 #include "tf_sok/cc/impl/optimizer.h"
 #include "tf_sok/cc/kernels/kernel_util.h"
 
@@ -58,11 +59,61 @@ class IndexResource : public tf::ResourceBase {
   };
   std::vector<Array> arrays;
   std::unique_ptr<impl::DynamicIndex> host;  // one of the two
+  // hybrid tables: the HBM budget of the arrays, and every key's rows of every array (one store
+  // array per attached array, in the same order)
+  int64_t cache_bytes = -1;
+  std::unique_ptr<impl::HostStore> store;
+  // a hybrid table's counters since it was made: finds with insert, key positions looked up, those
+  // not cached, keys taken into the cache, of them first seen, keys written back, bytes each way
+  struct Stats {
+    int64_t calls = 0, lookups = 0, misses = 0, loaded = 0, fresh = 0, evicted = 0, bytes_in = 0, bytes_out = 0;
+  } stats;
+  std::vector<uint8_t> staging_host;  // key and row lists (pinned on a GPU: staging_pinned)
 #if TF_SOK_WITH_CUDA
   std::unique_ptr<impl::DeviceMemory> memory;
   std::unique_ptr<impl::GpuDynamicIndex> gpu;  // destroyed before `memory`
-  ~IndexResource() override { gpu.reset(); }
+  std::unique_ptr<impl::HostMemory> pinned;
+  void* staging_pinned = nullptr;
+  size_t staging_bytes = 0;
+  ~IndexResource() override {
+    gpu.reset();
+    if (staging_pinned) pinned->Free(staging_pinned);
+  }
 #endif
+  // host memory for `bytes` of key / row lists, reused by the next call (which first waits for the
+  // device's use of it to end)
+  uint8_t* Staging(size_t bytes) {
+#if TF_SOK_WITH_CUDA
+    if (gpu) {
+      if (bytes > staging_bytes) {
+        if (staging_pinned) pinned->Free(staging_pinned);
+        staging_bytes = std::max(bytes, 2 * staging_bytes);
+        staging_pinned = pinned->Allocate(staging_bytes);
+        if (!staging_pinned) staging_bytes = 0;
+      }
+      return static_cast<uint8_t*>(staging_pinned);
+    }
+#endif
+    if (staging_host.size() < bytes) staging_host.resize(bytes);
+    return staging_host.data();
+  }
+  // A hybrid table's bound on cached keys: the budget over the bytes of one row of every array.
+  void UpdateCacheBound() {
+    if (cache_bytes < 0) return;
+    int64_t row_bytes = 0;
+    for (const Array& a : arrays) {
+      const tf::Tensor* t = a.var->tensor();
+      row_bytes += 4 * (t->dims() == 2 ? t->dim_size(1) : 1);
+    }
+    const int64_t max_keys = row_bytes > 0 ? cache_bytes / row_bytes : 0;
+#if TF_SOK_WITH_CUDA
+    if (gpu) {
+      gpu->set_max_keys(max_keys);
+      return;
+    }
+#endif
+    host->set_max_keys(max_keys);
+  }
 };
 
 class IndexOp : public tf::OpKernel {
@@ -81,6 +132,8 @@ class IndexOp : public tf::OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("init_a", &a_));
     OP_REQUIRES_OK(c, c->GetAttr("init_b", &b_));
     OP_REQUIRES_OK(c, c->GetAttr("seed", &seed_));
+    OP_REQUIRES_OK(c, c->GetAttr("cache_bytes", &cache_bytes_));
+    config_.cache = cache_bytes_ >= 0;
     config_.evict = evict == "lru" ? impl::Evict::kLru : evict == "lfu" ? impl::Evict::kLfu : impl::Evict::kNone;
     kind_ = init == "uniform" ? 0 : init == "normal" ? 1 : init == "truncated_normal" ? 2 : 3;
     if (shared_name_.empty()) shared_name_ = name();
@@ -91,14 +144,18 @@ class IndexOp : public tf::OpKernel {
     tf::core::RefCountPtr<IndexResource> res;
     OP_REQUIRES_OK(ctx, tf::LookupOrCreateResource<IndexResource>(ctx, handle, &res, [&](IndexResource** out) {
       auto* r = new IndexResource(table_, dim_, kind_, a_, b_, seed_);
+      r->cache_bytes = cache_bytes_;
 #if TF_SOK_WITH_CUDA
       if (ctx->device()->device_type() == tf::DEVICE_GPU) {
         r->memory = std::make_unique<AllocatorMemory>(ctx->device()->GetAllocator(tf::AllocatorAttributes()));
         r->gpu = std::make_unique<impl::GpuDynamicIndex>(config_, r->memory.get());
+        r->pinned = impl::NewPinnedHostMemory();
+        if (cache_bytes_ >= 0) r->store = std::make_unique<impl::HostStore>(impl::NewPinnedHostMemory());
         *out = r;
         return absl::OkStatus();
       }
 #endif
+      if (cache_bytes_ >= 0) r->store = std::make_unique<impl::HostStore>(impl::NewPlainHostMemory());
       r->host = std::make_unique<impl::DynamicIndex>(config_);
       *out = r;
       return absl::OkStatus();
@@ -111,7 +168,7 @@ class IndexOp : public tf::OpKernel {
  private:
   std::string container_, shared_name_, table_;
   impl::DynamicIndexConfig config_;
-  int64_t dim_ = 0, seed_ = 0;
+  int64_t dim_ = 0, seed_ = 0, cache_bytes_ = -1;
   int kind_ = 0;
   float a_ = 0, b_ = 0;
 };
@@ -142,7 +199,27 @@ void GatherRows(const impl::CpuDevice&, const float* base, int64_t width, const 
   impl::GatherRows(base, width, rows, n, out);
 }
 void Fill(const impl::CpuDevice&, float* p, int64_t count, float value) { impl::Fill(p, count, value); }
+void StoreWrite(const impl::CpuDevice&, const float* cache, int64_t width, const int64_t* cache_rows,
+                const int64_t* store_rows, int64_t n, float* store) {
+  impl::StoreWrite(cache, width, cache_rows, store_rows, n, store);
+}
+void StoreRead(const impl::CpuDevice&, const IndexResource& r, const IndexResource::Array& a, const float* store,
+               int64_t width, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,
+               const int64_t* cache_rows, int64_t n, float* cache) {
+  impl::StoreRead(store, width, store_rows, fresh, keys, cache_rows, n, a.values ? r.init_kind : -1, r.a, r.b, r.seed,
+                  a.fill, cache);
+}
 #if TF_SOK_WITH_CUDA
+void StoreWrite(const impl::GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
+                const int64_t* store_rows, int64_t n, float* store) {
+  impl::GpuStoreWrite(d, cache, width, cache_rows, store_rows, n, store);
+}
+void StoreRead(const impl::GpuDevice& d, const IndexResource& r, const IndexResource::Array& a, const float* store,
+               int64_t width, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,
+               const int64_t* cache_rows, int64_t n, float* cache) {
+  impl::GpuStoreRead(d, store, width, store_rows, fresh, keys, cache_rows, n, a.values ? r.init_kind : -1, r.a, r.b,
+                     r.seed, a.fill, cache);
+}
 void InitialRowsAt(const impl::GpuDevice& d, const IndexResource& r, const int64_t* keys, const int64_t* rows,
                    int64_t n, int64_t width, float* base) {
   impl::GpuInitialRowsAt(d, r.init_kind, r.a, r.b, r.seed, keys, rows, n, width, base);
@@ -180,30 +257,158 @@ absl::Status GrowArray(tf::OpKernelContext* ctx, const Device& d, const IndexRes
   return absl::OkStatus();
 }
 
-// After an index call: every attached array grown to `rows` and the rows of new keys set;
+// What one index call changed (device memory for GPU indices, host memory for CPU ones).
+struct Changes {
+  int64_t rows = 0;  // the row count the arrays must have now
+  int64_t positions = 0, missing_positions = 0;
+  const int64_t* new_keys = nullptr;
+  const int64_t* new_slots = nullptr;
+  int64_t num_new = 0;
+  const int64_t* evicted_keys = nullptr;
+  const int64_t* evicted_slots = nullptr;
+  int64_t num_evicted = 0;
+};
+
+// A hybrid table's store rows for a call's evicted keys and new keys (fresh: the store had no row
+// for the key yet), in memory the call's device reads.
+struct StorePlan {
+  const int64_t* evicted_rows = nullptr;
+  const int64_t* new_rows = nullptr;
+  const uint8_t* fresh = nullptr;
+};
+
+// Store rows of the evicted and new keys (inserted when absent), on the host.
+absl::Status StoreRowsOnHost(IndexResource* res, const int64_t* keys, int64_t n, uint8_t* staging) {
+  int64_t* rows = reinterpret_cast<int64_t*>(staging + 8 * n);
+  uint8_t* fresh = staging + 16 * n;
+  const std::string error = res->store->Insert(keys, n, rows, fresh);
+  return error.empty() ? absl::OkStatus() : Failed(*res, ": ", error);
+}
+
+absl::Status PlanStore(tf::OpKernelContext*, const impl::CpuDevice&, IndexResource* res, const Changes& c,
+                       StorePlan* p) {
+  const int64_t n = c.num_evicted + c.num_new;
+  uint8_t* staging = res->Staging(17 * n);
+  auto* keys = reinterpret_cast<int64_t*>(staging);
+  std::copy(c.evicted_keys, c.evicted_keys + c.num_evicted, keys);
+  std::copy(c.new_keys, c.new_keys + c.num_new, keys + c.num_evicted);
+  TF_RETURN_IF_ERROR(StoreRowsOnHost(res, keys, n, staging));
+  auto* rows = reinterpret_cast<const int64_t*>(staging + 8 * n);
+  p->evicted_rows = rows;
+  p->new_rows = rows + c.num_evicted;
+  p->fresh = staging + 16 * n + c.num_evicted;
+  return absl::OkStatus();
+}
+
+#if TF_SOK_WITH_CUDA
+absl::Status CudaWait(cudaStream_t stream) {
+  const cudaError_t e = cudaStreamSynchronize(stream);
+  return e == cudaSuccess ? absl::OkStatus() : absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(e));
+}
+
+// The keys come back to the host (one wait), the host store gives their rows, which go to the device.
+absl::Status PlanStore(tf::OpKernelContext*, const impl::GpuDevice& d, IndexResource* res, const Changes& c,
+                       StorePlan* p) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+  const int64_t n = c.num_evicted + c.num_new;
+  uint8_t* staging = res->Staging(17 * n);
+  auto* on_device = static_cast<uint8_t*>(d.scratch->Allocate(9 * n));
+  if (!staging || !on_device) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of memory");
+  auto* keys = reinterpret_cast<int64_t*>(staging);
+  cudaMemcpyAsync(keys, c.evicted_keys, 8 * c.num_evicted, cudaMemcpyDeviceToHost, stream);
+  cudaMemcpyAsync(keys + c.num_evicted, c.new_keys, 8 * c.num_new, cudaMemcpyDeviceToHost, stream);
+  TF_RETURN_IF_ERROR(CudaWait(stream));
+  TF_RETURN_IF_ERROR(StoreRowsOnHost(res, keys, n, staging));
+  cudaMemcpyAsync(on_device, staging + 8 * n, 9 * n, cudaMemcpyHostToDevice, stream);   // rows, then fresh flags
+  auto* rows = reinterpret_cast<const int64_t*>(on_device);
+  p->evicted_rows = rows;
+  p->new_rows = rows + c.num_evicted;
+  p->fresh = on_device + 8 * n + c.num_evicted;
+  return absl::OkStatus();
+}
+#endif
+
+// After an index call: every attached array grown to `c.rows` and the rows of new keys set (hybrid
+// tables: evicted rows written to the host store first, new keys' rows read from it);
 // evicted_values (when given): the evicted rows' values, read before anything is written.
 template <typename Device>
-absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexResource* res, int64_t rows,
-                              const int64_t* new_keys, const int64_t* new_slots, int64_t num_new,
-                              const int64_t* evicted_slots, int64_t num_evicted, float* evicted_values) {
-  for (auto& a : res->arrays) {
+absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexResource* res, const Changes& c,
+                              float* evicted_values) {
+  StorePlan plan;
+  const bool moves = res->store && (c.num_new > 0 || c.num_evicted > 0);
+  if (moves) TF_RETURN_IF_ERROR(PlanStore(ctx, d, res, c, &plan));
+  if (res->store) {
+    int64_t row_bytes = 0;
+    for (int i = 0; i < res->store->num_arrays(); ++i) row_bytes += 4 * res->store->width(i);
+    int64_t fresh = 0;
+    if (moves) {   // the fresh flags of the new keys are on the host, in the staging lists
+      const uint8_t* flags = res->Staging(0) + 16 * (c.num_evicted + c.num_new) + c.num_evicted;
+      for (int64_t j = 0; j < c.num_new; ++j) fresh += flags[j];
+    }
+    IndexResource::Stats& st = res->stats;
+    ++st.calls;
+    st.lookups += c.positions;
+    st.misses += c.missing_positions;
+    st.loaded += c.num_new;
+    st.fresh += fresh;
+    st.evicted += c.num_evicted;
+    st.bytes_in += (c.num_new - fresh) * row_bytes;
+    st.bytes_out += c.num_evicted * row_bytes;
+  }
+  for (size_t i = 0; i < res->arrays.size(); ++i) {
+    auto& a = res->arrays[i];
     tf::mutex_lock l(*a.var->mu());
     tf::Tensor* t = a.var->tensor();
     const int64_t width = t->dims() == 2 ? t->dim_size(1) : 1;
-    if (a.values && evicted_values != nullptr && num_evicted > 0)
-      GatherRows(d, t->flat<float>().data(), width, evicted_slots, num_evicted, evicted_values);
-    if (num_new == 0 && t->dim_size(0) >= rows && !a.values) continue;
-    TF_RETURN_IF_ERROR(GrowArray(ctx, d, *res, a, rows));
+    if (a.values && evicted_values != nullptr && c.num_evicted > 0)
+      GatherRows(d, t->flat<float>().data(), width, c.evicted_slots, c.num_evicted, evicted_values);
+    if (moves && c.num_evicted > 0)
+      StoreWrite(d, t->flat<float>().data(), width, c.evicted_slots, plan.evicted_rows, c.num_evicted,
+                 res->store->base(i));
+    if (c.num_new == 0 && t->dim_size(0) >= c.rows && !a.values) continue;
+    TF_RETURN_IF_ERROR(GrowArray(ctx, d, *res, a, c.rows));
     float* base = a.var->tensor()->flat<float>().data();
-    if (a.values) {
-      Fill(d, base, width, 0.0f);   // row 0, which keys not inserted read (an update may have moved it)
-      InitialRowsAt(d, *res, new_keys, new_slots, num_new, width, base);
-    } else {
-      FillRows(d, base, width, new_slots, num_new, a.fill);
-    }
+    if (a.values) Fill(d, base, width, 0.0f);   // row 0, which keys not inserted read (an update may have moved it)
+    if (moves)
+      StoreRead(d, *res, a, res->store->base(i), width, plan.new_rows, plan.fresh, c.new_keys, c.new_slots, c.num_new,
+                base);
+    else if (a.values)
+      InitialRowsAt(d, *res, c.new_keys, c.new_slots, c.num_new, width, base);
+    else
+      FillRows(d, base, width, c.new_slots, c.num_new, a.fill);
   }
   return absl::OkStatus();
 }
+
+Changes HostChanges(const impl::FindChanges& ch, int64_t positions) {
+  Changes c;
+  c.positions = positions;
+  c.rows = ch.rows;
+  c.missing_positions = ch.missing_positions;
+  c.new_keys = ch.new_keys.data();
+  c.new_slots = ch.new_slots.data();
+  c.num_new = static_cast<int64_t>(ch.new_slots.size());
+  c.evicted_keys = ch.evicted_keys.data();
+  c.evicted_slots = ch.evicted_slots.data();
+  c.num_evicted = static_cast<int64_t>(ch.evicted_slots.size());
+  return c;
+}
+
+#if TF_SOK_WITH_CUDA
+Changes DeviceChanges(const impl::GpuFindResult& r, int64_t positions) {
+  Changes c;
+  c.positions = positions;
+  c.rows = r.rows;
+  c.missing_positions = r.missing_positions;
+  c.new_keys = r.new_keys;
+  c.new_slots = r.new_slots;
+  c.num_new = r.num_new;
+  c.evicted_keys = r.evicted_keys;
+  c.evicted_slots = r.evicted_slots;
+  c.num_evicted = r.num_evicted;
+  return c;
+}
+#endif
 
 absl::Status EvictedOutputs(tf::OpKernelContext* ctx, const IndexResource& res, int64_t n, tf::Tensor** keys,
                             tf::Tensor** values) {
@@ -245,10 +450,9 @@ class FindOp : public tf::OpKernel {
     std::copy(ch.evicted_keys.begin(), ch.evicted_keys.begin() + evicted, ev_keys->flat<int64_t>().data());
     if (!insert_) return;
     TensorScratch scratch(ctx);
-    OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, MakeDevice<impl::CpuDevice>(ctx, &scratch), res.get(), ch.rows,
-                                         ch.new_keys.data(), ch.new_slots.data(),
-                                         static_cast<int64_t>(ch.new_slots.size()), ch.evicted_slots.data(), evicted,
-                                         ev_values->flat<float>().data()));
+    OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, MakeDevice<impl::CpuDevice>(ctx, &scratch), res.get(),
+                                         HostChanges(ch, keys.NumElements()),
+                                         with_evicted_ ? ev_values->flat<float>().data() : nullptr));
   }
 
  private:
@@ -274,8 +478,8 @@ class FindOp : public tf::OpKernel {
       cudaMemcpyAsync(ev_keys->flat<int64_t>().data(), r.evicted_keys, 8 * evicted, cudaMemcpyDeviceToDevice, stream);
     if (!insert_) return;
     // stream-ordered: the scratch these read is reused only by work queued after them
-    OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res, r.rows, r.new_keys, r.new_slots, r.num_new, r.evicted_slots,
-                                         evicted, ev_values->flat<float>().data()));
+    OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res, DeviceChanges(r, keys.NumElements()),
+                                         with_evicted_ ? ev_values->flat<float>().data() : nullptr));
   }
 #endif
   bool insert_ = true, with_evicted_ = false, admit_all_ = false;
@@ -324,8 +528,7 @@ class FindManyOp : public tf::OpKernel {
       const std::string error = r->host->Find(keys.flat<int64_t>().data(), keys.NumElements(), true,
                                               slots->flat<int64_t>().data(), &ch, false, insert_ratio_);
       OP_REQUIRES(ctx, error.empty(), Failed(*r, " ", error));
-      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, ch.rows, ch.new_keys.data(), ch.new_slots.data(),
-                                           static_cast<int64_t>(ch.new_slots.size()), nullptr, 0, nullptr));
+      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, HostChanges(ch, keys.NumElements()), nullptr));
     }
   }
 
@@ -361,8 +564,7 @@ class FindManyOp : public tf::OpKernel {
       if (keys.NumElements() > 0)
         cudaMemcpyAsync(slots->flat<int64_t>().data(), found[i].slots, 8 * keys.NumElements(),
                         cudaMemcpyDeviceToDevice, stream);
-      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, found[i].rows, found[i].new_keys, found[i].new_slots,
-                                           found[i].num_new, nullptr, 0, nullptr));
+      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, DeviceChanges(found[i], keys.NumElements()), nullptr));
     }
   }
 #endif
@@ -420,23 +622,23 @@ class AttachOp : public tf::OpKernel {
     a.fill = fill_;
     a.values = values_;
     tf::mutex_lock l(res->mu);
-    int64_t rows = 0;
-#if TF_SOK_WITH_CUDA
-    if (res->gpu) {
-      TensorScratch scratch(ctx);
-      tf::mutex_lock vl(*a.var->mu());
-      OP_REQUIRES_OK(ctx, GrowArray(ctx, MakeDevice<impl::GpuDevice>(ctx, &scratch), *res, a, res->gpu->rows()));
-      res->arrays.push_back(std::move(a));
-      return;
-    }
-#endif
-    rows = res->host->rows();
     TensorScratch scratch(ctx);
     {
       tf::mutex_lock vl(*a.var->mu());
-      OP_REQUIRES_OK(ctx, GrowArray(ctx, MakeDevice<impl::CpuDevice>(ctx, &scratch), *res, a, rows));
+#if TF_SOK_WITH_CUDA
+      if (res->gpu)
+        OP_REQUIRES_OK(ctx, GrowArray(ctx, MakeDevice<impl::GpuDevice>(ctx, &scratch), *res, a, res->gpu->rows()));
+      else
+#endif
+        OP_REQUIRES_OK(ctx, GrowArray(ctx, MakeDevice<impl::CpuDevice>(ctx, &scratch), *res, a, res->host->rows()));
+    }
+    if (res->store) {   // a hybrid table: the array's rows in the host tier too
+      const tf::Tensor* t = a.var->tensor();
+      const std::string error = res->store->AddArray(t->dims() == 2 ? t->dim_size(1) : 1, a.values ? 0.0f : a.fill);
+      OP_REQUIRES(ctx, error.empty(), Failed(*res, ": ", error));
     }
     res->arrays.push_back(std::move(a));
+    res->UpdateCacheBound();
   }
 
  private:
@@ -454,6 +656,11 @@ class SizeOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &size));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({}), &rows));
     tf::mutex_lock l(res->mu);
+    if (res->store) {   // every key of a hybrid table has a row in its host tier
+      size->scalar<int64_t>()() = res->store->size();
+      rows->scalar<int64_t>()() = res->store->size();
+      return;
+    }
 #if TF_SOK_WITH_CUDA
     if (res->gpu) {
       size->scalar<int64_t>()() = res->gpu->size();
@@ -466,6 +673,34 @@ class SizeOp : public tf::OpKernel {
   }
 };
 
+// The index's contents, on the host (the caller holds res->mu).
+absl::Status ExportIndex(tf::OpKernelContext* ctx, IndexResource* res, impl::DynamicIndexSnapshot* snap) {
+#if TF_SOK_WITH_CUDA
+  if (res->gpu) {
+    TensorScratch scratch(ctx);
+    const std::string error = res->gpu->Export(MakeDevice<impl::GpuDevice>(ctx, &scratch), snap);
+    return error.empty() ? absl::OkStatus() : Failed(*res, ": exporting its index: ", error);
+  }
+#endif
+  *snap = res->host->Export();
+  return absl::OkStatus();
+}
+
+absl::Status ImportIndex(tf::OpKernelContext* ctx, IndexResource* res, const impl::DynamicIndexSnapshot& snap) {
+  std::string error;
+#if TF_SOK_WITH_CUDA
+  if (res->gpu) {
+    TensorScratch scratch(ctx);
+    error = res->gpu->Import(MakeDevice<impl::GpuDevice>(ctx, &scratch), snap);
+  } else {
+    error = res->host->Import(snap);
+  }
+#else
+  error = res->host->Import(snap);
+#endif
+  return error.empty() ? absl::OkStatus() : Failed(*res, ": restoring its index: ", error);
+}
+
 class ExportOp : public tf::OpKernel {
  public:
   using tf::OpKernel::OpKernel;
@@ -475,17 +710,7 @@ class ExportOp : public tf::OpKernel {
     impl::DynamicIndexSnapshot snap;
     {
       tf::mutex_lock l(res->mu);
-#if TF_SOK_WITH_CUDA
-      if (res->gpu) {
-        TensorScratch scratch(ctx);
-        const std::string error = res->gpu->Export(MakeDevice<impl::GpuDevice>(ctx, &scratch), &snap);
-        OP_REQUIRES(ctx, error.empty(), Failed(*res, ": exporting its index: ", error));
-      } else {
-        snap = res->host->Export();
-      }
-#else
-      snap = res->host->Export();
-#endif
+      OP_REQUIRES_OK(ctx, ExportIndex(ctx, res.get(), &snap));
     }
     absl::Status s;
     const std::vector<int64_t>* parts[] = {&snap.keys,         &snap.slots,          &snap.scores,
@@ -551,19 +776,138 @@ class ImportOp : public tf::OpKernel {
     snap.rows = counters.flat<int64_t>()(1);
     snap.next_free = counters.flat<int64_t>()(2);
     tf::mutex_lock l(res->mu);
-    std::string error;
-#if TF_SOK_WITH_CUDA
-    if (res->gpu) {
-      TensorScratch scratch(ctx);
-      error = res->gpu->Import(MakeDevice<impl::GpuDevice>(ctx, &scratch), snap);
-    } else {
-      error = res->host->Import(snap);
-    }
-#else
-    error = res->host->Import(snap);
-#endif
-    OP_REQUIRES(ctx, error.empty(), Failed(*res, ": restoring its index: ", error));
+    OP_REQUIRES_OK(ctx, ImportIndex(ctx, res.get(), snap));
   }
+};
+
+// Writes every cached row of a hybrid table back to its host store (the rows stay cached).
+absl::Status Flush(tf::OpKernelContext* ctx, IndexResource* res) {
+  impl::DynamicIndexSnapshot snap;
+  TF_RETURN_IF_ERROR(ExportIndex(ctx, res, &snap));
+  const int64_t n = static_cast<int64_t>(snap.keys.size());
+  uint8_t* staging = res->Staging(17 * std::max<int64_t>(n, 1));
+  if (!staging) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of host memory");
+  TF_RETURN_IF_ERROR(StoreRowsOnHost(res, snap.keys.data(), n, staging));
+  const auto* store_rows = reinterpret_cast<const int64_t*>(staging + 8 * n);
+  TensorScratch scratch(ctx);
+#if TF_SOK_WITH_CUDA
+  if (res->gpu) {
+    const impl::GpuDevice d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
+    auto* lists = static_cast<int64_t*>(d.scratch->Allocate(16 * std::max<int64_t>(n, 1)));
+    if (!lists) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of GPU memory");
+    const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+    cudaMemcpyAsync(lists, snap.slots.data(), 8 * n, cudaMemcpyHostToDevice, stream);
+    cudaMemcpyAsync(lists + n, store_rows, 8 * n, cudaMemcpyHostToDevice, stream);
+    for (size_t i = 0; i < res->arrays.size(); ++i) {
+      tf::mutex_lock l(*res->arrays[i].var->mu());
+      const tf::Tensor* t = res->arrays[i].var->tensor();
+      StoreWrite(d, t->flat<float>().data(), res->store->width(i), lists, lists + n, n, res->store->base(i));
+    }
+    return CudaWait(stream);
+  }
+#endif
+  const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+  for (size_t i = 0; i < res->arrays.size(); ++i) {
+    tf::mutex_lock l(*res->arrays[i].var->mu());
+    const tf::Tensor* t = res->arrays[i].var->tensor();
+    StoreWrite(d, t->flat<float>().data(), res->store->width(i), snap.slots.data(), store_rows, n,
+               res->store->base(i));
+  }
+  return absl::OkStatus();
+}
+
+class CacheStatsOp : public tf::OpKernel {
+ public:
+  using tf::OpKernel::OpKernel;
+  void Compute(tf::OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<IndexResource> res;
+    OP_REQUIRES_OK(ctx, GetIndex(ctx, &res));
+    OP_REQUIRES(ctx, res->store != nullptr, Failed(*res, ": ", "has no host tier (it is not a hybrid table)"));
+    tf::Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({8}), &out));
+    tf::mutex_lock l(res->mu);
+    const IndexResource::Stats& st = res->stats;
+    const int64_t v[8] = {st.calls, st.lookups, st.misses, st.loaded, st.fresh, st.evicted, st.bytes_in, st.bytes_out};
+    std::copy(v, v + 8, out->flat<int64_t>().data());
+  }
+};
+
+class StoreExportOp : public tf::OpKernel {
+ public:
+  using tf::OpKernel::OpKernel;
+  void Compute(tf::OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<IndexResource> res;
+    OP_REQUIRES_OK(ctx, GetIndex(ctx, &res));
+    OP_REQUIRES(ctx, res->store != nullptr, Failed(*res, ": ", "has no host tier (it is not a hybrid table)"));
+    tf::mutex_lock l(res->mu);
+    OP_REQUIRES_OK(ctx, Flush(ctx, res.get()));
+    const impl::HostStore& store = *res->store;
+    const int64_t n = store.size();
+    int64_t total = 0;
+    for (int i = 0; i < store.num_arrays(); ++i) total += store.width(i);
+    tf::Tensor *keys = nullptr, *rows = nullptr, *widths = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({n}), &keys));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({n, total}), &rows));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, tf::TensorShape({store.num_arrays()}), &widths));
+    std::copy(store.keys().begin(), store.keys().end(), keys->flat<int64_t>().data());
+    float* out = rows->flat<float>().data();
+    for (int i = 0, at = 0; i < store.num_arrays(); at += store.width(i), ++i) {
+      widths->flat<int64_t>()(i) = store.width(i);
+      const int64_t w = store.width(i);
+      const float* base = store.base(i);
+      for (int64_t r = 0; r < n; ++r) std::copy(base + r * w, base + (r + 1) * w, out + r * total + at);
+    }
+  }
+};
+
+class StoreImportOp : public tf::OpKernel {
+ public:
+  explicit StoreImportOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("clear_cache", &clear_cache_));
+  }
+  void Compute(tf::OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<IndexResource> res;
+    OP_REQUIRES_OK(ctx, GetIndex(ctx, &res));
+    OP_REQUIRES(ctx, res->store != nullptr, Failed(*res, ": ", "has no host tier (it is not a hybrid table)"));
+    const tf::Tensor& keys = ctx->input(1);
+    const tf::Tensor& rows = ctx->input(2);
+    tf::mutex_lock l(res->mu);
+    impl::HostStore& store = *res->store;
+    int64_t total = 0;
+    for (int i = 0; i < store.num_arrays(); ++i) total += store.width(i);
+    const int64_t n = keys.NumElements();
+    OP_REQUIRES(ctx, keys.dims() == 1 && rows.dims() == 2 && rows.dim_size(0) == n && rows.dim_size(1) == total,
+                Failed(*res, ": restoring its host tier: ", "expected keys [n] and rows [n, " + std::to_string(total) +
+                       "], got " + keys.shape().DebugString() + " and " + rows.shape().DebugString()));
+    if (clear_cache_) {
+      impl::DynamicIndexSnapshot snap;
+      OP_REQUIRES_OK(ctx, ExportIndex(ctx, res.get(), &snap));
+      snap.keys.clear();
+      snap.slots.clear();
+      snap.scores.clear();
+      OP_REQUIRES_OK(ctx, ImportIndex(ctx, res.get(), snap));
+    }
+#if TF_SOK_WITH_CUDA
+    if (res->gpu) {   // the device is done with the store before it is rewritten
+      TensorScratch scratch(ctx);
+      OP_REQUIRES_OK(ctx, CudaWait(static_cast<cudaStream_t>(MakeDevice<impl::GpuDevice>(ctx, &scratch).stream)));
+    }
+#endif
+    std::vector<std::vector<float>> split(store.num_arrays());
+    std::vector<const float*> data;
+    const float* in = rows.flat<float>().data();
+    for (int i = 0, at = 0; i < store.num_arrays(); at += store.width(i), ++i) {
+      const int64_t w = store.width(i);
+      split[i].resize(n * w);
+      for (int64_t r = 0; r < n; ++r) std::copy(in + r * total + at, in + r * total + at + w, split[i].data() + r * w);
+      data.push_back(split[i].data());
+    }
+    const std::string error = store.Replace(keys.flat<int64_t>().data(), n, data);
+    OP_REQUIRES(ctx, error.empty(), Failed(*res, ": restoring its host tier: ", error));
+  }
+
+ private:
+  bool clear_cache_ = true;
 };
 
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicIndex").Device(tf::DEVICE_CPU), IndexOp);
@@ -575,6 +919,9 @@ REGISTER_KERNEL_BUILDER(Name("TfSokDynamicSize").Device(tf::DEVICE_CPU), SizeOp)
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicExport").Device(tf::DEVICE_CPU), ExportOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicTouchedSince").Device(tf::DEVICE_CPU), TouchedSinceOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicImport").Device(tf::DEVICE_CPU), ImportOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicStoreExport").Device(tf::DEVICE_CPU), StoreExportOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicCacheStats").Device(tf::DEVICE_CPU), CacheStatsOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicStoreImport").Device(tf::DEVICE_CPU), StoreImportOp);
 
 #if TF_SOK_WITH_CUDA
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicIndex").Device(tf::DEVICE_GPU).HostMemory("handle"), IndexOp);
@@ -602,6 +949,18 @@ REGISTER_KERNEL_BUILDER(Name("TfSokDynamicTouchedSince")
                             .HostMemory("rows"),
                         TouchedSinceOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicImport").Device(tf::DEVICE_GPU).TF_SOK_SNAPSHOT_ON_HOST, ImportOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicStoreExport")
+                            .Device(tf::DEVICE_GPU)
+                            .HostMemory("index")
+                            .HostMemory("keys")
+                            .HostMemory("rows")
+                            .HostMemory("widths"),
+                        StoreExportOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicCacheStats").Device(tf::DEVICE_GPU).HostMemory("index").HostMemory("stats"),
+                        CacheStatsOp);
+REGISTER_KERNEL_BUILDER(
+    Name("TfSokDynamicStoreImport").Device(tf::DEVICE_GPU).HostMemory("index").HostMemory("keys").HostMemory("rows"),
+    StoreImportOp);
 #undef TF_SOK_SNAPSHOT_ON_HOST
 #endif
 

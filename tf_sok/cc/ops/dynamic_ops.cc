@@ -21,10 +21,14 @@ REGISTER_OP("TfSokDynamicIndex")
     .Attr("init_a: float")
     .Attr("init_b: float")
     .Attr("seed: int")
+    .Attr("cache_bytes: int = -1")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::ScalarShape)
     .Doc(R"doc(
-The key -> row index of a dynamic table (host memory). init_rows: the value
+The key -> row index of a dynamic table (host memory). cache_bytes >= 0 makes a
+hybrid table: the arrays hold at most the rows that fit in cache_bytes (a row of
+every attached array counted) and every key's rows live in a host store behind
+them, which evicted rows are written to and new keys' rows read from. init_rows: the value
 arrays' rows at first; max_keys: at most this many keys (0: unbounded), evicting
 by `evict` when full; min_frequency: a key is inserted on its min_frequency-th
 sighting (before: row 0, which reads zeros). A new key's row starts at
@@ -178,5 +182,51 @@ REGISTER_OP("TfSokDynamicImport")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::NoOutputs)
     .Doc("Replaces the index's contents with an export's (checked: an inconsistent one changes nothing).");
+
+REGISTER_OP("TfSokDynamicStoreExport")
+    .Input("index: resource")
+    .Output("keys: int64")
+    .Output("rows: float")
+    .Output("widths: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Matrix(c->UnknownDim(), c->UnknownDim()));
+      c->set_output(2, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+A hybrid table's every key and its rows, after the cached rows are written back
+to the host store (they stay cached). rows [n, sum(widths)]: each key's row of
+every attached array side by side, in attach order (the values first).
+)doc");
+
+REGISTER_OP("TfSokDynamicCacheStats")
+    .Input("index: resource")
+    .Output("stats: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(8));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+A hybrid table's counters since it was made, in this order: finds, key positions
+looked up, positions whose key was not cached, keys taken into the cache, keys
+of those the table had never held, keys written back to host memory, bytes read
+from host memory, bytes written to it.
+)doc");
+
+REGISTER_OP("TfSokDynamicStoreImport")
+    .Input("index: resource")
+    .Input("keys: int64")
+    .Input("rows: float")
+    .Attr("clear_cache: bool = true")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::NoOutputs)
+    .Doc(R"doc(
+Replaces a hybrid table's host store with keys and their rows (laid out as
+TfSokDynamicStoreExport gives them). clear_cache: the cache drops its keys first
+(else the caller restores the cache itself, as a checkpoint does).
+)doc");
 
 }  // namespace tf_sok

@@ -87,7 +87,9 @@ def _add_dynamic_table(layer: keras.layers.Layer, cfg: TableConfig):
 
     table = DynamicVariable(cfg.dim, initializer=cfg.initializer, name=cfg.name, mode=cfg.mode,
                             init_capacity=cfg.vocab_size, max_capacity=cfg.max_capacity,
-                            evict_strategy=cfg.evict_strategy, min_frequency=cfg.min_frequency, seed=cfg.seed)
+                            evict_strategy=cfg.evict_strategy, min_frequency=cfg.min_frequency, seed=cfg.seed,
+                            max_hbm_for_vectors=cfg.max_hbm_for_vectors,
+                            var_type="hybrid" if cfg.max_hbm_for_vectors is not None else None)
     with keras.name_scope(layer.name, caller=layer):
         weight = _DynamicWeight(table, trainable=True, autocast=False, name=cfg.name)
     layer._track_variable(weight)  # noqa: SLF001 (what add_weight does)

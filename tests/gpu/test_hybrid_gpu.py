@@ -1,0 +1,101 @@
+"""Hybrid tables on the GPU (the cache in HBM, every row in pinned host memory that the CUDA kernels
+read and write in place) against the same table on the CPU and against the table without a host
+tier on the GPU: lookups, every optimizer's steps, the cache's counters, checkpoints."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sok as sok
+from tests.helpers import to_ragged
+from tests.python.test_dynamic import random_keys
+from tests.python.test_hybrid import DIM, OPTIMIZERS, _assert_same_tables, _cache_model, _gib, _slot_widths, _zipf
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
+                                                  reason="no GPU visible to TensorFlow")]
+
+
+def _train(table, opt, batches, device):
+    @tf.function
+    def step(ids, target):
+        with tf.GradientTape() as tape:
+            out = sok.lookup_sparse(table, ids, combiners="sum")
+            loss = tf.reduce_sum(out * target)
+        opt.apply_gradients([(tape.gradient(loss, table), table)])
+        return out
+
+    outs = []
+    with tf.device(device):
+        for lens, keys, target in batches:
+            outs.append(step(to_ragged(lens, keys), tf.constant(target)).numpy())
+    return outs
+
+
+@pytest.mark.parametrize("case", sorted(OPTIMIZERS))
+def test_gpu_hybrid_trains_as_the_cpu_hybrid_and_the_all_hbm_table(rng, case):
+    cls, hp = OPTIMIZERS[case]
+    pool = random_keys(rng, 20_000)
+    batches = []
+    for _ in range(8):
+        lens = rng.integers(0, 6, 2048)
+        keys = pool[rng.choice(len(pool), int(lens.sum()), p=_zipf(len(pool), 1.05))]
+        batches.append((lens, keys, rng.standard_normal((2048, DIM)).astype(np.float32)))
+    budget = _gib(600, [DIM] + _slot_widths(cls(learning_rate=0.05, **hp)))   # ~3% of the keys
+    tables, opts, outs = [], [], []
+    for device, hybrid in (("/GPU:0", True), ("/CPU:0", True), ("/GPU:0", False)):
+        with tf.device(device):
+            kw = dict(var_type="hybrid", max_hbm_for_vectors=budget) if hybrid else {}
+            t = sok.DynamicVariable(DIM, initializer="normal", seed=4, name=f"{case}_{device[1:4]}_{hybrid}", **kw)
+        assert device[1:4] in t.device
+        opt = cls(learning_rate=0.05, **hp)
+        outs.append(_train(t, opt, batches, device))
+        tables.append(t)
+        opts.append(opt)
+    for a, b, c in zip(*outs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+    _assert_same_tables(tables[0], tables[1], opts[0], opts[1])
+    _assert_same_tables(tables[0], tables[2], opts[0], opts[2])
+    gpu, cpu = sok.cache_stats(tables[0]), sok.cache_stats(tables[1])
+    assert gpu == cpu and gpu["evicted"] > 0 and gpu["bytes_to_device"] > 0
+
+
+@pytest.mark.parametrize("budget_rows", [0, 1, 300])
+def test_gpu_cache_counters_follow_the_lru_model(rng, budget_rows):
+    pool = random_keys(rng, 2000)
+    batches = [rng.choice(pool, rng.integers(1, 500), p=_zipf(2000)) for _ in range(20)]
+    with tf.device("/GPU:0"):
+        table = sok.DynamicVariable(DIM, initializer="uniform", name=f"g{budget_rows}", var_type="hybrid",
+                                    max_hbm_for_vectors=_gib(budget_rows, [DIM]))
+        plain = sok.DynamicVariable(DIM, initializer="uniform", name=f"gp{budget_rows}")
+    before = sok.cache_stats(table)
+    for b, (missing, loaded, fresh, evicted) in zip(batches, _cache_model(budget_rows, batches)):
+        with tf.device("/GPU:0"):
+            np.testing.assert_array_equal(tf.gather(table, b).numpy(), tf.gather(plain, b).numpy())
+        now = sok.cache_stats(table)
+        assert (now["misses"] - before["misses"], now["loaded"] - before["loaded"],
+                now["new_keys"] - before["new_keys"], now["evicted"] - before["evicted"]) == \
+            (missing, loaded, fresh, evicted)
+        before = now
+
+
+def test_gpu_hybrid_checkpoint_restores_on_the_cpu_and_back(rng, tmp_path):
+    cls, hp = OPTIMIZERS["adam"]
+    pool = random_keys(rng, 5000)
+    budget = _gib(100, [DIM, DIM, DIM])
+    batches = [(l, pool[rng.choice(5000, int(l.sum()))], rng.standard_normal((512, DIM)).astype(np.float32))
+               for l in (rng.integers(0, 4, 512) for _ in range(4))]
+    with tf.device("/GPU:0"):
+        gpu = sok.DynamicVariable(DIM, initializer="normal", seed=1, name="ck", var_type="hybrid",
+                                  max_hbm_for_vectors=budget)
+    opt_g = cls(learning_rate=0.05, **hp)
+    _train(gpu, opt_g, batches[:2], "/GPU:0")
+    path = tf.train.Checkpoint(t=gpu, o=opt_g).write(str(tmp_path / "ck"))
+    with tf.device("/CPU:0"):
+        cpu = sok.DynamicVariable(DIM, initializer="normal", seed=1, name="ck", var_type="hybrid",
+                                  max_hbm_for_vectors=budget)
+    opt_c = cls(learning_rate=0.05, **hp)
+    _train(cpu, opt_c, batches[:1], "/CPU:0")      # builds the optimizer's state, then overwritten
+    tf.train.Checkpoint(t=cpu, o=opt_c).read(path).assert_consumed()
+    _train(gpu, opt_g, batches[2:], "/GPU:0")
+    _train(cpu, opt_c, batches[2:], "/CPU:0")
+    _assert_same_tables(gpu, cpu, opt_g, opt_c)

@@ -1,0 +1,243 @@
+"""Hybrid dynamic tables (a host tier with a cache of hot rows, var_type="hybrid") against the
+same table without one: lookups, gradients and every optimizer's steps identical, evicted rows
+coming back with their updates and state, budgets of 0 rows, 1 row and the whole table; the
+cache's counters against a plain-Python model of the cache; checkpoints and dumps."""
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sok as sok
+from tests.helpers import to_ragged
+from tests.python.optimizers.test_optimizers import CASES
+from tests.python.test_dynamic import random_keys
+
+DIM = 4
+OPTIMIZERS = {**{k: (cls, hp) for k, (cls, hp, _) in CASES.items()},
+              "adamax": (sok.optimizers.Adamax, {}), "adadelta": (sok.optimizers.Adadelta, {})}
+
+
+def _gib(rows, widths):
+    """max_hbm_for_vectors (GiB) that holds `rows` rows of arrays of these widths."""
+    return rows * 4 * sum(widths) / 2**30
+
+
+def _slot_widths(opt):
+    return [DIM if not s.per_row else 1 for s in opt.slot_specs()]
+
+
+def _tables(name, budget_rows, opt_cls=None, hp=None):
+    """(plain table, hybrid table, their optimizers): same initial values per key."""
+    plain = sok.DynamicVariable(DIM, initializer="normal", seed=3, name=f"{name}_plain")
+    probe = opt_cls(learning_rate=0.05, **hp) if opt_cls else None
+    widths = [DIM] + (_slot_widths(probe) if probe else [])
+    hybrid = sok.DynamicVariable(DIM, initializer="normal", seed=3, name=f"{name}_hybrid", var_type="hybrid",
+                                 max_hbm_for_vectors=_gib(budget_rows, widths))
+    opts = (opt_cls(learning_rate=0.05, **hp), opt_cls(learning_rate=0.05, **hp)) if opt_cls else (None, None)
+    return plain, hybrid, opts
+
+
+def _state(table, opt):
+    arrays = [table] + (list(opt.slots(table)) if opt is not None else [])
+    keys, parts = table.export_state(arrays)
+    keys = keys.numpy()
+    return {int(k): [p.numpy()[i] for p in parts] for i, k in enumerate(keys)}
+
+
+def _assert_same_tables(a, b, opt_a=None, opt_b=None):
+    sa, sb = _state(a, opt_a), _state(b, opt_b)
+    assert set(sa) == set(sb)
+    for k in sa:
+        for x, y in zip(sa[k], sb[k]):
+            # equal up to float32 rounding: a key's duplicate gradients are summed in its rows' order
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7, err_msg=f"key {k}")
+
+
+def _batches(rng, pool, steps, batch=24):
+    out = []
+    for _ in range(steps):
+        lens = rng.integers(0, 4, batch)
+        picks = rng.choice(len(pool), int(lens.sum()), p=_zipf(len(pool)))
+        out.append((lens, pool[picks]))
+    return out
+
+
+def _zipf(n, a=1.1):
+    p = 1.0 / np.arange(1, n + 1) ** a
+    return p / p.sum()
+
+
+# every optimizer with a budget of a few percent of the keys and with the whole table; budgets of
+# nothing and of one row with an optimizer without state and one with two slots
+@pytest.mark.parametrize("case,budget_rows", [(c, b) for c in sorted(OPTIMIZERS) for b in (16, 10**6)] +
+                         [(c, b) for c in ("sgd", "adam") for b in (0, 1)])
+def test_training_equals_the_table_without_a_host_tier(rng, case, budget_rows):
+    cls, hp = OPTIMIZERS[case]
+    pool = random_keys(rng, 300)
+    plain, hybrid, (opt_p, opt_h) = _tables(f"t_{case}_{budget_rows}", budget_rows, cls, hp)
+
+    def step(table, opt, ids, target):
+        with tf.GradientTape() as tape:
+            out = sok.lookup_sparse(table, ids, combiners="sum")
+            loss = tf.reduce_sum(out * target)
+        opt.apply_gradients([(tape.gradient(loss, table), table)])
+        return out
+
+    step_p = tf.function(lambda ids, target: step(plain, opt_p, ids, target))
+    step_h = tf.function(lambda ids_, target_: step(hybrid, opt_h, ids_, target_))
+    for lens, keys in _batches(rng, pool, 6):
+        last = len(set(keys.tolist()))
+        ids = to_ragged(lens, keys)
+        target = tf.constant(rng.standard_normal((len(lens), DIM)).astype(np.float32))
+        np.testing.assert_allclose(step_h(ids, target).numpy(), step_p(ids, target).numpy(), rtol=1e-5, atol=1e-7)
+    _assert_same_tables(plain, hybrid, opt_p, opt_h)
+    assert hybrid.size.numpy()[0] == plain.size.numpy()[0]
+    stats = sok.cache_stats(hybrid)
+    assert stats["cached"] <= max(budget_rows, last)   # a step's own keys may exceed the budget
+    if budget_rows <= 16:
+        assert stats["evicted"] > 0 and stats["bytes_to_host"] > 0
+
+
+def _cache_model(max_keys, batches):
+    """Plain-Python LRU cache over a host tier: per call, found keys are touched; missing keys come in,
+    evicting the untouched keys of lowest (last call, key), all of them if the call needs more room.
+    Returns per call (positions missing, keys taken in, of them new to the table, keys written back)."""
+    score, seen, clock, out = {}, set(), 0, []
+    for batch in batches:
+        clock += 1
+        distinct = list(dict.fromkeys(batch.tolist()))
+        found = [k for k in distinct if k in score]
+        new = [k for k in distinct if k not in score]
+        missing = sum(1 for k in batch.tolist() if k not in score)
+        for k in found:
+            score[k] = clock
+        need = len(score) + len(new) - max_keys
+        gone = []
+        if need > 0:
+            gone = [k for _, k in sorted((s, k) for k, s in score.items() if k not in found)[:need]]
+            for k in gone:
+                del score[k]
+        for k in new:
+            score[k] = clock
+        out.append((missing, len(new), len([k for k in new if k not in seen]), len(gone)))
+        seen.update(new)
+    return out
+
+
+@pytest.mark.parametrize("budget_rows", [0, 1, 7, 40])
+def test_cache_counters_follow_an_lru_cache_model(rng, budget_rows):
+    pool = random_keys(rng, 60)
+    batches = [rng.choice(pool, rng.integers(1, 12), p=_zipf(60)) for _ in range(25)]
+    table = sok.DynamicVariable(DIM, initializer="uniform", name=f"c{budget_rows}", var_type="hybrid",
+                                max_hbm_for_vectors=_gib(budget_rows, [DIM]))
+    plain = sok.DynamicVariable(DIM, initializer="uniform", name=f"p{budget_rows}")
+    before = sok.cache_stats(table)
+    row_bytes = 4 * DIM
+    for b, (missing, loaded, fresh, evicted) in zip(batches, _cache_model(budget_rows, batches)):
+        np.testing.assert_array_equal(tf.gather(table, b).numpy(), tf.gather(plain, b).numpy())
+        now = sok.cache_stats(table)
+        delta = {k: now[k] - before[k] for k in ("finds", "lookups", "misses", "loaded", "new_keys", "evicted",
+                                                  "bytes_to_device", "bytes_to_host")}
+        assert delta == {"finds": 1, "lookups": len(b), "misses": missing, "loaded": loaded, "new_keys": fresh,
+                         "evicted": evicted, "bytes_to_device": (loaded - fresh) * row_bytes,
+                         "bytes_to_host": evicted * row_bytes}
+        assert now["keys"] == plain.size.numpy()[0] and now["cached"] <= max(budget_rows, len(set(b.tolist())))
+        before = now
+    assert 0.0 <= sok.cache_stats(table)["hit_rate"] <= 1.0
+
+
+def test_an_evicted_key_comes_back_with_its_update_and_state(rng):
+    cls, hp = OPTIMIZERS["adam"]
+    plain, hybrid, (opt_p, opt_h) = _tables("back", 2, cls, hp)
+    a, others = random_keys(rng, 3), random_keys(rng, 50)
+    for table, opt in ((plain, opt_p), (hybrid, opt_h)):
+        for keys in (a, others, a):   # a trained, pushed out by 50 others (budget: 2 rows), trained again
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.nn.embedding_lookup(table, tf.constant(keys)) ** 2)
+            opt.apply_gradients([(tape.gradient(loss, table), table)])
+    _assert_same_tables(plain, hybrid, opt_p, opt_h)
+
+
+def test_checkpoint_and_dump_round_trips(rng, tmp_path):
+    cls, hp = OPTIMIZERS["adagrad"]
+    plain, hybrid, (opt_p, opt_h) = _tables("ck", 5, cls, hp)
+    pool = random_keys(rng, 80)
+
+    def train(table, opt, batches):
+        for lens, keys in batches:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(sok.lookup_sparse(table, to_ragged(lens, keys), combiners="mean") ** 2)
+            opt.apply_gradients([(tape.gradient(loss, table), table)])
+
+    first, second = _batches(rng, pool, 3), _batches(rng, pool, 3)
+    train(hybrid, opt_h, first)
+    ckpt = tf.train.Checkpoint(table=hybrid, opt=opt_h)
+    path = ckpt.write(str(tmp_path / "ck"))
+    sok.dump(str(tmp_path / "dump"), [hybrid], optimizer=opt_h)
+    train(hybrid, opt_h, second)
+    after = _state(hybrid, opt_h)
+    ckpt.read(path).assert_consumed()
+    train(hybrid, opt_h, second)
+    assert {k: [v.tolist() for v in vs] for k, vs in _state(hybrid, opt_h).items()} == \
+        {k: [v.tolist() for v in vs] for k, vs in after.items()}
+    # the dump of the hybrid table loads into a table without a host tier (same name), which trains on alike
+    del plain, opt_p
+    twin = sok.DynamicVariable(DIM, initializer="normal", seed=3, name="ck_hybrid")
+    opt_t = cls(learning_rate=0.05, **hp)
+    sok.load(str(tmp_path / "dump"), [twin], optimizer=opt_t)
+    train(twin, opt_t, second)
+    _assert_same_tables(twin, hybrid, opt_t, opt_h)
+    # and a dump of that table loads back into the hybrid one
+    sok.dump(str(tmp_path / "dump2"), [twin], optimizer=opt_t)
+    train(hybrid, opt_h, first)
+    sok.load(str(tmp_path / "dump2"), [hybrid], optimizer=opt_h)
+    _assert_same_tables(twin, hybrid, opt_t, opt_h)
+
+
+def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplog):
+    pool = random_keys(rng, 200)
+    picks = [pool[rng.choice(200, rng.integers(1, 4), p=_zipf(200))].tolist() for _ in range(128)]
+    y = rng.standard_normal((128, 1)).astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices((tf.ragged.constant(picks, tf.int64), y)).batch(16)
+    histories, tables = [], []
+    for budget in (None, _gib(6, [DIM, DIM, DIM])):
+        cfg = sok.TableConfig(f"k{len(tables)}", 8, DIM, combiner="sum", dynamic=True, initializer="normal", seed=2,
+                              max_hbm_for_vectors=budget)
+        inp = keras.Input(shape=(None,), dtype="int64", ragged=True)
+        coll = sok.layers.EmbeddingCollection(tables=[cfg], feature_to_table={"f": cfg.name})
+        model = keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(coll({"f": inp})["f"]))
+        model.compile(optimizer=sok.keras.Optimizer(keras.optimizers.SGD(0.05), sok.optimizers.Adam(0.02)),
+                      loss="mse")
+        with caplog.at_level(logging.INFO, logger="tf_sok"):
+            h = model.fit(ds, epochs=2, verbose=0, callbacks=[sok.keras.CacheStats()] if budget else [])
+        histories.append(h.history["loss"])
+        tables.append(coll.tables[cfg.name])
+    np.testing.assert_allclose(histories[1], histories[0], rtol=1e-6)
+    plain, hybrid = (getattr(t, "_dynamic", t) for t in tables)
+    a, b = sok.export(plain), sok.export(hybrid)
+    order_a, order_b = np.argsort(a[0].numpy()), np.argsort(b[0].numpy())
+    np.testing.assert_array_equal(a[0].numpy()[order_a], b[0].numpy()[order_b])
+    np.testing.assert_allclose(b[1].numpy()[order_b], a[1].numpy()[order_a], rtol=1e-6, atol=1e-7)
+    lines = [r.getMessage() for r in caplog.records if "hit rate" in r.getMessage()]
+    assert len(lines) == 2 and all("table 'k1'" in l for l in lines)
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="max_hbm_for_vectors needs var_type=\"hybrid\""):
+        sok.DynamicVariable(DIM, var_type="hbm", max_hbm_for_vectors=1)
+    with pytest.raises(ValueError, match="max_capacity .* is not supported"):
+        sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=1, max_capacity=100)
+    with pytest.raises(ValueError, match="must be a number of GiB >= 0, got -1"):
+        sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=-1)
+    plain = sok.DynamicVariable(DIM, name="no_tier")
+    with pytest.raises(ValueError, match="'no_tier' is not a hybrid table"):
+        sok.cache_stats(plain)
+    hybrid = sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=0.001, name="tiered")
+    with pytest.raises(ValueError, match="'tiered' is hybrid"):
+        hybrid.touched_since(0)
+    with pytest.raises(ValueError, match="'tiered' is hybrid"):
+        hybrid.export_rows()
+    with pytest.raises(ValueError, match="max_hbm_for_vectors are for dynamic tables"):
+        sok.TableConfig("s", 10, DIM, max_hbm_for_vectors=1)

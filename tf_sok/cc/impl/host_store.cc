@@ -1,0 +1,124 @@
+#include "tf_sok/cc/impl/host_store.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+namespace tf_sok {
+namespace impl {
+namespace {
+
+class PlainHostMemory : public HostMemory {
+ public:
+  void* Allocate(size_t bytes) override { return std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) / 64 * 64); }
+  void Free(void* p) override { std::free(p); }
+};
+
+}  // namespace
+
+std::unique_ptr<HostMemory> NewPlainHostMemory() { return std::make_unique<PlainHostMemory>(); }
+
+HostStore::HostStore(std::unique_ptr<HostMemory> memory) : memory_(std::move(memory)), row_of_key_(1024) {}
+
+HostStore::~HostStore() {
+  for (Array& a : arrays_) memory_->Free(a.base);
+}
+
+std::string HostStore::Reserve(int64_t rows) {
+  if (rows <= capacity_) return "";
+  const int64_t capacity = std::max<int64_t>({rows, 2 * capacity_, 1024});
+  std::vector<float*> fresh(arrays_.size(), nullptr);
+  for (size_t i = 0; i < arrays_.size(); ++i) {
+    fresh[i] = static_cast<float*>(memory_->Allocate(sizeof(float) * capacity * arrays_[i].width));
+    if (fresh[i] == nullptr) {
+      for (size_t j = 0; j < i; ++j) memory_->Free(fresh[j]);
+      return "ran out of host memory for its host tier (" + std::to_string(capacity) + " rows)";
+    }
+  }
+  for (size_t i = 0; i < arrays_.size(); ++i) {
+    Array& a = arrays_[i];
+    std::memcpy(fresh[i], a.base, sizeof(float) * count_ * a.width);
+    memory_->Free(a.base);
+    a.base = fresh[i];
+  }
+  capacity_ = capacity;
+  return "";
+}
+
+std::string HostStore::AddArray(int64_t width, float fill) {
+  Array a;
+  a.width = width;
+  a.fill = fill;
+  a.base = static_cast<float*>(memory_->Allocate(sizeof(float) * std::max<int64_t>(capacity_, 1) * width));
+  if (a.base == nullptr) return "ran out of host memory for its host tier";
+  std::fill(a.base, a.base + count_ * width, fill);
+  arrays_.push_back(a);
+  return "";
+}
+
+std::string HostStore::Insert(const int64_t* keys, int64_t n, int64_t* rows, uint8_t* fresh) {
+  int64_t added = 0;
+  for (int64_t j = 0; j < n; ++j) added += row_of_key_.Get(keys[j], -1) < 0;
+  const std::string error = Reserve(count_ + added);
+  if (!error.empty()) return error;
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t r = row_of_key_.Get(keys[j], -1);
+    fresh[j] = r < 0;
+    if (r < 0) {
+      r = count_++;
+      row_of_key_.Put(keys[j], r);
+      key_of_row_.push_back(keys[j]);
+      for (Array& a : arrays_) std::fill(a.base + r * a.width, a.base + (r + 1) * a.width, a.fill);
+    }
+    rows[j] = r;
+  }
+  return "";
+}
+
+void HostStore::Rows(const int64_t* keys, int64_t n, int64_t* rows) const {
+  for (int64_t j = 0; j < n; ++j) rows[j] = row_of_key_.Get(keys[j], -1);
+}
+
+std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector<const float*>& data) {
+  if (data.size() != arrays_.size())
+    return "its host tier has " + std::to_string(arrays_.size()) + " arrays, " + std::to_string(data.size()) +
+           " given";
+  KeyMap seen(std::max<int64_t>(n, 8));
+  for (int64_t j = 0; j < n; ++j) {
+    if (seen.Get(keys[j], -1) >= 0) return "key " + std::to_string(keys[j]) + " is given twice";
+    seen.Put(keys[j], j);
+  }
+  const std::string error = Reserve(n);
+  if (!error.empty()) return error;
+  for (size_t i = 0; i < arrays_.size(); ++i)
+    std::memcpy(arrays_[i].base, data[i], sizeof(float) * n * arrays_[i].width);
+  row_of_key_ = std::move(seen);
+  key_of_row_.assign(keys, keys + n);
+  count_ = n;
+  return "";
+}
+
+void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, const int64_t* store_rows, int64_t n,
+                float* store) {
+  for (int64_t j = 0; j < n; ++j)
+    std::memcpy(store + store_rows[j] * width, cache + cache_rows[j] * width, sizeof(float) * width);
+}
+
+void StoreRead(const float* store, int64_t width, const int64_t* store_rows, const uint8_t* fresh,
+               const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind, float a, float b,
+               int64_t seed, float fill, float* cache) {
+  for (int64_t j = 0; j < n; ++j) {
+    float* out = cache + cache_rows[j] * width;
+    if (!fresh[j]) {
+      std::memcpy(out, store + store_rows[j] * width, sizeof(float) * width);
+    } else if (init_kind >= 0) {
+      const uint64_t bits = InitialKeyBits(seed, keys[j]);
+      for (int64_t c = 0; c < width; ++c) out[c] = InitialValue(init_kind, a, b, bits, c);
+    } else {
+      std::fill(out, out + width, fill);
+    }
+  }
+}
+
+}  // namespace impl
+}  // namespace tf_sok

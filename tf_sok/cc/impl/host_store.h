@@ -1,0 +1,88 @@
+// The host tier of a hybrid dynamic table: the row of every key the table holds, for
+// each of its arrays (the values, then every optimizer slot), in host memory.
+//
+// A hybrid table's key index (dynamic_index.h, or its GPU form) is a cache of at most
+// max_keys rows in front of this store: a key the cache evicts has its rows written
+// here, a key the cache takes in has its rows read from here (or, the first time the
+// table sees it, set to its initial value / the slot's fill). Every key of the table
+// has a store row (the store is a superset of the cache); a cached key's store row is
+// current after the cache wrote it back (eviction, or Flush before a checkpoint).
+//
+// On GPU builds the memory is pinned and mapped into the device's address space, so
+// CUDA kernels read and write rows in place (zero-copy). Not thread safe: the caller
+// holds the index's lock.
+#ifndef TF_SOK_CC_IMPL_HOST_STORE_H_
+#define TF_SOK_CC_IMPL_HOST_STORE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tf_sok/cc/impl/dynamic_index.h"
+
+namespace tf_sok {
+namespace impl {
+
+// Where a store's rows live (plain host memory, or pinned and device-mapped memory).
+class HostMemory {
+ public:
+  virtual ~HostMemory() = default;
+  virtual void* Allocate(size_t bytes) = 0;  // nullptr when out of memory
+  virtual void Free(void* p) = 0;
+};
+
+std::unique_ptr<HostMemory> NewPlainHostMemory();
+
+class HostStore {
+ public:
+  explicit HostStore(std::unique_ptr<HostMemory> memory);
+  ~HostStore();
+  HostStore(const HostStore&) = delete;
+  HostStore& operator=(const HostStore&) = delete;
+
+  // A new array of `width` floats per row; rows already held get `fill`. "" or an error.
+  std::string AddArray(int64_t width, float fill);
+  int num_arrays() const { return static_cast<int>(arrays_.size()); }
+  int64_t width(int a) const { return arrays_[a].width; }
+  float* base(int a) { return arrays_[a].base; }
+  const float* base(int a) const { return arrays_[a].base; }
+  int64_t size() const { return count_; }
+  // The key of each row, rows [0, size()).
+  const std::vector<int64_t>& keys() const { return key_of_row_; }
+
+  // rows[j]: the row of keys[j], added (at the arrays' fills) when absent, in which case
+  // fresh[j] = 1 (else 0). The arrays may move (grow); "" or an error (nothing added then).
+  std::string Insert(const int64_t* keys, int64_t n, int64_t* rows, uint8_t* fresh);
+  // The rows of keys (-1 when absent).
+  void Rows(const int64_t* keys, int64_t n, int64_t* rows) const;
+  // Replaces the contents: keys[n] and, per array, its rows data[a] ([n, width(a)]).
+  std::string Replace(const int64_t* keys, int64_t n, const std::vector<const float*>& data);
+
+ private:
+  std::string Reserve(int64_t rows);
+  struct Array {
+    float* base = nullptr;
+    int64_t width = 0;
+    float fill = 0;
+  };
+  std::unique_ptr<HostMemory> memory_;
+  KeyMap row_of_key_;
+  std::vector<int64_t> key_of_row_;
+  std::vector<Array> arrays_;
+  int64_t count_ = 0, capacity_ = 0;
+};
+
+// Row moves between a cache's arrays and the store's, on the host.
+// store[store_rows[j]] = cache[cache_rows[j]]:
+void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, const int64_t* store_rows, int64_t n,
+                float* store);
+// cache[cache_rows[j]] = fresh[j] ? (init_kind >= 0 ? the initial value of keys[j] : fill) : store[store_rows[j]]:
+void StoreRead(const float* store, int64_t width, const int64_t* store_rows, const uint8_t* fresh,
+               const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind, float a, float b,
+               int64_t seed, float fill, float* cache);
+
+}  // namespace impl
+}  // namespace tf_sok
+
+#endif  // TF_SOK_CC_IMPL_HOST_STORE_H_
