@@ -3,7 +3,8 @@
 # tests, then the end-to-end and kernel benchmarks. Run on the GPU machine from the repo
 # root with a CUDA build of the op library: bash benchmarks/gpu_suite.sh <part> [out_dir]
 #   part: tests | e2e-readers [e2e_bench args] | e2e-fit [MODEL:SPE ...] | kernels | profile [args]
-#         | fuzz CASES MINUTES | soak MINUTES | dynamic [dynamic_bench args]
+#         | fuzz CASES MINUTES | soak MINUTES | dynamic [dynamic_bench args] | tier [tier_bench args]
+#         | readers [reader_scaling args]
 #         (E2E_ARGS: more e2e_bench arguments for e2e-fit)
 set -uo pipefail
 part=$1
@@ -20,6 +21,8 @@ case $part in
   fuzz)        python3 benchmarks/fuzz.py --device gpu --calls "$3" --minutes "$4" --jobs 4 --first-seed 300000 \
                  --json "$out/fuzz_gpu.json" 2>&1 | quiet | tail -30 | tee "$out/fuzz_gpu.txt" ;;
   dynamic)     shift 2; python3 benchmarks/dynamic_bench.py --json "$out/dynamic.json" "$@" 2>&1 | quiet | tee -a "$out/dynamic.txt" ;;
+  tier)        shift 2; python3 benchmarks/tier_bench.py --json "$out/tier.json" "$@" 2>&1 | quiet | tee -a "$out/tier.txt" ;;
+  readers)     shift 2; python3 benchmarks/reader_scaling.py "$@" 2>&1 | quiet | tee -a "$out/reader_scaling.txt" ;;
   soak)        python3 benchmarks/soak.py --minutes "$3" --out "$out/soak" 2>&1 | quiet | tee "$out/soak.txt" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

@@ -315,8 +315,8 @@ absl::Status PlanStore(tf::OpKernelContext*, const impl::GpuDevice& d, IndexReso
   auto* on_device = static_cast<uint8_t*>(d.scratch->Allocate(9 * n));
   if (!staging || !on_device) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of memory");
   auto* keys = reinterpret_cast<int64_t*>(staging);
-  cudaMemcpyAsync(keys, c.evicted_keys, 8 * c.num_evicted, cudaMemcpyDeviceToHost, stream);
-  cudaMemcpyAsync(keys + c.num_evicted, c.new_keys, 8 * c.num_new, cudaMemcpyDeviceToHost, stream);
+  if (c.num_evicted > 0) cudaMemcpyAsync(keys, c.evicted_keys, 8 * c.num_evicted, cudaMemcpyDeviceToHost, stream);
+  if (c.num_new > 0) cudaMemcpyAsync(keys + c.num_evicted, c.new_keys, 8 * c.num_new, cudaMemcpyDeviceToHost, stream);
   TF_RETURN_IF_ERROR(CudaWait(stream));
   TF_RETURN_IF_ERROR(StoreRowsOnHost(res, keys, n, staging));
   cudaMemcpyAsync(on_device, staging + 8 * n, 9 * n, cudaMemcpyHostToDevice, stream);   // rows, then fresh flags
@@ -796,8 +796,10 @@ absl::Status Flush(tf::OpKernelContext* ctx, IndexResource* res) {
     auto* lists = static_cast<int64_t*>(d.scratch->Allocate(16 * std::max<int64_t>(n, 1)));
     if (!lists) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of GPU memory");
     const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
-    cudaMemcpyAsync(lists, snap.slots.data(), 8 * n, cudaMemcpyHostToDevice, stream);
-    cudaMemcpyAsync(lists + n, store_rows, 8 * n, cudaMemcpyHostToDevice, stream);
+    if (n > 0) {
+      cudaMemcpyAsync(lists, snap.slots.data(), 8 * n, cudaMemcpyHostToDevice, stream);
+      cudaMemcpyAsync(lists + n, store_rows, 8 * n, cudaMemcpyHostToDevice, stream);
+    }
     for (size_t i = 0; i < res->arrays.size(); ++i) {
       tf::mutex_lock l(*res->arrays[i].var->mu());
       const tf::Tensor* t = res->arrays[i].var->tensor();

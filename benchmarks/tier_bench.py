@@ -1,0 +1,164 @@
+"""Hybrid tables (a host tier with a device cache of hot rows) against the same tables all in device
+memory, in one run.
+
+    python benchmarks/tier_bench.py [--tables 8] [--keys 2000000] [--dim 128] [--batch 65536]
+                                    [--cache-share 0.1] [--dists zipf:1.05 zipf:1.2 uniform]
+    python benchmarks/tier_bench.py --quick         (small sizes, any device)
+
+The DLRM-like step: `--tables` dynamic tables of `--keys` keys each (every key inserted before the
+timed steps, so the tables hold their full size), one id per sample and table drawn from the
+distribution (ids hashed to 64-bit keys), lookup + gradient + Adagrad (one state array per table).
+The hybrid tables get `max_hbm_for_vectors` = cache-share x their bytes (values and state): the
+rest lives in pinned host memory. Printed per distribution: ms per step of both, the ratio (aim
+<= 2x at Zipf 1.05), the cache's hit rate over the timed steps, bytes moved over the host link
+per step and the rate that makes, against the link's bandwidth measured in the same run
+(a 1 GiB host -> device and device -> host copy through TensorFlow).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import tf_sok as sok
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import ids_for  # noqa: E402
+
+HASH = np.int64(-7046029254386353131)   # odd: ids -> distinct 64-bit keys
+
+
+def link_bandwidth(device, gib: float):
+    """(host -> device, device -> host) GB/s of a `gib` GiB copy each way (each after a warm-up copy)."""
+    n = int(gib * 2**30) // 4
+    with tf.device("/CPU:0"):
+        host = tf.random.uniform([n])
+
+    def to(dst, x):
+        with tf.device(dst):
+            y = tf.identity(x)
+            float(tf.reduce_sum(y[:1]))   # waits for the copy
+        return y
+
+    rates = []
+    for dst, src in ((device, lambda: host), ("/CPU:0", lambda: dev)):
+        to(dst, src())
+        t0 = time.perf_counter()
+        y = to(dst, src())
+        rates.append(n * 4 / (time.perf_counter() - t0) / 1e9)
+        dev = y
+    return rates
+
+
+def batches(a, dist, count):
+    rng = np.random.default_rng(7)
+    out = []
+    for _ in range(count):
+        out.append([tf.RaggedTensor.from_row_splits(tf.constant(ids_for(rng, a.keys, a.batch, dist) * HASH),
+                                                    tf.range(a.batch + 1, dtype=tf.int64))
+                    for _ in range(a.tables)])
+    return out
+
+
+def make_tables(a, device, hybrid: bool, tag: str):
+    state_widths = 2 * a.dim                              # values + Adagrad's accumulator
+    budget = a.cache_share * a.keys * state_widths * 4 / 2**30
+    kw = dict(var_type="hybrid", max_hbm_for_vectors=budget) if hybrid else dict(init_capacity=a.keys + 1)
+    with tf.device(device):
+        tables = [sok.DynamicVariable(a.dim, initializer="uniform", name=f"{tag}{i}", **kw) for i in range(a.tables)]
+        every = np.arange(a.keys, dtype=np.int64) * HASH
+        for t in tables:   # every key in the table before the timed steps
+            for lo in range(0, a.keys, 1 << 20):
+                t.rows_for(tf.constant(every[lo:lo + (1 << 20)]))
+    return tables
+
+
+def run(a, device, tables, data):
+    opt = sok.optimizers.Adagrad(0.01)
+
+    @tf.function
+    def step(batch):
+        with tf.GradientTape() as tape:
+            outs = sok.lookup_sparse(tables, list(batch), combiners="sum")
+            loss = tf.add_n([tf.reduce_sum(o * o) for o in outs])
+        opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
+        return loss
+
+    with tf.device(device):
+        for b in data[:a.warmup]:
+            float(step(b))
+        before = [sok.cache_stats(t) for t in tables] if tables[0].hybrid else None
+        times = []
+        for b in data[a.warmup:]:
+            t0 = time.perf_counter()
+            float(step(b))
+            times.append(time.perf_counter() - t0)
+        after = [sok.cache_stats(t) for t in tables] if tables[0].hybrid else None
+    res = {"ms": float(np.median(times)) * 1e3}
+    if before:
+        d = {k: sum(x[k] - y[k] for x, y in zip(after, before)) for k in ("lookups", "misses", "bytes_to_device",
+                                                                           "bytes_to_host", "loaded", "evicted")}
+        steps = len(times)
+        res.update(hit_rate=1 - d["misses"] / d["lookups"], mb_per_step=(d["bytes_to_device"] + d["bytes_to_host"]) /
+                   steps / 1e6, loaded_per_step=d["loaded"] / steps, evicted_per_step=d["evicted"] / steps,
+                   cached=sum(x["cached"] for x in after))
+    return res
+
+
+def main():
+    gpu = bool(tf.config.list_physical_devices("GPU"))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--keys", type=int, default=2_000_000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=65536)
+    p.add_argument("--cache-share", type=float, default=0.1)
+    p.add_argument("--dists", nargs="+", default=["zipf:1.05", "zipf:1.2", "uniform"])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--link-gib", type=float, default=1.0)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json")
+    a = p.parse_args()
+    if a.quick:
+        a.tables, a.keys, a.dim, a.batch, a.iters, a.warmup, a.link_gib = 2, 20_000, 16, 2048, 3, 2, 0.05
+    device = "/GPU:0" if gpu else "/CPU:0"
+    total = a.tables * a.keys * 2 * a.dim * 4
+    print(f"tier_bench on {device}: {a.tables} tables x {a.keys:,} keys x dim {a.dim} + Adagrad state = "
+          f"{total / 1e9:.1f} GB; cache budget {a.cache_share:.0%} ({total * a.cache_share / 1e9:.2f} GB); "
+          f"batch {a.batch:,}, one id per sample and table")
+    out = {"device": device, "tables": a.tables, "keys": a.keys, "dim": a.dim, "batch": a.batch,
+           "cache_share": a.cache_share}
+    if gpu:
+        h2d, d2h = link_bandwidth(device, a.link_gib)
+        print(f"host link (TensorFlow copies of {a.link_gib} GiB): host -> device {h2d:.1f} GB/s, "
+              f"device -> host {d2h:.1f} GB/s")
+        out.update(h2d_gbs=h2d, d2h_gbs=d2h)
+    for dist in a.dists:
+        data = batches(a, dist, a.warmup + a.iters)
+        res = {}
+        for kind in ("hbm", "hybrid"):
+            t0 = time.perf_counter()
+            tables = make_tables(a, device, kind == "hybrid", f"{kind}_{dist.replace(':', '')}_")
+            fill = time.perf_counter() - t0
+            res[kind] = run(a, device, tables, data)
+            res[kind]["fill_s"] = fill
+            del tables
+        h, c = res["hbm"], res["hybrid"]
+        rate = c["mb_per_step"] / c["ms"]   # MB/ms = GB/s
+        print(f"  {dist:10s} all in device memory {h['ms']:8.2f} ms | hybrid {c['ms']:8.2f} ms = "
+              f"{c['ms'] / h['ms']:.2f}x | hit rate {c['hit_rate']:.4f} | {c['loaded_per_step']:,.0f} keys in, "
+              f"{c['evicted_per_step']:,.0f} out per step, {c['mb_per_step']:.1f} MB over the link "
+              f"({rate:.1f} GB/s while stepping) | tables filled in {h['fill_s']:.1f} / {c['fill_s']:.1f} s",
+              flush=True)
+        out[dist] = {"hbm": h, "hybrid": c, "ratio": c["ms"] / h["ms"]}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
