@@ -204,30 +204,45 @@ __global__ void InitialRowsAtKernel(int kind, float a, float b, int64_t seed, co
   base[rows[j] * width + c] = InitialValue(kind, a, b, InitialKeyBits(seed, keys[j]), c);
 }
 
-// one thread per float of the moved rows; the store side is pinned host memory, read or written
-// in place over the host link (consecutive threads touch consecutive floats of a row)
-__global__ void StoreWriteKernel(const float* cache, int64_t width, const int64_t* cache_rows,
-                                 const int64_t* store_rows, int64_t n, float* store) {
+// one thread per float (or float4, when rows are whole float4s) of the moved rows; the store side is
+// pinned host memory, read or written in place over the host link, consecutive threads touching
+// consecutive words of a row
+template <typename V>
+__global__ void StoreWriteKernel(const V* cache, int64_t width, const int64_t* cache_rows,
+                                 const int64_t* store_row_of, int64_t n, V* store) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n * width) return;
   const int64_t j = i / width, c = i - j * width;
-  store[store_rows[j] * width + c] = cache[cache_rows[j] * width + c];
+  const int64_t r = cache_rows[j];
+  store[store_row_of[r] * width + c] = cache[r * width + c];
 }
 
-__global__ void StoreReadKernel(const float* store, int64_t width, const int64_t* store_rows, const uint8_t* fresh,
-                                const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind, float a,
-                                float b, int64_t seed, float fill, float* cache) {
+template <typename V>
+__global__ void StoreCopyKernel(const V* store, int64_t width, const int64_t* store_rows, const uint8_t* fresh,
+                                const int64_t* cache_rows, int64_t n, V* cache) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n * width) return;
   const int64_t j = i / width, c = i - j * width;
-  float v;
-  if (!fresh[j])
-    v = store[store_rows[j] * width + c];
-  else if (init_kind >= 0)
-    v = InitialValue(init_kind, a, b, InitialKeyBits(seed, keys[j]), c);
-  else
-    v = fill;
-  cache[cache_rows[j] * width + c] = v;
+  if (!fresh[j]) cache[cache_rows[j] * width + c] = store[store_rows[j] * width + c];
+}
+
+__global__ void StoreFreshKernel(int64_t width, const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows,
+                                 int64_t n, int init_kind, float a, float b, int64_t seed, float fill, float* cache) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n * width) return;
+  const int64_t j = i / width, c = i - j * width;
+  if (fresh[j])
+    cache[cache_rows[j] * width + c] =
+        init_kind >= 0 ? InitialValue(init_kind, a, b, InitialKeyBits(seed, keys[j]), c) : fill;
+}
+
+__global__ void Scatter64Kernel(const int64_t* at, const int64_t* values, int64_t n, int64_t* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) out[at[i]] = values[i];
+}
+
+bool Float4Rows(int64_t width, const void* a, const void* b) {
+  return width % 4 == 0 && reinterpret_cast<uintptr_t>(a) % 16 == 0 && reinterpret_cast<uintptr_t>(b) % 16 == 0;
 }
 
 __global__ void FillRowsKernel(float* base, int64_t width, const int64_t* rows, int64_t n, float fill) {
@@ -749,18 +764,38 @@ void GpuInitialRowsAt(const GpuDevice& d, int kind, float a, float b, int64_t se
 }
 
 void GpuStoreWrite(const GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
-                   const int64_t* store_rows, int64_t n, float* store) {
-  if (n * width > 0)
-    StoreWriteKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(cache, width, cache_rows, store_rows, n, store);
+                   const int64_t* store_row_of, int64_t n, float* store) {
+  if (n * width == 0) return;
+  if (Float4Rows(width, cache, store)) {
+    const int64_t w = width / 4;
+    StoreWriteKernel<<<Blocks(n * w), kThreads, 0, StreamOf(d)>>>(reinterpret_cast<const float4*>(cache), w,
+                                                                   cache_rows, store_row_of, n,
+                                                                   reinterpret_cast<float4*>(store));
+  } else {
+    StoreWriteKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(cache, width, cache_rows, store_row_of, n,
+                                                                       store);
+  }
 }
 
 void GpuStoreRead(const GpuDevice& d, const float* store, int64_t width, const int64_t* store_rows,
                   const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind,
                   float a, float b, int64_t seed, float fill, float* cache) {
-  if (n * width > 0)
-    StoreReadKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(store, width, store_rows, fresh, keys,
-                                                                     cache_rows, n, init_kind, a, b, seed, fill,
-                                                                     cache);
+  if (n * width == 0) return;
+  if (Float4Rows(width, cache, store)) {
+    const int64_t w = width / 4;
+    StoreCopyKernel<<<Blocks(n * w), kThreads, 0, StreamOf(d)>>>(reinterpret_cast<const float4*>(store), w,
+                                                                  store_rows, fresh, cache_rows, n,
+                                                                  reinterpret_cast<float4*>(cache));
+  } else {
+    StoreCopyKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(store, width, store_rows, fresh, cache_rows, n,
+                                                                      cache);
+  }
+  StoreFreshKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(width, fresh, keys, cache_rows, n, init_kind, a,
+                                                                     b, seed, fill, cache);
+}
+
+void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, int64_t n, int64_t* out) {
+  if (n > 0) Scatter64Kernel<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(at, values, n, out);
 }
 
 namespace {

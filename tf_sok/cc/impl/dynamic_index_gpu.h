@@ -118,7 +118,9 @@ std::unique_ptr<HostMemory> NewPinnedHostMemory();
 // StoreWrite / StoreRead (host_store.h) as CUDA kernels: cache rows in device memory, the store in
 // pinned memory, row lists in either (device-accessible) memory.
 void GpuStoreWrite(const GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
-                   const int64_t* store_rows, int64_t n, float* store);
+                   const int64_t* store_row_of, int64_t n, float* store);
+// out[at[j]] = values[j] for j < n (device memory)
+void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, int64_t n, int64_t* out);
 void GpuStoreRead(const GpuDevice& d, const float* store, int64_t width, const int64_t* store_rows,
                   const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind,
                   float a, float b, int64_t seed, float fill, float* cache);

@@ -56,20 +56,26 @@ std::string HostStore::AddArray(int64_t width, float fill) {
   return "";
 }
 
-std::string HostStore::Insert(const int64_t* keys, int64_t n, int64_t* rows, uint8_t* fresh) {
+std::string HostStore::Insert(const int64_t* keys, int64_t n, int64_t* rows, uint8_t* fresh,
+                              const ParallelFor* parallel_for) {
+  auto find = [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) rows[j] = row_of_key_.Get(keys[j], -1);
+  };
+  if (parallel_for != nullptr && n > 4096)
+    (*parallel_for)(n, 200, find);   // lookups only: the map is not changed while they run
+  else
+    find(0, n);
   int64_t added = 0;
-  for (int64_t j = 0; j < n; ++j) added += row_of_key_.Get(keys[j], -1) < 0;
+  for (int64_t j = 0; j < n; ++j) added += rows[j] < 0;
   const std::string error = Reserve(count_ + added);
   if (!error.empty()) return error;
   for (int64_t j = 0; j < n; ++j) {
-    int64_t r = row_of_key_.Get(keys[j], -1);
-    fresh[j] = r < 0;
-    if (r < 0) {
-      r = count_++;
-      row_of_key_.Put(keys[j], r);
-      key_of_row_.push_back(keys[j]);
-      for (Array& a : arrays_) std::fill(a.base + r * a.width, a.base + (r + 1) * a.width, a.fill);
-    }
+    fresh[j] = rows[j] < 0;
+    if (rows[j] >= 0) continue;
+    const int64_t r = count_++;
+    row_of_key_.Put(keys[j], r);
+    key_of_row_.push_back(keys[j]);
+    for (Array& a : arrays_) std::fill(a.base + r * a.width, a.base + (r + 1) * a.width, a.fill);
     rows[j] = r;
   }
   return "";
@@ -98,10 +104,10 @@ std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector
   return "";
 }
 
-void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, const int64_t* store_rows, int64_t n,
+void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, const int64_t* store_row_of, int64_t n,
                 float* store) {
   for (int64_t j = 0; j < n; ++j)
-    std::memcpy(store + store_rows[j] * width, cache + cache_rows[j] * width, sizeof(float) * width);
+    std::memcpy(store + store_row_of[cache_rows[j]] * width, cache + cache_rows[j] * width, sizeof(float) * width);
 }
 
 void StoreRead(const float* store, int64_t width, const int64_t* store_rows, const uint8_t* fresh,

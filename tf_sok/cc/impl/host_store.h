@@ -51,9 +51,11 @@ class HostStore {
   // The key of each row, rows [0, size()).
   const std::vector<int64_t>& keys() const { return key_of_row_; }
 
-  // rows[j]: the row of keys[j], added (at the arrays' fills) when absent, in which case
+  // rows[j]: the row of distinct keys[j], added (at the arrays' fills) when absent, in which case
   // fresh[j] = 1 (else 0). The arrays may move (grow); "" or an error (nothing added then).
-  std::string Insert(const int64_t* keys, int64_t n, int64_t* rows, uint8_t* fresh);
+  // parallel_for (optional): the lookups run on the host's threads.
+  std::string Insert(const int64_t* keys, int64_t n, int64_t* rows, uint8_t* fresh,
+                     const ParallelFor* parallel_for = nullptr);
   // The rows of keys (-1 when absent).
   void Rows(const int64_t* keys, int64_t n, int64_t* rows) const;
   // Replaces the contents: keys[n] and, per array, its rows data[a] ([n, width(a)]).
@@ -74,8 +76,8 @@ class HostStore {
 };
 
 // Row moves between a cache's arrays and the store's, on the host.
-// store[store_rows[j]] = cache[cache_rows[j]]:
-void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, const int64_t* store_rows, int64_t n,
+// store[store_row_of[cache_rows[j]]] = cache[cache_rows[j]] (store_row_of: per cache row, its key's store row):
+void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, const int64_t* store_row_of, int64_t n,
                 float* store);
 // cache[cache_rows[j]] = fresh[j] ? (init_kind >= 0 ? the initial value of keys[j] : fill) : store[store_rows[j]]:
 void StoreRead(const float* store, int64_t width, const int64_t* store_rows, const uint8_t* fresh,

@@ -69,6 +69,10 @@ class IndexResource : public tf::ResourceBase {
     int64_t calls = 0, lookups = 0, misses = 0, loaded = 0, fresh = 0, evicted = 0, bytes_in = 0, bytes_out = 0;
   } stats;
   std::vector<uint8_t> staging_host;  // key and row lists (pinned on a GPU: staging_pinned)
+  // per cache row: the store row of the key it holds (a GPU index: store_row_dev, device memory)
+  std::vector<int64_t> store_row_host;
+  int64_t* store_row_dev = nullptr;
+  int64_t store_row_capacity = 0;
 #if TF_SOK_WITH_CUDA
   std::unique_ptr<impl::DeviceMemory> memory;
   std::unique_ptr<impl::GpuDynamicIndex> gpu;  // destroyed before `memory`
@@ -78,6 +82,7 @@ class IndexResource : public tf::ResourceBase {
   ~IndexResource() override {
     gpu.reset();
     if (staging_pinned) pinned->Free(staging_pinned);
+    if (store_row_dev) memory->Free(store_row_dev);
   }
 #endif
   // host memory for `bytes` of key / row lists, reused by the next call (which first waits for the
@@ -200,8 +205,8 @@ void GatherRows(const impl::CpuDevice&, const float* base, int64_t width, const 
 }
 void Fill(const impl::CpuDevice&, float* p, int64_t count, float value) { impl::Fill(p, count, value); }
 void StoreWrite(const impl::CpuDevice&, const float* cache, int64_t width, const int64_t* cache_rows,
-                const int64_t* store_rows, int64_t n, float* store) {
-  impl::StoreWrite(cache, width, cache_rows, store_rows, n, store);
+                const int64_t* store_row_of, int64_t n, float* store) {
+  impl::StoreWrite(cache, width, cache_rows, store_row_of, n, store);
 }
 void StoreRead(const impl::CpuDevice&, const IndexResource& r, const IndexResource::Array& a, const float* store,
                int64_t width, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,
@@ -211,8 +216,8 @@ void StoreRead(const impl::CpuDevice&, const IndexResource& r, const IndexResour
 }
 #if TF_SOK_WITH_CUDA
 void StoreWrite(const impl::GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
-                const int64_t* store_rows, int64_t n, float* store) {
-  impl::GpuStoreWrite(d, cache, width, cache_rows, store_rows, n, store);
+                const int64_t* store_row_of, int64_t n, float* store) {
+  impl::GpuStoreWrite(d, cache, width, cache_rows, store_row_of, n, store);
 }
 void StoreRead(const impl::GpuDevice& d, const IndexResource& r, const IndexResource::Array& a, const float* store,
                int64_t width, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,
@@ -269,35 +274,52 @@ struct Changes {
   int64_t num_evicted = 0;
 };
 
-// A hybrid table's store rows for a call's evicted keys and new keys (fresh: the store had no row
-// for the key yet), in memory the call's device reads.
+// A hybrid table's store rows for a call's new keys (fresh: the store had no row for the key yet),
+// in memory the call's device reads, and its per-cache-row store rows.
 struct StorePlan {
-  const int64_t* evicted_rows = nullptr;
   const int64_t* new_rows = nullptr;
   const uint8_t* fresh = nullptr;
+  int64_t* store_row_of = nullptr;
+  int64_t fresh_count = 0;
 };
 
-// Store rows of the evicted and new keys (inserted when absent), on the host.
-absl::Status StoreRowsOnHost(IndexResource* res, const int64_t* keys, int64_t n, uint8_t* staging) {
+// The store rows of distinct keys (inserted when absent) into staging [keys | rows | fresh flags].
+absl::Status StoreRowsOnHost(tf::OpKernelContext* ctx, IndexResource* res, const int64_t* keys, int64_t n,
+                             uint8_t* staging, int64_t* fresh_count) {
   int64_t* rows = reinterpret_cast<int64_t*>(staging + 8 * n);
   uint8_t* fresh = staging + 16 * n;
-  const std::string error = res->store->Insert(keys, n, rows, fresh);
-  return error.empty() ? absl::OkStatus() : Failed(*res, ": ", error);
+  TensorScratch scratch(ctx);
+  const impl::CpuDevice host = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+  const std::string error = res->store->Insert(keys, n, rows, fresh, &host.parallel_for);
+  if (!error.empty()) return Failed(*res, ": ", error);
+  *fresh_count = 0;
+  for (int64_t j = 0; j < n; ++j) *fresh_count += fresh[j];
+  return absl::OkStatus();
 }
 
-absl::Status PlanStore(tf::OpKernelContext*, const impl::CpuDevice&, IndexResource* res, const Changes& c,
-                       StorePlan* p) {
-  const int64_t n = c.num_evicted + c.num_new;
-  uint8_t* staging = res->Staging(17 * n);
-  auto* keys = reinterpret_cast<int64_t*>(staging);
-  std::copy(c.evicted_keys, c.evicted_keys + c.num_evicted, keys);
-  std::copy(c.new_keys, c.new_keys + c.num_new, keys + c.num_evicted);
-  TF_RETURN_IF_ERROR(StoreRowsOnHost(res, keys, n, staging));
-  auto* rows = reinterpret_cast<const int64_t*>(staging + 8 * n);
-  p->evicted_rows = rows;
-  p->new_rows = rows + c.num_evicted;
-  p->fresh = staging + 16 * n + c.num_evicted;
+absl::Status StoreRowArray(tf::OpKernelContext*, const impl::CpuDevice&, IndexResource* res, int64_t rows,
+                           int64_t** out) {
+  if (static_cast<int64_t>(res->store_row_host.size()) < rows) res->store_row_host.resize(rows, 0);
+  *out = res->store_row_host.data();
   return absl::OkStatus();
+}
+
+absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::CpuDevice& d, IndexResource* res, const Changes& c,
+                       StorePlan* p) {
+  TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, c.rows, &p->store_row_of));
+  const int64_t n = c.num_new;
+  if (n == 0) return absl::OkStatus();
+  uint8_t* staging = res->Staging(17 * n);
+  std::copy(c.new_keys, c.new_keys + n, reinterpret_cast<int64_t*>(staging));
+  TF_RETURN_IF_ERROR(StoreRowsOnHost(ctx, res, reinterpret_cast<int64_t*>(staging), n, staging, &p->fresh_count));
+  p->new_rows = reinterpret_cast<const int64_t*>(staging + 8 * n);
+  p->fresh = staging + 16 * n;
+  return absl::OkStatus();
+}
+
+void SetStoreRows(const impl::CpuDevice&, int64_t* store_row_of, const int64_t* cache_rows, const int64_t* rows,
+                  int64_t n) {
+  for (int64_t j = 0; j < n; ++j) store_row_of[cache_rows[j]] = rows[j];
 }
 
 #if TF_SOK_WITH_CUDA
@@ -306,25 +328,50 @@ absl::Status CudaWait(cudaStream_t stream) {
   return e == cudaSuccess ? absl::OkStatus() : absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(e));
 }
 
-// The keys come back to the host (one wait), the host store gives their rows, which go to the device.
-absl::Status PlanStore(tf::OpKernelContext*, const impl::GpuDevice& d, IndexResource* res, const Changes& c,
+absl::Status StoreRowArray(tf::OpKernelContext*, const impl::GpuDevice& d, IndexResource* res, int64_t rows,
+                           int64_t** out) {
+  if (rows > res->store_row_capacity) {
+    const int64_t capacity = std::max(rows, 2 * res->store_row_capacity);
+    auto* fresh = static_cast<int64_t*>(res->memory->Allocate(8 * capacity));
+    if (!fresh) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of GPU memory");
+    const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+    cudaMemsetAsync(fresh, 0, 8 * capacity, stream);
+    if (res->store_row_dev) {
+      cudaMemcpyAsync(fresh, res->store_row_dev, 8 * res->store_row_capacity, cudaMemcpyDeviceToDevice, stream);
+      TF_RETURN_IF_ERROR(CudaWait(stream));   // before the old array goes back to the allocator
+      res->memory->Free(res->store_row_dev);
+    }
+    res->store_row_dev = fresh;
+    res->store_row_capacity = capacity;
+  }
+  *out = res->store_row_dev;
+  return absl::OkStatus();
+}
+
+// The new keys come back to the host (one wait), the host store gives their rows (the lookups on the
+// host's threads), which go to the device; evicted rows need no lookup (store_row_of has them).
+absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res, const Changes& c,
                        StorePlan* p) {
+  TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, c.rows, &p->store_row_of));
+  const int64_t n = c.num_new;
+  if (n == 0) return absl::OkStatus();
   const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
-  const int64_t n = c.num_evicted + c.num_new;
   uint8_t* staging = res->Staging(17 * n);
   auto* on_device = static_cast<uint8_t*>(d.scratch->Allocate(9 * n));
   if (!staging || !on_device) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of memory");
   auto* keys = reinterpret_cast<int64_t*>(staging);
-  if (c.num_evicted > 0) cudaMemcpyAsync(keys, c.evicted_keys, 8 * c.num_evicted, cudaMemcpyDeviceToHost, stream);
-  if (c.num_new > 0) cudaMemcpyAsync(keys + c.num_evicted, c.new_keys, 8 * c.num_new, cudaMemcpyDeviceToHost, stream);
+  cudaMemcpyAsync(keys, c.new_keys, 8 * n, cudaMemcpyDeviceToHost, stream);
   TF_RETURN_IF_ERROR(CudaWait(stream));
-  TF_RETURN_IF_ERROR(StoreRowsOnHost(res, keys, n, staging));
+  TF_RETURN_IF_ERROR(StoreRowsOnHost(ctx, res, keys, n, staging, &p->fresh_count));
   cudaMemcpyAsync(on_device, staging + 8 * n, 9 * n, cudaMemcpyHostToDevice, stream);   // rows, then fresh flags
-  auto* rows = reinterpret_cast<const int64_t*>(on_device);
-  p->evicted_rows = rows;
-  p->new_rows = rows + c.num_evicted;
-  p->fresh = on_device + 8 * n + c.num_evicted;
+  p->new_rows = reinterpret_cast<const int64_t*>(on_device);
+  p->fresh = on_device + 8 * n;
   return absl::OkStatus();
+}
+
+void SetStoreRows(const impl::GpuDevice& d, int64_t* store_row_of, const int64_t* cache_rows, const int64_t* rows,
+                  int64_t n) {
+  impl::GpuScatter64(d, cache_rows, rows, n, store_row_of);
 }
 #endif
 
@@ -336,23 +383,18 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
                               float* evicted_values) {
   StorePlan plan;
   const bool moves = res->store && (c.num_new > 0 || c.num_evicted > 0);
-  if (moves) TF_RETURN_IF_ERROR(PlanStore(ctx, d, res, c, &plan));
+  if (res->store) TF_RETURN_IF_ERROR(PlanStore(ctx, d, res, c, &plan));
   if (res->store) {
     int64_t row_bytes = 0;
     for (int i = 0; i < res->store->num_arrays(); ++i) row_bytes += 4 * res->store->width(i);
-    int64_t fresh = 0;
-    if (moves) {   // the fresh flags of the new keys are on the host, in the staging lists
-      const uint8_t* flags = res->Staging(0) + 16 * (c.num_evicted + c.num_new) + c.num_evicted;
-      for (int64_t j = 0; j < c.num_new; ++j) fresh += flags[j];
-    }
     IndexResource::Stats& st = res->stats;
     ++st.calls;
     st.lookups += c.positions;
     st.misses += c.missing_positions;
     st.loaded += c.num_new;
-    st.fresh += fresh;
+    st.fresh += plan.fresh_count;
     st.evicted += c.num_evicted;
-    st.bytes_in += (c.num_new - fresh) * row_bytes;
+    st.bytes_in += (c.num_new - plan.fresh_count) * row_bytes;
     st.bytes_out += c.num_evicted * row_bytes;
   }
   for (size_t i = 0; i < res->arrays.size(); ++i) {
@@ -362,8 +404,8 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
     const int64_t width = t->dims() == 2 ? t->dim_size(1) : 1;
     if (a.values && evicted_values != nullptr && c.num_evicted > 0)
       GatherRows(d, t->flat<float>().data(), width, c.evicted_slots, c.num_evicted, evicted_values);
-    if (moves && c.num_evicted > 0)
-      StoreWrite(d, t->flat<float>().data(), width, c.evicted_slots, plan.evicted_rows, c.num_evicted,
+    if (moves && c.num_evicted > 0)   // written back before new keys take the rows
+      StoreWrite(d, t->flat<float>().data(), width, c.evicted_slots, plan.store_row_of, c.num_evicted,
                  res->store->base(i));
     if (c.num_new == 0 && t->dim_size(0) >= c.rows && !a.values) continue;
     TF_RETURN_IF_ERROR(GrowArray(ctx, d, *res, a, c.rows));
@@ -377,6 +419,7 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
     else
       FillRows(d, base, width, c.new_slots, c.num_new, a.fill);
   }
+  if (moves && c.num_new > 0) SetStoreRows(d, plan.store_row_of, c.new_slots, plan.new_rows, c.num_new);
   return absl::OkStatus();
 }
 
@@ -673,6 +716,8 @@ class SizeOp : public tf::OpKernel {
   }
 };
 
+absl::Status RelinkCache(tf::OpKernelContext* ctx, IndexResource* res);
+
 // The index's contents, on the host (the caller holds res->mu).
 absl::Status ExportIndex(tf::OpKernelContext* ctx, IndexResource* res, impl::DynamicIndexSnapshot* snap) {
 #if TF_SOK_WITH_CUDA
@@ -777,6 +822,7 @@ class ImportOp : public tf::OpKernel {
     snap.next_free = counters.flat<int64_t>()(2);
     tf::mutex_lock l(res->mu);
     OP_REQUIRES_OK(ctx, ImportIndex(ctx, res.get(), snap));
+    if (res->store) OP_REQUIRES_OK(ctx, RelinkCache(ctx, res.get()));
   }
 };
 
@@ -785,36 +831,68 @@ absl::Status Flush(tf::OpKernelContext* ctx, IndexResource* res) {
   impl::DynamicIndexSnapshot snap;
   TF_RETURN_IF_ERROR(ExportIndex(ctx, res, &snap));
   const int64_t n = static_cast<int64_t>(snap.keys.size());
-  uint8_t* staging = res->Staging(17 * std::max<int64_t>(n, 1));
-  if (!staging) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of host memory");
-  TF_RETURN_IF_ERROR(StoreRowsOnHost(res, snap.keys.data(), n, staging));
-  const auto* store_rows = reinterpret_cast<const int64_t*>(staging + 8 * n);
   TensorScratch scratch(ctx);
 #if TF_SOK_WITH_CUDA
   if (res->gpu) {
     const impl::GpuDevice d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
-    auto* lists = static_cast<int64_t*>(d.scratch->Allocate(16 * std::max<int64_t>(n, 1)));
-    if (!lists) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of GPU memory");
+    int64_t* store_row_of = nullptr;
+    TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, res->gpu->rows(), &store_row_of));
+    auto* slots = static_cast<int64_t*>(d.scratch->Allocate(8 * std::max<int64_t>(n, 1)));
+    if (!slots) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of GPU memory");
     const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
-    if (n > 0) {
-      cudaMemcpyAsync(lists, snap.slots.data(), 8 * n, cudaMemcpyHostToDevice, stream);
-      cudaMemcpyAsync(lists + n, store_rows, 8 * n, cudaMemcpyHostToDevice, stream);
-    }
+    if (n > 0) cudaMemcpyAsync(slots, snap.slots.data(), 8 * n, cudaMemcpyHostToDevice, stream);
     for (size_t i = 0; i < res->arrays.size(); ++i) {
       tf::mutex_lock l(*res->arrays[i].var->mu());
       const tf::Tensor* t = res->arrays[i].var->tensor();
-      StoreWrite(d, t->flat<float>().data(), res->store->width(i), lists, lists + n, n, res->store->base(i));
+      StoreWrite(d, t->flat<float>().data(), res->store->width(i), slots, store_row_of, n, res->store->base(i));
     }
     return CudaWait(stream);
   }
 #endif
   const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+  int64_t* store_row_of = nullptr;
+  TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, res->host->rows(), &store_row_of));
   for (size_t i = 0; i < res->arrays.size(); ++i) {
     tf::mutex_lock l(*res->arrays[i].var->mu());
     const tf::Tensor* t = res->arrays[i].var->tensor();
-    StoreWrite(d, t->flat<float>().data(), res->store->width(i), snap.slots.data(), store_rows, n,
+    StoreWrite(d, t->flat<float>().data(), res->store->width(i), snap.slots.data(), store_row_of, n,
                res->store->base(i));
   }
+  return absl::OkStatus();
+}
+
+// After the store or the cache was replaced: the store row of every cached key (added to the store
+// when absent, at its fills: the cache's rows are written back there before they are read).
+absl::Status RelinkCache(tf::OpKernelContext* ctx, IndexResource* res) {
+  impl::DynamicIndexSnapshot snap;
+  TF_RETURN_IF_ERROR(ExportIndex(ctx, res, &snap));
+  const int64_t n = static_cast<int64_t>(snap.keys.size());
+  uint8_t* staging = res->Staging(17 * std::max<int64_t>(n, 1));
+  if (!staging) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of host memory");
+  int64_t fresh = 0;
+  TF_RETURN_IF_ERROR(StoreRowsOnHost(ctx, res, snap.keys.data(), n, staging, &fresh));
+  const auto* rows = reinterpret_cast<const int64_t*>(staging + 8 * n);
+  TensorScratch scratch(ctx);
+#if TF_SOK_WITH_CUDA
+  if (res->gpu) {
+    const impl::GpuDevice d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
+    int64_t* store_row_of = nullptr;
+    TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, res->gpu->rows(), &store_row_of));
+    auto* lists = static_cast<int64_t*>(d.scratch->Allocate(16 * std::max<int64_t>(n, 1)));
+    if (!lists) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of GPU memory");
+    const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+    if (n > 0) {
+      cudaMemcpyAsync(lists, snap.slots.data(), 8 * n, cudaMemcpyHostToDevice, stream);
+      cudaMemcpyAsync(lists + n, rows, 8 * n, cudaMemcpyHostToDevice, stream);
+    }
+    SetStoreRows(d, store_row_of, lists, lists + n, n);
+    return CudaWait(stream);
+  }
+#endif
+  const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+  int64_t* store_row_of = nullptr;
+  TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, res->host->rows(), &store_row_of));
+  SetStoreRows(d, store_row_of, snap.slots.data(), rows, n);
   return absl::OkStatus();
 }
 
@@ -906,6 +984,7 @@ class StoreImportOp : public tf::OpKernel {
     }
     const std::string error = store.Replace(keys.flat<int64_t>().data(), n, data);
     OP_REQUIRES(ctx, error.empty(), Failed(*res, ": restoring its host tier: ", error));
+    OP_REQUIRES_OK(ctx, RelinkCache(ctx, res.get()));
   }
 
  private:
