@@ -50,11 +50,13 @@ def test_gpu_hybrid_trains_as_the_cpu_hybrid_and_the_all_hbm_table(rng, case):
         outs.append(_train(t, opt, batches, device))
         tables.append(t)
         opts.append(opt)
-    for a, b, c in zip(*outs):   # the GPU's and the CPU's kernels round differently: the steps drift apart
+    # the GPU's and the CPU's kernels round differently, and the GPU sums a key's duplicate gradients
+    # with atomics (in no fixed order): the runs drift apart at float32 rounding level
+    for a, b, c in zip(*outs):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
-        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=2e-5)
     _assert_same_tables(tables[0], tables[1], opts[0], opts[1], atol=2e-5)
-    _assert_same_tables(tables[0], tables[2], opts[0], opts[2], atol=1e-6)
+    _assert_same_tables(tables[0], tables[2], opts[0], opts[2], atol=2e-5)
     gpu, cpu = sok.cache_stats(tables[0]), sok.cache_stats(tables[1])
     assert gpu == cpu and gpu["evicted"] > 0 and gpu["bytes_to_device"] > 0
 
