@@ -20,8 +20,9 @@ def key_pool(seed):
     return pool
 
 
-def make_tables(seed, modes=None):
-    """The tables; `modes`: other placements of the dynamic ones ({name: mode})."""
+def make_tables(seed, modes=None, hybrid=False):
+    """The tables; `modes`: other placements of the dynamic ones ({name: mode}); hybrid: the dynamic
+    ones with a host tier whose cache holds 3 rows (of values and Adam's two moments and step)."""
     tables = {}
     for name, (dim, mode) in TABLES.items():
         mode = (modes or {}).get(name, mode)
@@ -29,8 +30,9 @@ def make_tables(seed, modes=None):
             init = np.random.default_rng(seed + 7).standard_normal((STATIC_ROWS, dim)).astype(np.float32)
             tables[name] = sok.Variable(init, name=name)
         else:
+            tier = dict(var_type="hybrid", max_hbm_for_vectors=3 * 4 * (3 * dim + 1) / 2**30) if hybrid else {}
             tables[name] = sok.DynamicVariable(dim, initializer="normal", mode=mode, seed=seed % 1000, name=name,
-                                               init_capacity=8)
+                                               init_capacity=8, **tier)
     return tables
 
 

@@ -201,11 +201,13 @@ def test_ranks_waiting_on_different_collectives_end_in_bounded_time(tmp_path, mo
     assert elapsed < limit + 30, elapsed  # start-up and the first lookup included
 
 
-@pytest.mark.parametrize("n, scenario", [(2, "dynamic_training"), (3, "dynamic_training"), (2, "sok_script")])
+@pytest.mark.parametrize("n, scenario", [(2, "dynamic_training"), (3, "dynamic_training"), (2, "sok_script"),
+                                         (3, "hybrid_training")])
 def test_dynamic_tables_train_like_one_process(tmp_path, seed, n, scenario):
     """Each key ends on its owner (floormod(key, n), or the localized rank) with the value one
     process training on the global batch gives it; dense weights alike. sok_script: written as
-    SOK's scripts are (comm_tool, OptimizerWrapper over a tf_keras legacy optimizer)."""
+    SOK's scripts are (comm_tool, OptimizerWrapper over a tf_keras legacy optimizer). hybrid_training:
+    the ranks' dynamic tables have host tiers (3 cached rows), the one process's have none."""
     import tf_keras
 
     from tests.horovod import dynamic_case as dc

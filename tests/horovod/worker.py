@@ -209,18 +209,25 @@ def rank_skips_lookup(seed, out):
     print(f"rank {hvd.rank()}: the diverged step returned", flush=True)
 
 
-def dynamic_training(seed, out):
+def dynamic_training(seed, out, hybrid=False):
     """Dynamic tables (distributed and localized) with a static one in one fused lookup, trained on
-    this rank's slice of each global batch ("mean" reduction)."""
+    this rank's slice of each global batch ("mean" reduction); hybrid: with host tiers."""
     from tests.horovod import dynamic_case as dc
 
     N, r = hvd.size(), hvd.rank()
     sok.init(sparse_grad_reduction="mean")
-    tables = dc.make_tables(seed)
+    tables = dc.make_tables(seed, hybrid=hybrid)
     dense_w = tf.Variable(dc.dense_init())
     batches = [dc.rank_slice(*dc.global_batch(seed, s), r, N) for s in range(dc.STEPS)]
     dc.train(tables, dense_w, batches, dense_tape=hvd.DistributedGradientTape)
+    if hybrid:   # every rank's shard of the distributed table went through its host tier
+        stats = sok.cache_stats(tables["users"])
+        assert stats["evicted"] > 0 and stats["bytes_to_device"] > 0, stats
     np.savez(out, **dc.results(tables, dense_w))
+
+
+def hybrid_training(seed, out):
+    dynamic_training(seed, out, hybrid=True)
 
 
 def sok_script(seed, out):
