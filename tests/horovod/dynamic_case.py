@@ -11,6 +11,7 @@ STEPS = 4
 TABLES = {"users": (4, "distributed"), "pairs": (3, "localized:0"), "small": (4, None)}
 FEATURES = [("u", "users", "mean"), ("u2", "users", "sum"), ("p", "pairs", "sum"), ("s", "small", "mean")]
 STATIC_ROWS = 20
+HYBRID_POOL = 60   # keys the hybrid scenario draws from: more than a step uses, so keys leave and come back
 
 
 def key_pool(seed):
@@ -36,15 +37,16 @@ def make_tables(seed, modes=None, hybrid=False):
     return tables
 
 
-def global_batch(seed, step):
-    """Per feature (lens, ids) over GLOBAL_BATCH rows, and the target [GLOBAL_BATCH, 15]."""
+def global_batch(seed, step, pool_size=30):
+    """Per feature (lens, ids) over GLOBAL_BATCH rows (dynamic tables' ids from the first `pool_size`
+    keys of the pool), and the target [GLOBAL_BATCH, 15]."""
     rng = np.random.default_rng(seed * 100 + step)
     pool = key_pool(seed)
     feats = {}
     for name, table, _ in FEATURES:
         lens = rng.integers(0, 4, GLOBAL_BATCH)
         n = int(lens.sum())
-        ids = rng.integers(0, STATIC_ROWS, n) if TABLES[table][1] is None else pool[rng.integers(0, 30, n)]
+        ids = rng.integers(0, STATIC_ROWS, n) if TABLES[table][1] is None else pool[rng.integers(0, pool_size, n)]
         feats[name] = (lens, ids.astype(np.int64))
     return feats, rng.standard_normal((GLOBAL_BATCH, 15)).astype(np.float32)
 

@@ -218,7 +218,8 @@ def dynamic_training(seed, out, hybrid=False):
     sok.init(sparse_grad_reduction="mean")
     tables = dc.make_tables(seed, hybrid=hybrid)
     dense_w = tf.Variable(dc.dense_init())
-    batches = [dc.rank_slice(*dc.global_batch(seed, s), r, N) for s in range(dc.STEPS)]
+    pool = dc.HYBRID_POOL if hybrid else 30
+    batches = [dc.rank_slice(*dc.global_batch(seed, s, pool), r, N) for s in range(dc.STEPS)]
     dc.train(tables, dense_w, batches, dense_tape=hvd.DistributedGradientTape)
     if hybrid:   # every rank's shard of the distributed table went through its host tier
         stats = sok.cache_stats(tables["users"])
