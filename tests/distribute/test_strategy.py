@@ -201,7 +201,7 @@ def _check_dynamic(n, res, prefix, ref, modes):
 
 def test_mirrored_dump_loads_under_other_modes_and_in_one_process(mirrored):
     """sok.dump of the dynamic scenario's tables under n replicas: loaded back there with the dynamic
-    tables' modes swapped and trained on equals one device training without a break; loaded in this
+    tables' modes swapped (and host tiers) and trained on equals one device training without a break; loaded in this
     one process it equals the one-device tables at the dump."""
     from tests.horovod import dynamic_case as dc
     import tf_sok as sok

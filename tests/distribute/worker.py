@@ -310,11 +310,12 @@ def dynamic(seed, res):
 
     train(tables, sparse_opt, range(dc.STEPS))
     record(tables, "")
-    # sok.dump under N replicas; loaded back with the dynamic tables' modes swapped, STEPS more steps
+    # sok.dump under N replicas; loaded back with the dynamic tables' modes swapped and host tiers
+    # (3 cached rows per replica), STEPS more steps
     res["dump_path"] = path = os.path.join(OUTDIR, "dynamic_dump")
     sok.dump(path, list(tables.values()), sparse_opt)
     with STRATEGY.scope():
-        resumed = dc.make_tables(seed, {"users": f"localized:{N - 1}", "pairs": "distributed"})
+        resumed = dc.make_tables(seed, {"users": f"localized:{N - 1}", "pairs": "distributed"}, hybrid=True)
         resumed_opt = sok.optimizers.Adam(learning_rate=0.05)
     sok.load(path, list(resumed.values()), resumed_opt)
     train(resumed, resumed_opt, range(dc.STEPS, 2 * dc.STEPS))
