@@ -1,5 +1,6 @@
 """Where the Parquet reader's scaling stops: the block builder alone in T Python threads (no
-TensorFlow), then the tf.data reader at T pieces, over DCNv2 multi-hot files.
+TensorFlow), then the tf.data reader at T pieces, then with its blocks built by W worker
+processes (read_parquet(workers=W)), over DCNv2 multi-hot files.
 
     python benchmarks/reader_scaling.py [--files 8] [--rows 131072]
 """
@@ -60,6 +61,10 @@ def main():
             ds = sd.read_parquet(d, a.batch, parallel_files=t, id_dtype=tf.int32, deterministic=det)
             print(f"  read_parquet, {t:2d} pieces, deterministic={det}: "
                   f"{graph_rows_per_second(ds, steps):12,.0f} rows/s", flush=True)
+    for w in sorted({2, max(2, cores // 2), cores}):   # blocks built in w processes (after a warm-up pass)
+        ds = sd.read_parquet(d, a.batch, parallel_files=cores, id_dtype=tf.int32, deterministic=False, workers=w)
+        print(f"  read_parquet, {cores} pieces built by {w:2d} worker processes: "
+              f"{graph_rows_per_second(ds, steps):12,.0f} rows/s", flush=True)
 
 
 if __name__ == "__main__":

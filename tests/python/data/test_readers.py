@@ -363,3 +363,32 @@ def test_written_ids_are_int32_under_2_31_rows_and_statistics_spare_the_scan(tmp
     wide = sd.CriteoSchema(vocab_sizes=(2**31,) + (77,) * 25)
     assert pq.read_schema(str(path)).field("C1").type == pa.int32() and columnar.id_arrow_type(wide) == pa.int64()
     assert_same(collect(sd.read_parquet(str(path), 8, schema)), expected(lines, schema))
+
+
+def test_parquet_blocks_built_in_worker_processes_equal_the_reference(tmp_path, rng):
+    """read_parquet(workers=2): the same batches as the reference, whole files and pieces of one file,
+    int32 and int64 ids; an id outside its table and a file lacking columns name the file, column and
+    value as in one process; workers must be a positive count."""
+    parts = [_write_random_parquet(rng, str(tmp_path / f"p{k}.parquet"), int(rng.integers(80, 200)), SCHEMA, True)
+             for k in range(2)]
+    want = (np.concatenate([p[0] for p in parts]), {n: sum((p[1][n] for p in parts), [])
+                                                   for n in SCHEMA.categorical_names},
+            np.concatenate([p[2] for p in parts]))
+    batch = int(rng.integers(5, 40))
+    for id_dtype, parallel in ((tf.int64, 1), (tf.int32, 5)):   # 5 > files: runs of row groups side by side
+        ds = sd.read_parquet(str(tmp_path), batch, SCHEMA, parallel_files=parallel, id_dtype=id_dtype, workers=2,
+                             block_rows=int(rng.integers(1, 100)))
+        got = collect(ds)
+        assert_same(in_row_order(got), in_row_order(want))
+        if parallel == 1:
+            assert_same(got, want)   # in file order
+    (tmp_path / "bad").mkdir()
+    _write_random_parquet(rng, str(tmp_path / "bad" / "x.parquet"), 30, sd.CriteoSchema(vocab_sizes=(5000,) * 26),
+                          False)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"x.parquet: column C1 has id \d+ outside \[0, 1000\)"):
+        collect(sd.read_parquet(str(tmp_path / "bad"), 8, sd.CriteoSchema(vocab_sizes=(1000,) * 26), workers=2))
+    pq.write_table(pa.table({"label": pa.array([1.0], pa.float32())}), str(tmp_path / "bad" / "y.parquet"))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"y.parquet lacks Criteo columns \['I1'"):
+        collect(sd.read_parquet(str(tmp_path / "bad" / "y.parquet"), 8, SCHEMA, workers=2))
+    with pytest.raises(ValueError, match="workers must be a positive number of processes, got 0"):
+        sd.read_parquet(str(tmp_path), 8, SCHEMA, workers=0)

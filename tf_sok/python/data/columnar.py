@@ -157,6 +157,15 @@ def exact_blocks(tables: Iterator, block_rows: int) -> Iterator:
         yield pa.Table.from_batches(pending)
 
 
+def criteo_columns(f, path: str, schema: CriteoSchema) -> list:
+    """The columns to read from ParquetFile `f`; ValueError naming those it lacks."""
+    columns = ["label", *schema.dense_names, *schema.categorical_names]
+    missing = [c for c in columns if c not in set(f.schema_arrow.names)]
+    if missing:
+        raise ValueError(f"Parquet file {path} lacks Criteo columns {missing}")
+    return columns
+
+
 def _parquet_blocks(path: str, block_rows: int, schema: CriteoSchema, groups=None, batch_size: int = 1,
                     id_dtype=np.int64, threads: bool = True) -> Iterator:
     """Yields blocks of exactly `block_rows` rows (the last one shorter) as flat NumPy arrays.
@@ -168,10 +177,7 @@ def _parquet_blocks(path: str, block_rows: int, schema: CriteoSchema, groups=Non
     import pyarrow.parquet as pq
 
     f = pq.ParquetFile(path)
-    columns = ["label", *schema.dense_names, *schema.categorical_names]
-    missing = [c for c in columns if c not in set(f.schema_arrow.names)]
-    if missing:
-        raise ValueError(f"Parquet file {path} lacks Criteo columns {missing}")
+    columns = criteo_columns(f, path, schema)
     if groups is None:
         stream = f.iter_batches(batch_size=block_rows, columns=columns, use_threads=threads)
     else:
@@ -236,7 +242,7 @@ def parallel_default(files) -> int:
 def read_parquet(path_or_files, batch_size: int, schema: Optional[CriteoSchema] = None,
                  parallel_files: Optional[int] = None,
                  deterministic: bool = True, drop_remainder: bool = False,
-                 block_rows: int = BLOCK_ROWS, id_dtype=tf.int64) -> tf.data.Dataset:
+                 block_rows: int = BLOCK_ROWS, id_dtype=tf.int64, workers: Optional[int] = None) -> tf.data.Dataset:
     """Criteo batches from Parquet files (a directory, a file or a list of files).
 
     `schema=None` reads with the schema the converter stored in the files; a given
@@ -247,12 +253,16 @@ def read_parquet(path_or_files, batch_size: int, schema: Optional[CriteoSchema] 
     batch by batch (in a fixed order when `deterministic`); each file's last batch
     may be shorter unless `drop_remainder`. `id_dtype=tf.int32`: ids come as int32, converted
     while the block is built (half the bytes from there to the GPU; every vocabulary must be
-    under 2**31).
+    under 2**31). `workers=k`: the blocks are built by k spawned processes (each imports
+    tf_sok once) and come back through shared memory, past the limit Python's lock sets on the
+    threads of one process (see block_workers.py); default: threads of this process.
 
     Example:
         >>> ds = sok.data.read_parquet("criteo_parquet/", batch_size=4096)
     """
     files = _files(path_or_files, ".parquet")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"read_parquet: workers must be a positive number of processes, got {workers!r}")
     schema = _resolve_schema(files, "parquet", schema)
     id_dtype = tf.as_dtype(id_dtype)
     if id_dtype not in (tf.int32, tf.int64):
@@ -266,11 +276,16 @@ def read_parquet(path_or_files, batch_size: int, schema: Optional[CriteoSchema] 
     pieces = _pieces(files, parallel, rows)
     threads = min(parallel, len(pieces)) < (os.cpu_count() or 1)   # else the pieces alone fill the cores
 
+    def piece_blocks(k):
+        if workers:
+            from tf_sok.python.data.block_workers import worker_blocks
+
+            return worker_blocks(workers, pieces[k][0], pieces[k][1], batch_size, rows, schema,
+                                 id_dtype.as_numpy_dtype)
+        return _parquet_blocks(pieces[k][0], rows, schema, pieces[k][1], batch_size, id_dtype.as_numpy_dtype, threads)
+
     def one(i):
-        blocks = tf.data.Dataset.from_generator(
-            lambda k: _parquet_blocks(pieces[k][0], rows, schema, pieces[k][1], batch_size, id_dtype.as_numpy_dtype,
-                                      threads),
-            output_signature=sig, args=(i,))
+        blocks = tf.data.Dataset.from_generator(piece_blocks, output_signature=sig, args=(i,))
         return batched_blocks(blocks, batch_size, drop_remainder)
 
     ds = tf.data.Dataset.range(len(pieces)).interleave(

@@ -1,0 +1,153 @@
+"""Parquet blocks built in worker processes, for readers that one process's Python lock limits.
+
+The block builder (pyarrow's decoding, NumPy's assembly) holds Python's lock between its calls:
+measured on 16 cores, threads of one process stop scaling near 8. With `read_parquet(...,
+workers=k)` k spawned processes build the blocks; each block comes back as one file in shared
+memory (/dev/shm), mapped by the reader and unlinked at once, its arrays 64-byte aligned so
+TensorFlow takes them without a copy (the mapping lives as long as the tensors do).
+"""
+import atexit
+import concurrent.futures
+import glob
+import multiprocessing
+import os
+import secrets
+from typing import Iterator, Optional, Tuple
+
+import numpy as np
+
+from tf_sok.python.data.schema import CriteoSchema
+
+_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
+_PREFIX = "tf_sok_block_"
+_pools = {}
+
+
+def _pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
+    """A process pool of `workers` spawned processes, shared by the readers of this process."""
+    if workers not in _pools:
+        _remove_stale_blocks()
+        pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers,
+                                                      mp_context=multiprocessing.get_context("spawn"))
+        _pools[workers] = pool
+        atexit.register(pool.shutdown, wait=False, cancel_futures=True)
+    return _pools[workers]
+
+
+def _remove_stale_blocks():
+    """Block files of readers that died before mapping them (their pid is gone)."""
+    import tempfile
+
+    for path in glob.glob(os.path.join(_SHM or tempfile.gettempdir(), _PREFIX + "*")):
+        try:
+            pid = int(os.path.basename(path)[len(_PREFIX):].split("_")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except (ValueError, PermissionError):
+            pass
+
+
+_files = {}
+
+
+def _parquet_file(path: str, schema: CriteoSchema):
+    """(ParquetFile, row group starts, the columns whose statistics hold their range), per worker."""
+    import pyarrow.parquet as pq
+
+    from tf_sok.python.data.columnar import _in_range_by_statistics, criteo_columns
+
+    if path not in _files:
+        if len(_files) > 64:
+            _files.clear()
+        f = pq.ParquetFile(path)
+        sizes = [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)]
+        _files[path] = (f, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+                        _in_range_by_statistics(f, schema), criteo_columns(f, path, schema))
+    return _files[path]
+
+
+def build_block(path: str, lo: int, hi: int, schema: CriteoSchema, id_dtype: str, owner: int) -> Tuple[str, list]:
+    """In a worker: rows [lo, hi) of Parquet file `path` as a block, written to one shared-memory
+    file: (its path, [(dtype, shape, offset) of each array in the block's order])."""
+    import tempfile
+
+    from tf_sok.python.data.columnar import arrow_block
+
+    f, starts, in_range, columns = _parquet_file(path, schema)
+    g0 = int(np.searchsorted(starts, lo, side="right")) - 1
+    g1 = int(np.searchsorted(starts, hi, side="left"))
+    table = f.read_row_groups(list(range(g0, g1)), columns=columns, use_threads=False)
+    table = table.slice(lo - int(starts[g0]), hi - lo)
+    dense, cats, label = arrow_block(table, schema, f"Parquet file {path}", np.dtype(id_dtype), in_range)
+    arrays = [dense] + [a for n in schema.categorical_names for a in cats[n]] + [label]
+    layout, offset = [], 0
+    for a in arrays:
+        layout.append((a.dtype.str, a.shape, offset))
+        offset += -(-a.nbytes // 64) * 64
+    out = os.path.join(_SHM or tempfile.gettempdir(), f"{_PREFIX}{owner}_{secrets.token_hex(8)}")
+    with open(out, "wb+") as fh:
+        fh.truncate(max(offset, 1))
+        mm = np.memmap(fh, dtype=np.uint8, mode="r+", shape=(max(offset, 1),))
+        for a, (_, _, off) in zip(arrays, layout):
+            mm[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
+        mm.flush()
+        del mm
+    return out, layout
+
+
+def _mapped(path: str, layout: list):
+    """The arrays of a block file (mapped, the file unlinked: the mapping outlives the name)."""
+    try:
+        mm = np.memmap(path, dtype=np.uint8, mode="r+")
+    finally:
+        os.unlink(path)
+    out = []
+    for dtype, shape, off in layout:
+        dt = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        out.append(np.ndarray(shape, dt, buffer=mm, offset=off) if count else np.zeros(shape, dt))
+    return out
+
+
+def piece_rows(path: str, groups: Optional[Tuple[int, int]], batch_size: int) -> Tuple[int, int]:
+    """Rows [begin, end) a piece covers: a whole file, or the batches that start in row groups
+    [first, end) (as columnar._row_range reads them)."""
+    import pyarrow.parquet as pq
+
+    md = pq.ParquetFile(path).metadata
+    sizes = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    if groups is None:
+        return 0, int(starts[-1])
+    up = lambda r: min(-(-int(r) // batch_size) * batch_size, int(starts[-1]))  # noqa: E731
+    return up(starts[groups[0]]), up(starts[groups[1]])
+
+
+def worker_blocks(workers: int, path: str, groups, batch_size: int, block_rows: int, schema: CriteoSchema,
+                  id_dtype, ahead: int = 2) -> Iterator:
+    """The blocks of one piece, in order, built by the worker pool `ahead` blocks in advance."""
+    pool = _pool(workers)
+    begin, end = piece_rows(path, groups, batch_size)
+    bounds = [(lo, min(lo + block_rows, end)) for lo in range(begin, end, block_rows)]
+    pending = []
+    dt = np.dtype(id_dtype).str
+    try:
+        for i in range(len(bounds)):
+            while len(pending) <= ahead and len(pending) + i < len(bounds):
+                lo, hi = bounds[i + len(pending)]
+                pending.append(pool.submit(build_block, path, lo, hi, schema, dt, os.getpid()))
+            arrays = _mapped(*pending.pop(0).result())
+            n = len(schema.categorical_names)
+            cats = {name: (arrays[1 + 2 * k], arrays[2 + 2 * k]) for k, name in enumerate(schema.categorical_names)}
+            yield arrays[0], cats, arrays[1 + 2 * n]
+    finally:
+        for fut in pending:   # a reader stopped early: its blocks in flight are dropped
+            if not fut.cancel():
+                try:
+                    os.unlink(fut.result()[0])
+                except Exception:  # noqa: BLE001 (the block failed; nothing to clean up)
+                    pass
