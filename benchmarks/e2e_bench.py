@@ -167,8 +167,8 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
 
     synthetic = sd.for_keras(sd.synthetic(10**9, a.batch, cfg), id_dtype=ids)
     sources = {"cached": fed(synthetic.take(4).cache().repeat()), "synthetic": fed(synthetic),
-               "Parquet": fed(sd.for_keras(sd.read_parquet(files, a.batch, drop_remainder=True, id_dtype=ids).repeat(),
-                                           id_dtype=ids))}
+               "Parquet": fed(sd.for_keras(sd.read_parquet(files, a.batch, drop_remainder=True, id_dtype=ids,
+                                                           workers=a.reader_workers).repeat(), id_dtype=ids))}
     row, text = {}, f"  {name:14s} spe {spe:2d}:"
     for src, ds in sources.items():
         try:
@@ -193,6 +193,8 @@ def fit_section(a, d):
         args = [sys.executable, os.path.abspath(__file__), "--fit-one", name, str(spe), "--data-dir", d]
         for k in ("batch", "dim", "dcnv2_dim", "max_vocab", "steps"):
             args += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+        if a.reader_workers:
+            args += ["--reader-workers", str(a.reader_workers)]
         p = subprocess.run(args, capture_output=True, text=True)
         lines = [l for l in p.stdout.splitlines() if l.startswith("  ") or l.startswith("{")]
         print("\n".join(l for l in lines if not l.startswith("{")) or p.stderr[-1500:], flush=True)
@@ -222,6 +224,8 @@ def main():
                    help="the fit runs (default DLRM:1 DLRM:<spe> DCNv2:1 DCNv2:<spe> DCNv2-bf16:<spe>); a model "
                         "name may end in -bf16 (Keras mixed_bfloat16) and/or -xla (the dense part compiled by XLA)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--reader-workers", type=int, default=None,
+                   help="the live Parquet pipeline's blocks built by this many processes (read_parquet(workers=))")
     p.add_argument("--fit-one", nargs=2, metavar=("MODEL", "SPE"), help=argparse.SUPPRESS)
     p.add_argument("--data-dir", help=argparse.SUPPRESS)
     a = p.parse_args()
