@@ -8,10 +8,13 @@ TensorFlow takes them without a copy (the mapping lives as long as the tensors d
 """
 import atexit
 import concurrent.futures
+import contextlib
 import glob
 import multiprocessing
 import os
 import secrets
+import sys
+import threading
 from typing import Iterator, Optional, Tuple
 
 import numpy as np
@@ -21,17 +24,45 @@ from tf_sok.python.data.schema import CriteoSchema
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 _PREFIX = "tf_sok_block_"
 _pools = {}
+_lock = threading.Lock()
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+@contextlib.contextmanager
+def _main_not_reimported():
+    """Spawned processes re-import the main script unless it has no file or spec: scripts without an
+    `if __name__ == "__main__":` guard would run again in every worker. The workers need only tf_sok."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        for k in saved:
+            if k == "__spec__":
+                main.__spec__ = None
+            else:
+                del main.__dict__[k]
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
 
 
 def _pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
-    """A process pool of `workers` spawned processes, shared by the readers of this process."""
-    if workers not in _pools:
-        _remove_stale_blocks()
-        pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers,
-                                                      mp_context=multiprocessing.get_context("spawn"))
-        _pools[workers] = pool
-        atexit.register(pool.shutdown, wait=False, cancel_futures=True)
-    return _pools[workers]
+    """A process pool of `workers` spawned processes, shared by the readers of this process; all of
+    them started now."""
+    with _lock:
+        if workers not in _pools:
+            _remove_stale_blocks()
+            pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers,
+                                                          mp_context=multiprocessing.get_context("spawn"))
+            with _main_not_reimported():
+                started = [pool.submit(_ready) for _ in range(workers)]   # one process per task while none idles
+                concurrent.futures.wait(started)
+            _pools[workers] = pool
+            atexit.register(pool.shutdown, wait=False, cancel_futures=True)
+        return _pools[workers]
 
 
 def _remove_stale_blocks():
