@@ -241,3 +241,23 @@ def test_bad_arguments_are_clear_errors():
         hybrid.export_rows()
     with pytest.raises(ValueError, match="max_hbm_for_vectors are for dynamic tables"):
         sok.TableConfig("s", 10, DIM, max_hbm_for_vectors=1)
+
+
+def test_delta_dumps_of_a_hybrid_table_load_into_a_plain_one(rng, tmp_path):
+    """sok.dump(since=...) reads a hybrid table through its cache: a base dump and two deltas, loaded
+    as a chain into a table without a host tier, give the hybrid table's final keys, values and state."""
+    cls, hp = OPTIMIZERS["adam"]
+    _, hybrid, (_, opt_h) = _tables("delta", 4, cls, hp)
+    pool = random_keys(rng, 120)
+    paths = []
+    for k in range(3):
+        for lens, keys in _batches(rng, pool[:40 * (k + 1)], 2):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(sok.lookup_sparse(hybrid, to_ragged(lens, keys), combiners="sum") ** 2)
+            opt_h.apply_gradients([(tape.gradient(loss, hybrid), hybrid)])
+        paths.append(str(tmp_path / f"d{k}"))
+        sok.dump(paths[-1], [hybrid], optimizer=opt_h, since=paths[-2] if k else None)
+    twin = sok.DynamicVariable(DIM, initializer="normal", seed=3, name="delta_hybrid")
+    opt_t = cls(learning_rate=0.05, **hp)
+    sok.load(paths, [twin], optimizer=opt_t)
+    _assert_same_tables(twin, hybrid, opt_t, opt_h, atol=0)
