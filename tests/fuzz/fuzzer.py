@@ -287,8 +287,12 @@ def run_dynamic(case, tf, sok):
         evict, cap, minf = None, int(rng.integers(2, 10)), 1
     elif fault == "batch_over_capacity":
         evict, cap, minf = evict or "lru", int(rng.integers(2, 10)), 1
+    # an unbounded table has the same contents with a host tier: a cache of 0-5 rows of values
+    tier = dict(var_type="hybrid", max_hbm_for_vectors=int(rng.integers(0, 6)) * dim * 4 / 2**30) \
+        if cap is None and minf == 1 and rng.random() < 0.5 else {}
     table = sok.DynamicVariable(dim, initializer=repr(const), max_capacity=cap, evict_strategy=evict,
-                                min_frequency=minf, init_capacity=int(rng.integers(1, 16)), name="fuzz_dynamic")
+                                min_frequency=minf, init_capacity=int(rng.integers(1, 16)), name="fuzz_dynamic",
+                                **tier)
     model = DynamicModel(dim, np.float32(const), cap, evict, minf)
     edge = [2**63 - 1, -2**63, -1, 0]
     pool = np.array(edge + rng.integers(-2**63, 2**63 - 1, int(rng.integers(4, 40)), dtype=np.int64,

@@ -231,6 +231,12 @@ def test_bad_arguments_are_clear_errors():
         sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=1, max_capacity=100)
     with pytest.raises(ValueError, match="must be a number of GiB >= 0, got -1"):
         sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=-1)
+    with pytest.raises(ValueError, match="admits every key .* got min_frequency=2"):
+        sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=1, min_frequency=2)
+    filtered = sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=1, name="filtered")
+    with pytest.raises(ValueError, match="'filtered' is hybrid: the low-frequency filter"):
+        sok.lookup_sparse(filtered, tf.ragged.constant([[1, 2]], tf.int64), use_low_frequency_filter=True,
+                          filter_ratio=0.5)
     plain = sok.DynamicVariable(DIM, name="no_tier")
     with pytest.raises(ValueError, match="'no_tier' is not a hybrid table"):
         sok.cache_stats(plain)

@@ -209,6 +209,10 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         init_rows = _count(name, "init_capacity", init_capacity, 1) or _DEFAULT_INIT_ROWS
         max_keys = _count(name, "max_capacity", max_capacity, 1) or 0
         cache_bytes = _cache_bytes(name, var_type, max_hbm_for_vectors, max_keys)
+        if cache_bytes >= 0 and min_frequency not in (None, 1):
+            raise ValueError(f"sok.DynamicVariable {name!r}: a hybrid table (max_hbm_for_vectors) admits every key "
+                             f"(min_frequency 1): its cache cannot tell a key written back to host memory from a "
+                             f"new one, got min_frequency={min_frequency}")
         if cache_bytes >= 0:
             evict = evict or "lru"
         min_frequency = _count(name, "min_frequency", min_frequency, 1)
@@ -313,6 +317,8 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         inserted even before min_frequency sightings (an assignment). insert_ratio < 1 (the
         low-frequency filter): a new key is inserted with that probability, drawn from the key and
         the lookup's clock; keys not inserted map to row 0, which reads zeros."""
+        if self._hybrid and insert_ratio < 1.0:
+            raise ValueError(_FILTER_ON_HYBRID.format(self.table.name))
         if self._hybrid and not insert:
             raise ValueError(f"sok.DynamicVariable {self.table.name!r} is hybrid: rows_for(insert=False) would see "
                              f"only its cached keys")
@@ -430,6 +436,11 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         return self.scatter_update(tf.IndexedSlices(tf.reshape(values, [-1, self._dimension]), rows)), rows
 
 
+_FILTER_ON_HYBRID = ("sok.DynamicVariable {!r} is hybrid: the low-frequency filter (use_low_frequency_filter) "
+                     "would drop keys its cache wrote back to host memory; use it on tables without "
+                     "max_hbm_for_vectors")
+
+
 def _cache_bytes(name, var_type, max_hbm_for_vectors, max_keys) -> int:
     """The device-memory budget of a hybrid table's cached rows in bytes (-1: not hybrid)."""
     if max_hbm_for_vectors is None:
@@ -454,6 +465,10 @@ def rows_for_tables(variables, keys, insert_ratio: float = 1.0) -> list:
     """`v.rows_for(k, insert_ratio=...)` for each (v, k) of `variables` and `keys` (vectors): tables
     whose indices share a device are found by one op, which on a GPU waits once for all of them."""
     rows = [None] * len(variables)
+    if insert_ratio < 1.0:
+        for v in variables:
+            if v.hybrid:
+                raise ValueError(_FILTER_ON_HYBRID.format(v.table.name))
     by_device = {}
     for i, v in enumerate(variables):
         by_device.setdefault(v._index_device, []).append(i)
