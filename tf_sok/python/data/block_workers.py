@@ -15,7 +15,7 @@ import os
 import secrets
 import sys
 import threading
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, Tuple
 
 import numpy as np
 
@@ -89,15 +89,13 @@ def _parquet_file(path: str, schema: CriteoSchema):
     """(ParquetFile, row group starts, the columns whose statistics hold their range), per worker."""
     import pyarrow.parquet as pq
 
-    from tf_sok.python.data.columnar import _in_range_by_statistics, criteo_columns
+    from tf_sok.python.data.columnar import _in_range_by_statistics, criteo_columns, group_starts
 
     if path not in _files:
         if len(_files) > 64:
             _files.clear()
         f = pq.ParquetFile(path)
-        sizes = [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)]
-        _files[path] = (f, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-                        _in_range_by_statistics(f, schema), criteo_columns(f, path, schema))
+        _files[path] = (f, group_starts(f.metadata), _in_range_by_statistics(f, schema), criteo_columns(f, path, schema))
     return _files[path]
 
 
@@ -144,25 +142,15 @@ def _mapped(path: str, layout: list):
     return out
 
 
-def piece_rows(path: str, groups: Optional[Tuple[int, int]], batch_size: int) -> Tuple[int, int]:
-    """Rows [begin, end) a piece covers: a whole file, or the batches that start in row groups
-    [first, end) (as columnar._row_range reads them)."""
-    import pyarrow.parquet as pq
-
-    md = pq.ParquetFile(path).metadata
-    sizes = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
-    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    if groups is None:
-        return 0, int(starts[-1])
-    up = lambda r: min(-(-int(r) // batch_size) * batch_size, int(starts[-1]))  # noqa: E731
-    return up(starts[groups[0]]), up(starts[groups[1]])
-
-
 def worker_blocks(workers: int, path: str, groups, batch_size: int, block_rows: int, schema: CriteoSchema,
                   id_dtype, ahead: int = 2) -> Iterator:
     """The blocks of one piece, in order, built by the worker pool `ahead` blocks in advance."""
+    import pyarrow.parquet as pq
+
+    from tf_sok.python.data.columnar import group_starts, piece_bounds
+
     pool = _pool(workers)
-    begin, end = piece_rows(path, groups, batch_size)
+    begin, end = piece_bounds(group_starts(pq.ParquetFile(path).metadata), groups, batch_size)
     bounds = [(lo, min(lo + block_rows, end)) for lo in range(begin, end, block_rows)]
     pending = []
     dt = np.dtype(id_dtype).str

@@ -187,14 +187,26 @@ def _parquet_blocks(path: str, block_rows: int, schema: CriteoSchema, groups=Non
         yield arrow_block(table, schema, f"Parquet file {path}", id_dtype, in_range)
 
 
-def _row_range(f, columns, groups, batch_size: int, chunk: int, threads: bool = True) -> Iterator:
-    """Record batches of the rows [begin, end) of file `f` that row groups [first, end) own: from
-    the first batch boundary at or after their first row to the first one at or after their end."""
-    sizes = [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)]
-    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    first, last = groups
+def group_starts(md) -> np.ndarray:
+    """The first row of each row group of Parquet metadata `md`, and the row count last."""
+    sizes = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+
+def piece_bounds(starts: np.ndarray, groups, batch_size: int):
+    """Rows [begin, end) of a piece: the whole file (groups None), or from the first batch boundary
+    at or after the first row of row groups [first, end) to the first one at or after their end."""
+    if groups is None:
+        return 0, int(starts[-1])
     up = lambda r: min(-(-int(r) // batch_size) * batch_size, int(starts[-1]))  # noqa: E731
-    begin, end = up(starts[first]), up(starts[last])
+    return up(starts[groups[0]]), up(starts[groups[1]])
+
+
+def _row_range(f, columns, groups, batch_size: int, chunk: int, threads: bool = True) -> Iterator:
+    """Record batches of the rows [begin, end) of file `f` that row groups [first, end) own (piece_bounds)."""
+    starts = group_starts(f.metadata)
+    sizes = np.diff(starts)
+    begin, end = piece_bounds(starts, groups, batch_size)
     if begin >= end:
         return
     g0 = int(np.searchsorted(starts, begin, side="right")) - 1
