@@ -3,9 +3,11 @@
     python benchmarks/dynamic_bench.py [--quick]            (GPU when one is visible, else CPU)
 
 (a) the key index alone (on the GPU: HBM hash table, CUDA kernels; on the CPU: the host index):
-    find (existing keys, rows read: the values' bytes at dim 64 / 128 come along) and insert
-    (new keys, rows written with their initial values) throughput in keys/s, batches of --keys
-    distinct random 64-bit keys, at a load factor (keys held / max_capacity) of 0.5 and 0.75.
+    find (held keys, rows read: the values' bytes at dim 64 / 128 come along; nothing inserted,
+    as HierarchicalKV's find), find-or-insert of held keys (the training path: it also reads back
+    the count of missing keys) and insert (new keys, rows written with their initial values)
+    throughput in keys/s, batches of --keys distinct random 64-bit keys, at a load factor (keys
+    held / max_capacity) of 0.5 and 0.75.
     Anchor: HierarchicalKV reports find 1.98 G-KV/s and insert 0.83 G-KV/s (dim 64, load factor
     0.5, A100 80 GB).
 (b) the DLRM-like training step of gpu_bench.py (26 tables, Criteo Kaggle cardinalities capped,
@@ -31,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_common import CARDINALITIES, TFSparseOptimizer, fixed_hot_batch  # noqa: E402
 
 HASH = np.int64(-7046029254386353131)   # odd: ids -> distinct 64-bit keys
-INSERTS = 4                               # timed insert batches per load factor
+BATCHES = 4                               # key batches per timed call of the index section
 
 
 def timed(fn, iters, warmup=2):
@@ -50,18 +52,21 @@ def sync(x):
 
 
 def index_section(a, device):
-    print(f"\n(a) key index alone on {device}: batches of {a.keys:,} distinct random int64 keys")
+    print(f"\n(a) key index alone on {device}: batches of {a.keys:,} distinct random int64 keys, "
+          f"{BATCHES} batches per timed graph call (TensorFlow's dispatch shared out, as kernel timings "
+          "leave it out)")
     rng = np.random.default_rng(0)
     res = {}
     for dim in (64, 128):
         for load in (0.5, 0.75):
-            # the timed inserts (INSERTS batches) raise the load by at most 0.1
-            capacity = int(10 * (INSERTS + 1) * a.keys)
+            # the inserts (warm-up + timed) raise the load by at most 0.1
+            capacity = int(10 * 3 * BATCHES * a.keys)
             held = int(capacity * load)
             with tf.device(device):
                 table = sok.DynamicVariable(dim, initializer="uniform", init_capacity=capacity,
                                             max_capacity=capacity, name=f"bench{dim}")
-            keys = rng.integers(-2**63, 2**63 - 1, held + a.keys * (INSERTS + 2), dtype=np.int64, endpoint=True)
+            keys = rng.integers(-2**63, 2**63 - 1, held + a.keys * (3 * BATCHES + 1), dtype=np.int64,
+                                endpoint=True)
             keys = np.unique(keys)
             rng.shuffle(keys)
             filled = 0
@@ -69,20 +74,28 @@ def index_section(a, device):
                 while filled < held:
                     sync(table.rows_for(tf.constant(keys[filled:min(held, filled + a.keys)])))
                     filled += a.keys
-                present = [tf.constant(rng.choice(keys[:held], a.keys, replace=False)) for _ in range(a.iters)]
-                fresh = iter([tf.constant(keys[held + i * a.keys:held + (i + 1) * a.keys])
-                              for i in range(INSERTS + 1)])
-                find = tf.function(lambda k: table.sparse_read_rows(table.rows_for(k)))
-                insert = tf.function(lambda k: table.rows_for(k))
-                it = iter(present * 3)
-                t_find = timed(lambda: sync(find(next(it))), a.iters)
-                t_insert = timed(lambda: sync(insert(next(fresh))), INSERTS, warmup=1)
-            row = {"find_keys_per_s": a.keys / t_find, "insert_keys_per_s": a.keys / t_insert}
+                present = [[tf.constant(rng.choice(keys[:held], a.keys, replace=False)) for _ in range(BATCHES)]
+                           for _ in range(3)]
+                fresh = iter([[tf.constant(keys[held + (c * BATCHES + i) * a.keys:
+                                                held + (c * BATCHES + i + 1) * a.keys]) for i in range(BATCHES)]
+                              for c in range(3)])
+                # find as HierarchicalKV's: held keys' values read, nothing inserted
+                find = tf.function(lambda ks: [table.sparse_read_rows(table.rows_for(k, insert=False)) for k in ks])
+                # the training path: find-or-insert (waits for the missing-key count), then the values
+                upsert = tf.function(lambda ks: [table.sparse_read_rows(table.rows_for(k)) for k in ks])
+                insert = tf.function(lambda ks: [table.rows_for(k) for k in ks])
+                it = iter(present * (a.iters + 4))
+                t_find = timed(lambda: sync(find(next(it))[-1]), a.iters) / BATCHES
+                t_upsert = timed(lambda: sync(upsert(next(it))[-1]), a.iters) / BATCHES
+                t_insert = timed(lambda: sync(insert(next(fresh))[-1]), 2, warmup=1) / BATCHES
+            row = {"find_keys_per_s": a.keys / t_find, "find_or_insert_keys_per_s": a.keys / t_upsert,
+                   "insert_keys_per_s": a.keys / t_insert}
             res[f"dim{dim}/load{load}"] = row
             print(f"  dim {dim:3d}, load factor {load:.2f}: find {row['find_keys_per_s'] / 1e9:6.3f} G-keys/s "
-                  f"({t_find * 1e3:7.2f} ms), insert {row['insert_keys_per_s'] / 1e9:6.3f} G-keys/s "
-                  f"({t_insert * 1e3:7.2f} ms)")
-            del table, find, insert
+                  f"({t_find * 1e3:6.3f} ms); find-or-insert of held keys "
+                  f"{row['find_or_insert_keys_per_s'] / 1e9:6.3f} G-keys/s ({t_upsert * 1e3:6.3f} ms); "
+                  f"insert {row['insert_keys_per_s'] / 1e9:6.3f} G-keys/s ({t_insert * 1e3:6.3f} ms)")
+            del table, find, upsert, insert
     return res
 
 

@@ -386,3 +386,34 @@ def test_one_find_for_many_tables_equals_a_find_each(rng):
             np.testing.assert_array_equal(ha[k], hb[k])
     with pytest.raises(tf.errors.InvalidArgumentError, match="given twice"):
         rows_for_tables([many[0], many[0]], [tf.constant([1]), tf.constant([2])])
+
+
+def row_splits_cases(rng):
+    """40 features' row_splits (more than one GPU launch holds; some spanning many blocks), about
+    half of them broken at a random place, with the answer NumPy gives."""
+    splits, values, want = [], [], []
+    for _ in range(40):
+        rows = int(rng.choice([0, 1, 7, 1023, 1024, 1025, 5000, 70_000]))
+        s = np.concatenate([[0], np.cumsum(rng.integers(0, 3, rows))]).astype(np.int64)
+        count = int(s[-1])
+        fault = rng.integers(0, 5)
+        if fault == 1 and rows > 1:        # a decrease somewhere inside
+            i = int(rng.integers(1, rows + 1))
+            s[i] = s[i - 1] - 1
+        elif fault == 2:                   # does not start at 0
+            s[0] = 1
+        elif fault == 3:                   # does not end at the id count
+            count += 1
+        splits.append(s)
+        values.append(np.zeros(count, np.int64))
+        want.append(bool(s[0] == 0 and s[-1] == count and np.all(np.diff(s) >= 0)))
+    return splits, values, want
+
+
+def test_row_splits_check_matches_numpy(rng):
+    from tf_sok.python.ops.loader import ops
+    splits, values, want = row_splits_cases(rng)
+    with tf.device("/CPU:0"):
+        got = ops().tf_sok_row_splits_valid([tf.constant(s) for s in splits], [tf.constant(v) for v in values])
+    assert got.numpy().tolist() == want
+    assert not all(want) and any(want)

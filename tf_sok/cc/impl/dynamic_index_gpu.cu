@@ -264,12 +264,27 @@ __global__ void FillKernel(float* p, int64_t count, float value) {
   if (i < count) p[i] = value;
 }
 
-// one block: whether row_splits start at 0, never decrease and end at `count`
-__global__ void RowSplitsValidKernel(const int64_t* splits, int64_t n, int64_t count, bool* out) {
-  int ok = 1;
-  for (int64_t i = 1 + threadIdx.x; i < n; i += blockDim.x) ok &= splits[i] >= splits[i - 1];
-  ok = __syncthreads_and(ok);
-  if (threadIdx.x == 0) *out = ok && n >= 1 && splits[0] == 0 && splits[n - 1] == count;
+// features' row_splits checked at once: block (x, f) looks at a span of feature f's splits and
+// clears valid[f] (set beforehand) when they decrease there; block (0, f) also checks the ends
+struct SplitsChecks {
+  static constexpr int kMax = 32;
+  const int64_t* splits[kMax];
+  int64_t n[kMax];
+  int64_t count[kMax];
+};
+constexpr int kSplitsPerBlock = kThreads * 4;
+
+__global__ void RowSplitsValidKernel(SplitsChecks c, bool* valid) {
+  const int f = blockIdx.y;
+  const int64_t* splits = c.splits[f];
+  const int64_t n = c.n[f];
+  const int64_t begin = 1 + blockIdx.x * static_cast<int64_t>(kSplitsPerBlock);
+  const int64_t end = begin + kSplitsPerBlock < n ? begin + kSplitsPerBlock : n;
+  int bad = 0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) bad |= splits[i] < splits[i - 1];
+  bad = __syncthreads_or(bad);
+  if (threadIdx.x == 0 && blockIdx.x == 0) bad |= n < 1 || splits[0] != 0 || splits[n - 1] != c.count[f];
+  if (threadIdx.x == 0 && bad) valid[f] = false;
 }
 
 int64_t PowerOfTwoAtLeast(int64_t n) {
@@ -825,12 +840,23 @@ void GpuGatherRows(const GpuDevice& d, const float* base, int64_t width, const i
   if (n * width > 0) GatherRowsKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(base, width, rows, n, out);
 }
 
-void GpuRowSplitsValid(const GpuDevice& d, const int64_t* splits, int64_t n, int64_t count, bool* out) {
-  if (n == 0) {
-    cudaMemsetAsync(out, 0, 1, StreamOf(d));
-    return;
+void GpuRowSplitsValid(const GpuDevice& d, const int64_t* const* splits, const int64_t* n, const int64_t* count,
+                       int features, bool* valid) {
+  cudaStream_t s = StreamOf(d);
+  if (features > 0) cudaMemsetAsync(valid, 1, features, s);
+  for (int first = 0; first < features; first += SplitsChecks::kMax) {
+    SplitsChecks c{};
+    const int k = std::min(SplitsChecks::kMax, features - first);
+    int64_t longest = 1;
+    for (int f = 0; f < k; ++f) {
+      c.splits[f] = splits[first + f];
+      c.n[f] = n[first + f];
+      c.count[f] = count[first + f];
+      longest = std::max(longest, n[first + f]);
+    }
+    const dim3 grid(static_cast<unsigned>((longest + kSplitsPerBlock - 1) / kSplitsPerBlock), k);
+    RowSplitsValidKernel<<<grid, kThreads, 0, s>>>(c, valid + first);
   }
-  RowSplitsValidKernel<<<1, kThreads, 0, StreamOf(d)>>>(splits, n, count, out);
 }
 
 void GpuFill(const GpuDevice& d, float* p, int64_t count, float value) {

@@ -125,7 +125,10 @@ void GpuStoreRead(const GpuDevice& d, const float* store, int64_t width, const i
                   const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind,
                   float a, float b, int64_t seed, float fill, float* cache);
 // *out: whether row_splits [n] start at 0, never decrease and end at `count` (out: device memory)
-void GpuRowSplitsValid(const GpuDevice& d, const int64_t* splits, int64_t n, int64_t count, bool* out);
+// per feature f: whether splits[f] (n[f] entries, on the device) start at 0, never decrease and end
+// at count[f]; one kernel for up to 32 features, the answers left in valid (device)
+void GpuRowSplitsValid(const GpuDevice& d, const int64_t* const* splits, const int64_t* n, const int64_t* count,
+                       int features, bool* valid);
 
 }  // namespace impl
 }  // namespace tf_sok

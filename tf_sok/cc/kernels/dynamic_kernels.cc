@@ -622,31 +622,39 @@ class RowSplitsValidOp : public tf::OpKernel {
     const int n = ctx->num_inputs() / 2;
     tf::Tensor* valid = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({n}), &valid));
+    std::vector<const int64_t*> splits(n);
+    std::vector<int64_t> entries(n), counts(n);
     for (int i = 0; i < n; ++i) {
-      const tf::Tensor& splits = ctx->input(i);
-      OP_REQUIRES(ctx, splits.dims() == 1,
-                  absl::InvalidArgumentError("row_splits must be a vector, got " + splits.shape().DebugString()));
-      Check(ctx, splits.flat<int64_t>().data(), splits.NumElements(), ctx->input(n + i).NumElements(),
-            valid->flat<bool>().data() + i);
+      const tf::Tensor& s = ctx->input(i);
+      OP_REQUIRES(ctx, s.dims() == 1,
+                  absl::InvalidArgumentError("row_splits must be a vector, got " + s.shape().DebugString()));
+      splits[i] = s.flat<int64_t>().data();
+      entries[i] = s.NumElements();
+      counts[i] = ctx->input(n + i).NumElements();
     }
+    Check(ctx, splits, entries, counts, valid->flat<bool>().data());
   }
 
  private:
-  void Check(tf::OpKernelContext* ctx, const int64_t* splits, int64_t n, int64_t count, bool* out);
+  void Check(tf::OpKernelContext* ctx, const std::vector<const int64_t*>& splits, const std::vector<int64_t>& n,
+             const std::vector<int64_t>& count, bool* valid);
 };
 
 template <>
-void RowSplitsValidOp<impl::CpuDevice>::Check(tf::OpKernelContext*, const int64_t* splits, int64_t n, int64_t count,
-                                              bool* out) {
-  *out = impl::RowSplitsValid(splits, n, count);
+void RowSplitsValidOp<impl::CpuDevice>::Check(tf::OpKernelContext*, const std::vector<const int64_t*>& splits,
+                                              const std::vector<int64_t>& n, const std::vector<int64_t>& count,
+                                              bool* valid) {
+  for (size_t i = 0; i < splits.size(); ++i) valid[i] = impl::RowSplitsValid(splits[i], n[i], count[i]);
 }
 
 #if TF_SOK_WITH_CUDA
 template <>
-void RowSplitsValidOp<impl::GpuDevice>::Check(tf::OpKernelContext* ctx, const int64_t* splits, int64_t n,
-                                              int64_t count, bool* out) {
+void RowSplitsValidOp<impl::GpuDevice>::Check(tf::OpKernelContext* ctx, const std::vector<const int64_t*>& splits,
+                                              const std::vector<int64_t>& n, const std::vector<int64_t>& count,
+                                              bool* valid) {
   TensorScratch scratch(ctx);
-  impl::GpuRowSplitsValid(MakeDevice<impl::GpuDevice>(ctx, &scratch), splits, n, count, out);
+  impl::GpuRowSplitsValid(MakeDevice<impl::GpuDevice>(ctx, &scratch), splits.data(), n.data(), count.data(),
+                          static_cast<int>(splits.size()), valid);
 }
 #endif
 

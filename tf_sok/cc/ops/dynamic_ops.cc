@@ -107,7 +107,7 @@ REGISTER_OP("TfSokRowSplitsValid")
     .Doc(R"doc(
 Whether each feature's row_splits start at 0, never decrease and end at the
 number of its values (only the values' count is read): one op for many
-features, on a GPU one small kernel each, the answer left on the device.
+features, on a GPU one kernel for up to 32 features, the answer left on the device.
 )doc");
 
 REGISTER_OP("TfSokDynamicTouchedSince")
