@@ -12,7 +12,8 @@ The hybrid tables get `max_hbm_for_vectors` = cache-share x their bytes (values 
 rest lives in pinned host memory. Printed per distribution: ms per step of both, the ratio (aim
 <= 2x at Zipf 1.05), the cache's hit rate over the timed steps, bytes moved over the host link
 per step and the rate that makes, against the link's bandwidth measured in the same run
-(a 1 GiB host -> device and device -> host copy through TensorFlow).
+(`sok.host_link_bandwidth`: pinned memory copied each way, and read / written in place by a
+kernel, as the hybrid tables move rows).
 """
 import argparse
 import json
@@ -29,23 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_common import ids_for  # noqa: E402
 
 HASH = np.int64(-7046029254386353131)   # odd: ids -> distinct 64-bit keys
-
-
-def link_bandwidth(device, gib: float):
-    """(host -> device, device -> host) GB/s of a `gib` GiB copy each way through TensorFlow (pageable
-    host memory), the better of two copies each."""
-    host = np.random.default_rng(0).random(int(gib * 2**30) // 4, dtype=np.float32)
-    up, down = [], []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        with tf.device(device):
-            dev = tf.constant(host)
-            float(tf.reduce_sum(dev[:1]))   # waits for the copy
-        up.append(host.nbytes / (time.perf_counter() - t0) / 1e9)
-        t0 = time.perf_counter()
-        dev.numpy()
-        down.append(host.nbytes / (time.perf_counter() - t0) / 1e9)
-    return max(up), max(down)
 
 
 def batches(a, dist, count):
@@ -71,7 +55,7 @@ def make_tables(a, device, hybrid: bool, tag: str):
     return tables
 
 
-def run(a, device, tables, data):
+def run(a, device, tables, data, profile=False):
     opt = sok.optimizers.Adagrad(0.01)
 
     @tf.function
@@ -92,6 +76,11 @@ def run(a, device, tables, data):
             float(step(b))
             times.append(time.perf_counter() - t0)
         after = [sok.cache_stats(t) for t in tables] if tables[0].hybrid else None
+        if profile:   # where the step's time goes, per op and kernel (TensorFlow's profiler)
+            from profile_step import profile as profile_steps
+
+            print(f"  -- {'hybrid' if tables[0].hybrid else 'all-HBM'} step, profiled:")
+            profile_steps(lambda i: float(step(data[a.warmup + i % a.iters])), steps=5, top=30)
     res = {"ms": float(np.median(times)) * 1e3}
     if before:
         d = {k: sum(x[k] - y[k] for x, y in zip(after, before)) for k in ("lookups", "misses", "bytes_to_device",
@@ -114,12 +103,13 @@ def main():
     p.add_argument("--dists", nargs="+", default=["zipf:1.05", "zipf:1.2", "uniform"])
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--link-gib", type=float, default=1.0)
+    p.add_argument("--link-mib", type=int, default=1024)
+    p.add_argument("--profile", action="store_true", help="also profile both steps of the first distribution")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json")
     a = p.parse_args()
     if a.quick:
-        a.tables, a.keys, a.dim, a.batch, a.iters, a.warmup, a.link_gib = 2, 20_000, 16, 2048, 3, 2, 0.05
+        a.tables, a.keys, a.dim, a.batch, a.iters, a.warmup, a.link_mib = 2, 20_000, 16, 2048, 3, 2, 64
     device = "/GPU:0" if gpu else "/CPU:0"
     total = a.tables * a.keys * 2 * a.dim * 4
     print(f"tier_bench on {device}: {a.tables} tables x {a.keys:,} keys x dim {a.dim} + Adagrad state = "
@@ -128,10 +118,11 @@ def main():
     out = {"device": device, "tables": a.tables, "keys": a.keys, "dim": a.dim, "batch": a.batch,
            "cache_share": a.cache_share}
     if gpu:
-        h2d, d2h = link_bandwidth(device, a.link_gib)
-        print(f"host link (TensorFlow copies of {a.link_gib} GiB): host -> device {h2d:.1f} GB/s, "
-              f"device -> host {d2h:.1f} GB/s")
-        out.update(h2d_gbs=h2d, d2h_gbs=d2h)
+        link = sok.host_link_bandwidth(a.link_mib)
+        print(f"host link ({a.link_mib} MiB of pinned memory): copies to / from the device "
+              f"{link['copy_to_device']:.1f} / {link['copy_to_host']:.1f} GB/s; a kernel reading / writing "
+              f"host memory in place {link['read_in_place']:.1f} / {link['write_in_place']:.1f} GB/s")
+        out["link_gbs"] = link
     for dist in a.dists:
         data = batches(a, dist, a.warmup + a.iters)
         res = {}
@@ -139,7 +130,7 @@ def main():
             t0 = time.perf_counter()
             tables = make_tables(a, device, kind == "hybrid", f"{kind}_{dist.replace(':', '')}_")
             fill = time.perf_counter() - t0
-            res[kind] = run(a, device, tables, data)
+            res[kind] = run(a, device, tables, data, profile=a.profile and dist == a.dists[0])
             res[kind]["fill_s"] = fill
             del tables
         h, c = res["hbm"], res["hybrid"]

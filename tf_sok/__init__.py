@@ -9,7 +9,8 @@ from tf_sok.python.checkpoint import restore
 from tf_sok.python.config import TableConfig
 from tf_sok.python.context import context, init
 from tf_sok.python.dump import dump, incremental_model_dump, load
-from tf_sok.python.dynamic_variable import DynamicVariable, assign, cache_stats, export, sparse_read_and_evict
+from tf_sok.python.dynamic_variable import (DynamicVariable, assign, cache_stats, export, host_link_bandwidth,
+                                            sparse_read_and_evict)
 from tf_sok.python.lookup import lookup_sparse
 from tf_sok.python.serving import export_saved_model
 from tf_sok.python.ops.loader import build_info
@@ -41,7 +42,7 @@ _SOK_ONLY = {
     "set_comm_tool": "sok.init(comm_tool=...)",
 }
 
-__all__ = ["init", "context", "Variable", "DynamicVariable", "export", "assign", "sparse_read_and_evict", "cache_stats", "dump", "load", "incremental_model_dump", "export_saved_model", "ReplicaTable", "TableConfig", "lookup_sparse", "filter_variables",
+__all__ = ["init", "context", "Variable", "DynamicVariable", "export", "assign", "sparse_read_and_evict", "cache_stats", "host_link_bandwidth", "dump", "load", "incremental_model_dump", "export_saved_model", "ReplicaTable", "TableConfig", "lookup_sparse", "filter_variables",
            "broadcast_variables", "local_shard", "table_meta", "build_info", "restore", "optimizers", "OptimizerWrapper",
            "SGD", "layers", "keras", "tf_version"]
 

@@ -101,3 +101,10 @@ def test_gpu_hybrid_checkpoint_restores_on_the_cpu_and_back(rng, tmp_path):
     _train(gpu, opt_g, batches[2:], "/GPU:0")
     _train(cpu, opt_c, batches[2:], "/CPU:0")
     _assert_same_tables(gpu, cpu, opt_g, opt_c, atol=2e-5)
+
+
+def test_host_link_bandwidth_is_measured_each_way():
+    got = sok.host_link_bandwidth(64, repeats=2)
+    assert set(got) == {"copy_to_device", "copy_to_host", "read_in_place", "write_in_place"}
+    for name, gbps in got.items():   # PCIe 3 x16 (~12 GB/s) up to NVLink-C2C (900 GB/s)
+        assert 1.0 < gbps < 1000.0, (name, gbps)

@@ -515,6 +515,20 @@ def cache_stats(var) -> dict:
     return out
 
 
+def host_link_bandwidth(mib: int = 1024, repeats: int = 3, device: str = "/GPU:0") -> dict:
+    """The link between pinned host memory and a GPU, measured over `mib` MiB (the best of `repeats`
+    timings), in GB/s: `copy_to_device` / `copy_to_host` (DMA copies, cudaMemcpy) and `read_in_place`
+    / `write_in_place` (a kernel reading or writing host memory directly, as a hybrid table moves its
+    rows). What a hybrid table's misses cost: `sok.cache_stats` bytes over these rates.
+
+    Example:
+        >>> sok.host_link_bandwidth(256)["read_in_place"]
+    """
+    with tf.device(device):
+        gbps = ops().tf_sok_host_link_bandwidth(bytes=int(mib) << 20, repeats=int(repeats)).numpy()
+    return dict(zip(("copy_to_device", "copy_to_host", "read_in_place", "write_in_place"), map(float, gbps)))
+
+
 def is_dynamic(var) -> bool:
     from tf_sok.python.variable import backing_variable
     return isinstance(backing_variable(var), DynamicVariable)

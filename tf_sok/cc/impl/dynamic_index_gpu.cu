@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 
 #include "tf_sok/cc/impl/dynamic_index_gpu.h"
@@ -811,6 +812,61 @@ void GpuStoreRead(const GpuDevice& d, const float* store, int64_t width, const i
 
 void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, int64_t n, int64_t* out) {
   if (n > 0) Scatter64Kernel<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(at, values, n, out);
+}
+
+namespace {
+__global__ void CopyWordsKernel(const float4* in, float4* out, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = in[i];
+}
+}  // namespace
+
+std::string GpuHostLinkBandwidth(const GpuDevice& d, void* device_buffer, int64_t bytes, int repeats,
+                                 double gbps[4]) {
+  cudaStream_t s = StreamOf(d);
+  bytes -= bytes % 16;
+  void* host = nullptr;
+  if (bytes <= 0) return "needs at least 16 bytes";
+  if (cudaHostAlloc(&host, bytes, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
+    cudaGetLastError();
+    return "could not pin " + std::to_string(bytes) + " bytes of host memory";
+  }
+  std::memset(host, 1, bytes);   // pages present before timing
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  const int64_t words = bytes / 16;
+  const int blocks = static_cast<int>(std::min<int64_t>(Blocks(words), 1 << 16));
+  std::string error;
+  for (int mode = 0; mode < 4 && error.empty(); ++mode) {
+    float best = 0.0f;
+    for (int r = 0; r <= repeats; ++r) {   // the first round warms up
+      cudaEventRecord(start, s);
+      if (mode == 0) cudaMemcpyAsync(device_buffer, host, bytes, cudaMemcpyHostToDevice, s);
+      if (mode == 1) cudaMemcpyAsync(host, device_buffer, bytes, cudaMemcpyDeviceToHost, s);
+      if (mode == 2)
+        CopyWordsKernel<<<blocks, kThreads, 0, s>>>(static_cast<const float4*>(host),
+                                                    static_cast<float4*>(device_buffer), words);
+      if (mode == 3)
+        CopyWordsKernel<<<blocks, kThreads, 0, s>>>(static_cast<const float4*>(device_buffer),
+                                                    static_cast<float4*>(host), words);
+      cudaEventRecord(stop, s);
+      const cudaError_t c = cudaEventSynchronize(stop);
+      if (c != cudaSuccess) {
+        error = std::string("CUDA error ") + cudaGetErrorString(c);
+        break;
+      }
+      float ms = 0.0f;
+      cudaEventElapsedTime(&ms, start, stop);
+      if (r > 0 && (best == 0.0f || ms < best)) best = ms;
+    }
+    gbps[mode] = best > 0.0f ? static_cast<double>(bytes) / (best * 1e6) : 0.0;
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaFreeHost(host);
+  return error;
 }
 
 namespace {

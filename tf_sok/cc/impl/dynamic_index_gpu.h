@@ -125,6 +125,13 @@ void GpuStoreRead(const GpuDevice& d, const float* store, int64_t width, const i
                   const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind,
                   float a, float b, int64_t seed, float fill, float* cache);
 // *out: whether row_splits [n] start at 0, never decrease and end at `count` (out: device memory)
+// The host link measured with `bytes` of pinned host memory and device_buffer (as many bytes), the
+// best of `repeats` timings each (cudaEvents, after one round of warm-up), in GB/s: [0] copy to the
+// device, [1] copy to the host (cudaMemcpyAsync), [2] a kernel reading the host memory in place into
+// device memory, [3] a kernel writing it in place (how a hybrid table moves rows). Waits.
+std::string GpuHostLinkBandwidth(const GpuDevice& d, void* device_buffer, int64_t bytes, int repeats,
+                                 double gbps[4]);
+
 // per feature f: whether splits[f] (n[f] entries, on the device) start at 0, never decrease and end
 // at count[f]; one kernel for up to 32 features, the answers left in valid (device)
 void GpuRowSplitsValid(const GpuDevice& d, const int64_t* const* splits, const int64_t* n, const int64_t* count,

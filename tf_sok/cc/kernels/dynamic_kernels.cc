@@ -281,6 +281,9 @@ struct StorePlan {
   const uint8_t* fresh = nullptr;
   int64_t* store_row_of = nullptr;
   int64_t fresh_count = 0;
+  bool planned = false;
+  uint8_t* staging = nullptr;     // on a GPU: [new keys | their store rows | fresh flags] on the host
+  uint8_t* on_device = nullptr;   // [store rows | fresh flags] on the device
 };
 
 // The store rows of distinct keys (inserted when absent) into staging [keys | rows | fresh flags].
@@ -348,25 +351,40 @@ absl::Status StoreRowArray(tf::OpKernelContext*, const impl::GpuDevice& d, Index
   return absl::OkStatus();
 }
 
-// The new keys come back to the host (one wait), the host store gives their rows (the lookups on the
-// host's threads), which go to the device; evicted rows need no lookup (store_row_of has them).
-absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res, const Changes& c,
-                       StorePlan* p) {
+// The new keys start back to the host; once they are there (the caller waits), FinishStorePlan has
+// the host store give their rows (looked up on the host's threads), which go to the device. Evicted
+// rows need no lookup (store_row_of has them).
+absl::Status StartStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
+                            const Changes& c, StorePlan* p) {
   TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, c.rows, &p->store_row_of));
   const int64_t n = c.num_new;
   if (n == 0) return absl::OkStatus();
-  const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
-  uint8_t* staging = res->Staging(17 * n);
-  auto* on_device = static_cast<uint8_t*>(d.scratch->Allocate(9 * n));
-  if (!staging || !on_device) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of memory");
-  auto* keys = reinterpret_cast<int64_t*>(staging);
-  cudaMemcpyAsync(keys, c.new_keys, 8 * n, cudaMemcpyDeviceToHost, stream);
-  TF_RETURN_IF_ERROR(CudaWait(stream));
-  TF_RETURN_IF_ERROR(StoreRowsOnHost(ctx, res, keys, n, staging, &p->fresh_count));
-  cudaMemcpyAsync(on_device, staging + 8 * n, 9 * n, cudaMemcpyHostToDevice, stream);   // rows, then fresh flags
-  p->new_rows = reinterpret_cast<const int64_t*>(on_device);
-  p->fresh = on_device + 8 * n;
+  p->staging = res->Staging(17 * n);
+  p->on_device = static_cast<uint8_t*>(d.scratch->Allocate(9 * n));
+  if (!p->staging || !p->on_device)
+    return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of memory");
+  cudaMemcpyAsync(p->staging, c.new_keys, 8 * n, cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(d.stream));
   return absl::OkStatus();
+}
+
+absl::Status FinishStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
+                             const Changes& c, StorePlan* p) {
+  const int64_t n = c.num_new;
+  if (n == 0) return absl::OkStatus();
+  TF_RETURN_IF_ERROR(
+      StoreRowsOnHost(ctx, res, reinterpret_cast<int64_t*>(p->staging), n, p->staging, &p->fresh_count));
+  cudaMemcpyAsync(p->on_device, p->staging + 8 * n, 9 * n, cudaMemcpyHostToDevice,   // rows, then fresh flags
+                  static_cast<cudaStream_t>(d.stream));
+  p->new_rows = reinterpret_cast<const int64_t*>(p->on_device);
+  p->fresh = p->on_device + 8 * n;
+  return absl::OkStatus();
+}
+
+absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res, const Changes& c,
+                       StorePlan* p) {
+  TF_RETURN_IF_ERROR(StartStorePlan(ctx, d, res, c, p));
+  if (c.num_new > 0) TF_RETURN_IF_ERROR(CudaWait(static_cast<cudaStream_t>(d.stream)));
+  return FinishStorePlan(ctx, d, res, c, p);
 }
 
 void SetStoreRows(const impl::GpuDevice& d, int64_t* store_row_of, const int64_t* cache_rows, const int64_t* rows,
@@ -378,12 +396,12 @@ void SetStoreRows(const impl::GpuDevice& d, int64_t* store_row_of, const int64_t
 // After an index call: every attached array grown to `c.rows` and the rows of new keys set (hybrid
 // tables: evicted rows written to the host store first, new keys' rows read from it);
 // evicted_values (when given): the evicted rows' values, read before anything is written.
+// planned: the store plan when the caller made it (several tables' with one wait).
 template <typename Device>
 absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexResource* res, const Changes& c,
-                              float* evicted_values) {
-  StorePlan plan;
+                              float* evicted_values, StorePlan plan = StorePlan()) {
   const bool moves = res->store && (c.num_new > 0 || c.num_evicted > 0);
-  if (res->store) TF_RETURN_IF_ERROR(PlanStore(ctx, d, res, c, &plan));
+  if (res->store && !plan.planned) TF_RETURN_IF_ERROR(PlanStore(ctx, d, res, c, &plan));
   if (res->store) {
     int64_t row_bytes = 0;
     for (int i = 0; i < res->store->num_arrays(); ++i) row_bytes += 4 * res->store->width(i);
@@ -597,6 +615,10 @@ class FindManyOp : public tf::OpKernel {
     cudaMemcpyAsync(missing.data(), counts, 8 * n, cudaMemcpyDeviceToHost, stream);
     const cudaError_t c = cudaStreamSynchronize(stream);   // the op's one wait
     OP_REQUIRES(ctx, c == cudaSuccess, absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(c)));
+    // every table's index call, then the hybrid tables' new keys back to the host with one wait for
+    // all, then every table's arrays
+    std::vector<StorePlan> plans(n);
+    bool wait = false;
     for (int i = 0; i < n; ++i) {
       IndexResource* r = res[i].get();
       const tf::Tensor& keys = ctx->input(n + i);
@@ -607,7 +629,17 @@ class FindManyOp : public tf::OpKernel {
       if (keys.NumElements() > 0)
         cudaMemcpyAsync(slots->flat<int64_t>().data(), found[i].slots, 8 * keys.NumElements(),
                         cudaMemcpyDeviceToDevice, stream);
-      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, DeviceChanges(found[i], keys.NumElements()), nullptr));
+      if (r->store) {
+        OP_REQUIRES_OK(ctx, StartStorePlan(ctx, d, r, DeviceChanges(found[i], keys.NumElements()), &plans[i]));
+        plans[i].planned = true;
+        wait |= found[i].num_new > 0;
+      }
+    }
+    if (wait) OP_REQUIRES_OK(ctx, CudaWait(stream));
+    for (int i = 0; i < n; ++i) {
+      const Changes c = DeviceChanges(found[i], ctx->input(n + i).NumElements());
+      if (plans[i].planned) OP_REQUIRES_OK(ctx, FinishStorePlan(ctx, d, res[i].get(), c, &plans[i]));
+      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res[i].get(), c, nullptr, plans[i]));
     }
   }
 #endif
@@ -920,6 +952,39 @@ class CacheStatsOp : public tf::OpKernel {
   }
 };
 
+class HostLinkBandwidthOp : public tf::OpKernel {
+ public:
+  explicit HostLinkBandwidthOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("bytes", &bytes_));
+    OP_REQUIRES_OK(c, c->GetAttr("repeats", &repeats_));
+    gpu_ = c->device_type() == tf::DeviceType(tf::DEVICE_GPU);
+  }
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    tf::Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({4}), &out));
+#if TF_SOK_WITH_CUDA
+    if (gpu_) {
+      tf::Tensor buffer;
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_FLOAT, tf::TensorShape({bytes_ / 4}), &buffer));
+      TensorScratch scratch(ctx);
+      const std::string error = impl::GpuHostLinkBandwidth(MakeDevice<impl::GpuDevice>(ctx, &scratch),
+                                                           buffer.flat<float>().data(), bytes_, repeats_,
+                                                           out->flat<double>().data());
+      OP_REQUIRES(ctx, error.empty(), absl::InternalError("host link measurement: " + error));
+      return;
+    }
+#endif
+    ctx->CtxFailure(absl::InvalidArgumentError(
+        "TfSokHostLinkBandwidth measures the link between host memory and a GPU: place it on a GPU"));
+  }
+
+ private:
+  int64_t bytes_ = 0;
+  int repeats_ = 3;
+  bool gpu_ = false;
+};
+
 class StoreExportOp : public tf::OpKernel {
  public:
   using tf::OpKernel::OpKernel;
@@ -1010,6 +1075,7 @@ REGISTER_KERNEL_BUILDER(Name("TfSokDynamicTouchedSince").Device(tf::DEVICE_CPU),
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicImport").Device(tf::DEVICE_CPU), ImportOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicStoreExport").Device(tf::DEVICE_CPU), StoreExportOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicCacheStats").Device(tf::DEVICE_CPU), CacheStatsOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokHostLinkBandwidth").Device(tf::DEVICE_CPU), HostLinkBandwidthOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicStoreImport").Device(tf::DEVICE_CPU), StoreImportOp);
 
 #if TF_SOK_WITH_CUDA
@@ -1047,6 +1113,7 @@ REGISTER_KERNEL_BUILDER(Name("TfSokDynamicStoreExport")
                         StoreExportOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicCacheStats").Device(tf::DEVICE_GPU).HostMemory("index").HostMemory("stats"),
                         CacheStatsOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokHostLinkBandwidth").Device(tf::DEVICE_GPU).HostMemory("gbps"), HostLinkBandwidthOp);
 REGISTER_KERNEL_BUILDER(
     Name("TfSokDynamicStoreImport").Device(tf::DEVICE_GPU).HostMemory("index").HostMemory("keys").HostMemory("rows"),
     StoreImportOp);

@@ -216,6 +216,21 @@ of those the table had never held, keys written back to host memory, bytes read
 from host memory, bytes written to it.
 )doc");
 
+REGISTER_OP("TfSokHostLinkBandwidth")
+    .Output("gbps: float64")
+    .Attr("bytes: int >= 16")
+    .Attr("repeats: int >= 1 = 3")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(4));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The link between pinned host memory and the GPU measured over `bytes`, the best
+of `repeats` timings, in GB/s: a copy to the device, a copy to the host, a kernel
+reading host memory in place, a kernel writing it in place. GPU only.
+)doc");
+
 REGISTER_OP("TfSokDynamicStoreImport")
     .Input("index: resource")
     .Input("keys: int64")
