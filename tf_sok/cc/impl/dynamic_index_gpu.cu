@@ -337,16 +337,16 @@ bool SortKeys(const GpuDevice& d, const K* keys_in, K* keys_out, int64_t n) {
   return true;
 }
 
+// sorted by the keys' bits [0, bits) (every bit by default; the keys must be >= 0 when fewer)
 template <typename K, typename V>
-bool SortPairs(const GpuDevice& d, const K* keys_in, K* keys_out, const V* values_in, V* values_out, int64_t n) {
+bool SortPairs(const GpuDevice& d, const K* keys_in, K* keys_out, const V* values_in, V* values_out, int64_t n,
+               int bits = static_cast<int>(sizeof(K) * 8)) {
   cudaStream_t s = StreamOf(d);
   size_t bytes = 0;
-  cub::DeviceRadixSort::SortPairs(nullptr, bytes, keys_in, keys_out, values_in, values_out, n, 0,
-                                  static_cast<int>(sizeof(K) * 8), s);
+  cub::DeviceRadixSort::SortPairs(nullptr, bytes, keys_in, keys_out, values_in, values_out, n, 0, bits, s);
   void* temp = d.scratch->Allocate(std::max<size_t>(bytes, 1));
   if (!temp) return false;
-  cub::DeviceRadixSort::SortPairs(temp, bytes, keys_in, keys_out, values_in, values_out, n, 0,
-                                  static_cast<int>(sizeof(K) * 8), s);
+  cub::DeviceRadixSort::SortPairs(temp, bytes, keys_in, keys_out, values_in, values_out, n, 0, bits, s);
   return true;
 }
 
@@ -448,6 +448,17 @@ std::string GpuDynamicIndex::EnsureRows(const GpuDevice& d, int64_t needed) {
   return "";
 }
 
+namespace {
+// a count the device left at `count`, read back (waits for the stream)
+int64_t ReadCount(const GpuDevice& d, const int64_t* count, std::string* error) {
+  int64_t host = 0;
+  cudaMemcpyAsync(&host, count, sizeof(host), cudaMemcpyDeviceToHost, StreamOf(d));
+  const cudaError_t c = cudaStreamSynchronize(StreamOf(d));
+  if (c != cudaSuccess) *error = std::string("CUDA error ") + cudaGetErrorString(c);
+  return host;
+}
+}  // namespace
+
 std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64_t n, bool insert,
                                   GpuFindResult* out, bool admit_all, float insert_ratio) {
   if (!insert) {
@@ -465,11 +476,25 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
   if (!count) return "ran out of GPU memory";
   std::string error = Probe(d, keys, n, out, &pending, count);
   if (!error.empty() || n == 0) return error;
-  int64_t missing = 0;
-  cudaMemcpyAsync(&missing, count, sizeof(missing), cudaMemcpyDeviceToHost, StreamOf(d));
-  const cudaError_t c = cudaStreamSynchronize(StreamOf(d));
-  if (c != cudaSuccess) return std::string("CUDA error ") + cudaGetErrorString(c);
-  return Finish(d, pending, missing, out, admit_all, insert_ratio);
+  const int64_t missing = ReadCount(d, count, &error);
+  if (!error.empty()) return error;
+  return Finish(d, &pending, missing, out, admit_all, insert_ratio);
+}
+
+std::string GpuDynamicIndex::Finish(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
+                                    bool admit_all, float insert_ratio) {
+  auto* count = gpu::Alloc<int64_t>(d, 1);
+  if (!count) return "ran out of GPU memory";
+  std::string error = FinishDistinct(d, p, missing, out, count);
+  if (!error.empty()) return error;
+  const int64_t distinct = p->n > 0 ? ReadCount(d, count, &error) : 0;
+  if (!error.empty()) return error;
+  bool evicts = false;
+  error = FinishRoom(d, p, distinct, admit_all, insert_ratio, count, &evicts);
+  if (!error.empty()) return error;
+  const int64_t evictable = evicts ? ReadCount(d, count, &error) : 0;
+  if (!error.empty()) return error;
+  return FinishCommit(d, p, evictable, out);
 }
 
 std::string GpuDynamicIndex::Probe(const GpuDevice& d, const int64_t* keys, int64_t n, GpuFindResult* out,
@@ -498,29 +523,37 @@ std::string GpuDynamicIndex::Probe(const GpuDevice& d, const int64_t* keys, int6
   return "";
 }
 
-std::string GpuDynamicIndex::Finish(const GpuDevice& d, const GpuFindPending& p, int64_t mp, GpuFindResult* out,
-                                    bool admit_all, float insert_ratio) {
-  if (p.n == 0) return "";
-  out->missing_positions = mp;
+// 2. the distinct missing keys (sorted), their count left at *count
+std::string GpuDynamicIndex::FinishDistinct(const GpuDevice& d, GpuFindPending* p, int64_t mp, GpuFindResult* out,
+                                            int64_t* count) {
   cudaStream_t s = StreamOf(d);
-  const int64_t n = p.n, call = p.call;
-  const int64_t* keys = p.keys;
-  int64_t* slot = out->slots;
-  int64_t* missing_at = p.missing_at;
-  std::string error;
-  // 2. the distinct missing keys (sorted)
-  int64_t m = 0;
-  auto* missing = gpu::Alloc<int64_t>(d, std::max<int64_t>(mp, 1));
-  if (!missing) return "ran out of GPU memory";
-  if (mp > 0) {
-    auto* sorted = gpu::Alloc<int64_t>(d, mp);
-    auto* first = gpu::Alloc<uint8_t>(d, mp);
-    if (!sorted || !first || !SortKeys(d, missing_at, sorted, mp)) return "ran out of GPU memory";
-    UniqueFlagsKernel<<<Blocks(mp), kThreads, 0, s>>>(sorted, mp, first);
-    m = Compact(d, sorted, first, mp, missing, &error);
-    if (!error.empty()) return error;
+  p->mp = mp;
+  out->missing_positions = mp;
+  p->missing = gpu::Alloc<int64_t>(d, std::max<int64_t>(mp, 1));
+  if (!p->missing) return "ran out of GPU memory";
+  if (mp == 0) {
+    cudaMemsetAsync(count, 0, sizeof(int64_t), s);
+    return "";
   }
-  // 3. admission (nothing written yet)
+  auto* sorted = gpu::Alloc<int64_t>(d, mp);
+  auto* first = gpu::Alloc<uint8_t>(d, mp);
+  if (!sorted || !first || !SortKeys(d, p->missing_at, sorted, mp)) return "ran out of GPU memory";
+  UniqueFlagsKernel<<<Blocks(mp), kThreads, 0, s>>>(sorted, mp, first);
+  if (!CompactCount(d, sorted, first, mp, p->missing, count)) return "ran out of GPU memory";
+  return "";
+}
+
+// 3. admission (nothing written yet); 4. when the call must evict: the untouched rows, their count
+// left at *count (*evicts: whether it must)
+std::string GpuDynamicIndex::FinishRoom(const GpuDevice& d, GpuFindPending* p, int64_t m, bool admit_all,
+                                        float insert_ratio, int64_t* count, bool* evicts) {
+  *evicts = false;
+  p->m = m;
+  if (p->n == 0) return "";
+  cudaStream_t s = StreamOf(d);
+  const int64_t call = p->call;
+  int64_t* missing = p->missing;
+  std::string error;
   int64_t* admitted = missing;
   int64_t a = m, waiting_count = 0;
   int64_t *waiting = nullptr, *waiting_seen = nullptr, *waiting_where = nullptr, *admitted_where = nullptr;
@@ -550,42 +583,70 @@ std::string GpuDynamicIndex::Finish(const GpuDevice& d, const GpuFindPending& p,
     Compact(d, where, wait, m, waiting_where, &error);
     if (!error.empty()) return error;
   }
-  // 4. room: the untouched rows of lowest (score, key), by two stable radix sorts
+  p->admitted = admitted;
+  p->a = a;
+  p->waiting = waiting;
+  p->waiting_seen = waiting_seen;
+  p->waiting_where = waiting_where;
+  p->admitted_where = admitted_where;
+  p->waiting_count = waiting_count;
+  p->k = 0;
+  if (!config_.bounded() || live_ + a <= config_.max_keys) return "";
+  p->k = live_ + a - config_.max_keys;
+  if (config_.evict == Evict::kNone) {
+    return "is full: " + std::to_string(live_) + " of max_capacity " + std::to_string(config_.max_keys) +
+           " keys held and this batch brings " + std::to_string(a) +
+           " new ones; give evict_strategy (\"lru\" or \"lfu\") or a larger max_capacity";
+  }
+  const int64_t span = next_free_ - reserved_;
+  auto* flags = gpu::Alloc<uint8_t>(d, span);
+  auto* all_rows = gpu::Alloc<int64_t>(d, span);
+  p->evictable = gpu::Alloc<int64_t>(d, span);
+  if (!flags || !all_rows || !p->evictable) return "ran out of GPU memory";
+  EvictableFlagsKernel<<<Blocks(span), kThreads, 0, s>>>(live_row_, touched_, call, reserved_, next_free_, flags);
+  IotaKernel64<<<Blocks(span), kThreads, 0, s>>>(all_rows, span, reserved_);
+  if (!CompactCount(d, all_rows, flags, span, p->evictable, count)) return "ran out of GPU memory";
+  *evicts = true;
+  return "";
+}
+
+// 4. the victims: of the c untouched rows, the k of lowest (score, key), by two stable radix sorts;
+// 5. commit; 6. the missing positions' rows
+std::string GpuDynamicIndex::FinishCommit(const GpuDevice& d, GpuFindPending* p, int64_t c, GpuFindResult* out) {
+  if (p->n == 0) return "";
+  cudaStream_t s = StreamOf(d);
+  const int64_t n = p->n, call = p->call, mp = p->mp, m = p->m, a = p->a, waiting_count = p->waiting_count;
+  const int64_t* keys = p->keys;
+  int64_t* slot = out->slots;
+  int64_t *admitted = p->admitted, *waiting = p->waiting, *waiting_seen = p->waiting_seen;
+  int64_t *waiting_where = p->waiting_where, *admitted_where = p->admitted_where;
+  std::string error;
   int64_t* victims = nullptr;
-  int64_t k = 0;
-  if (config_.bounded() && live_ + a > config_.max_keys) {
-    k = live_ + a - config_.max_keys;
-    if (config_.evict == Evict::kNone) {
-      return "is full: " + std::to_string(live_) + " of max_capacity " + std::to_string(config_.max_keys) +
-             " keys held and this batch brings " + std::to_string(a) +
-             " new ones; give evict_strategy (\"lru\" or \"lfu\") or a larger max_capacity";
-    }
-    const int64_t span = next_free_ - reserved_;
-    auto* flags = gpu::Alloc<uint8_t>(d, span);
-    auto* all_rows = gpu::Alloc<int64_t>(d, span);
-    auto* rows = gpu::Alloc<int64_t>(d, span);
-    auto* rkeys = gpu::Alloc<int64_t>(d, span);
-    auto* rkeys_sorted = gpu::Alloc<int64_t>(d, span);
-    auto* rows_by_key = gpu::Alloc<int64_t>(d, span);
-    auto* scores = gpu::Alloc<int64_t>(d, span);
-    auto* scores_sorted = gpu::Alloc<int64_t>(d, span);
-    victims = gpu::Alloc<int64_t>(d, span);
-    if (!flags || !all_rows || !rows || !rkeys || !rkeys_sorted || !rows_by_key || !scores || !scores_sorted ||
-        !victims)
-      return "ran out of GPU memory";
-    EvictableFlagsKernel<<<Blocks(span), kThreads, 0, s>>>(live_row_, touched_, call, reserved_, next_free_, flags);
-    IotaKernel64<<<Blocks(span), kThreads, 0, s>>>(all_rows, span, reserved_);
-    const int64_t c = Compact(d, all_rows, flags, span, rows, &error);
-    if (!error.empty()) return error;
+  int64_t k = p->k;
+  if (k > 0) {
+    const int64_t* rows = p->evictable;
     if (config_.cache) k = std::min(k, c);   // a cache holds this call's keys, whatever their number
     if (c < k) {  // live rows not evictable: the ones this batch found
       return "cannot hold this batch's keys: it uses " + std::to_string(live_ - c + a) +
              " distinct keys and max_capacity is " + std::to_string(config_.max_keys);
     }
+    auto* rkeys = gpu::Alloc<int64_t>(d, c);
+    auto* rkeys_sorted = gpu::Alloc<int64_t>(d, c);
+    auto* rows_by_key = gpu::Alloc<int64_t>(d, c);
+    auto* scores = gpu::Alloc<int64_t>(d, c);
+    auto* scores_sorted = gpu::Alloc<int64_t>(d, c);
+    victims = gpu::Alloc<int64_t>(d, c);
+    if (!rkeys || !rkeys_sorted || !rows_by_key || !scores || !scores_sorted || !victims)
+      return "ran out of GPU memory";
     GatherKernel<<<Blocks(c), kThreads, 0, s>>>(slot_key_, rows, c, rkeys);
     if (!SortPairs(d, rkeys, rkeys_sorted, rows, rows_by_key, c)) return "ran out of GPU memory";
     GatherKernel<<<Blocks(c), kThreads, 0, s>>>(score_, rows_by_key, c, scores);
-    if (!SortPairs(d, scores, scores_sorted, rows_by_key, victims, c)) return "ran out of GPU memory";
+    // scores lie in [0, clock_ + 1] (LRU: a clock value; LFU: a count of calls, one per call at most)
+    // or up to the largest imported one
+    const int64_t top = std::max(clock_ + 1, imported_score_);
+    int bits = 1;
+    while (bits < 63 && (int64_t{1} << bits) <= top) ++bits;
+    if (!SortPairs(d, scores, scores_sorted, rows_by_key, victims, c, bits)) return "ran out of GPU memory";
   }
   // 5. commit
   error = Room(d, &keys_, live_, a);
@@ -644,8 +705,8 @@ std::string GpuDynamicIndex::Finish(const GpuDevice& d, const GpuFindPending& p,
     RefindKernel<<<Blocks(n), kThreads, 0, s>>>(keys_.keys, keys_.state, keys_.buckets - 1, keys, n, slot, 0);
   out->rows = rows_;
   // no wait: the call's scratch is stream-ordered memory (reused only by work queued after this)
-  const cudaError_t c = cudaGetLastError();
-  if (c != cudaSuccess) return std::string("CUDA error ") + cudaGetErrorString(c);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return std::string("CUDA error ") + cudaGetErrorString(e);
   return "";
 }
 
@@ -745,6 +806,8 @@ std::string GpuDynamicIndex::Import(const GpuDevice& d, const DynamicIndexSnapsh
   free_count_ = static_cast<int64_t>(free_rows.size());
   next_free_ = snap.next_free;
   clock_ = snap.clock;
+  imported_score_ = 0;   // FinishCommit sorts scores by the bits of the larger of it and the clock
+  for (int64_t v : snap.scores) imported_score_ = std::max(imported_score_, v);
   call_ = 0;
   call_times_.Clear();
   return "";

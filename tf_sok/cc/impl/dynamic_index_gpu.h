@@ -42,12 +42,22 @@ struct GpuFindResult {
   int64_t missing_positions = 0;     // positions whose key was not held (cache statistics)
 };
 
-// A find split in two (GpuDynamicIndex::Probe, then Finish): between them the caller reads the
-// missing count back, once for many indices.
+// A find in stages (GpuDynamicIndex::Probe, then Finish or its three parts), each but the last
+// ending in a count on the device that the next needs on the host: a caller with many indices
+// reads each stage's counts back once for all of them.
 struct GpuFindPending {
   const int64_t* keys = nullptr;
   int64_t n = 0, call = 0;
   int64_t* missing_at = nullptr;  // [n]: the keys of the positions not found, compacted
+  int64_t mp = 0;                 // their number
+  int64_t* missing = nullptr;     // the distinct missing keys, sorted
+  int64_t m = 0;                  // their number
+  // admission: the keys let in (a) and those still waiting, with their sightings and buckets
+  int64_t *admitted = nullptr, *admitted_where = nullptr;
+  int64_t *waiting = nullptr, *waiting_seen = nullptr, *waiting_where = nullptr;
+  int64_t a = 0, waiting_count = 0;
+  int64_t k = 0;                  // keys to evict (before a cache's bound by the evictable rows)
+  int64_t* evictable = nullptr;   // rows this call did not touch, compacted
 };
 
 class GpuDynamicIndex {
@@ -66,8 +76,18 @@ class GpuDynamicIndex {
   // back, does the rest. Nothing else may use the index in between.
   std::string Probe(const GpuDevice& d, const int64_t* keys, int64_t n, GpuFindResult* out, GpuFindPending* p,
                     int64_t* count);
-  std::string Finish(const GpuDevice& d, const GpuFindPending& p, int64_t missing, GpuFindResult* out,
+  std::string Finish(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
                      bool admit_all = false, float insert_ratio = 1.0f);
+  // Finish in three parts, for many indices at once: FinishDistinct, given the missing count, leaves
+  // the count of distinct missing keys at *count; FinishRoom, given that, admits keys and, when the
+  // call must evict (*evicts), leaves the count of evictable rows at *count; FinishCommit, given that
+  // (or 0), evicts, inserts and writes the rows of the call's positions. No waits, except
+  // admission's.
+  std::string FinishDistinct(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
+                             int64_t* count);
+  std::string FinishRoom(const GpuDevice& d, GpuFindPending* p, int64_t distinct, bool admit_all,
+                         float insert_ratio, int64_t* count, bool* evicts);
+  std::string FinishCommit(const GpuDevice& d, GpuFindPending* p, int64_t evictable, GpuFindResult* out);
   int64_t size() const { return live_; }
   int64_t rows() const { return rows_; }
   // A cache's bound (hybrid tables: the HBM budget over the bytes of a row of every array); the
@@ -102,6 +122,7 @@ class GpuDynamicIndex {
   int64_t* free_ = nullptr;
   uint8_t* live_row_ = nullptr;
   int64_t free_count_ = 0, next_free_ = 0, rows_ = 0, live_ = 0, clock_ = 0, call_ = 0;
+  int64_t imported_score_ = 0;  // the largest score an import brought
   CallTimes call_times_;
   std::string init_error_;
 };
@@ -124,7 +145,6 @@ void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, 
 void GpuStoreRead(const GpuDevice& d, const float* store, int64_t width, const int64_t* store_rows,
                   const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind,
                   float a, float b, int64_t seed, float fill, float* cache);
-// *out: whether row_splits [n] start at 0, never decrease and end at `count` (out: device memory)
 // The host link measured with `bytes` of pinned host memory and device_buffer (as many bytes), the
 // best of `repeats` timings each (cudaEvents, after one round of warm-up), in GB/s: [0] copy to the
 // device, [1] copy to the host (cudaMemcpyAsync), [2] a kernel reading the host memory in place into

@@ -331,6 +331,12 @@ absl::Status CudaWait(cudaStream_t stream) {
   return e == cudaSuccess ? absl::OkStatus() : absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(e));
 }
 
+// n counts the device left at `counts`, read back (one wait)
+absl::Status ReadCounts(cudaStream_t stream, const int64_t* counts, int n, int64_t* host) {
+  cudaMemcpyAsync(host, counts, 8 * static_cast<size_t>(n), cudaMemcpyDeviceToHost, stream);
+  return CudaWait(stream);
+}
+
 absl::Status StoreRowArray(tf::OpKernelContext*, const impl::GpuDevice& d, IndexResource* res, int64_t rows,
                            int64_t** out) {
   if (rows > res->store_row_capacity) {
@@ -611,18 +617,34 @@ class FindManyOp : public tf::OpKernel {
                                                    &pending[i], counts + i);
       OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
     }
-    std::vector<int64_t> missing(n);
-    cudaMemcpyAsync(missing.data(), counts, 8 * n, cudaMemcpyDeviceToHost, stream);
-    const cudaError_t c = cudaStreamSynchronize(stream);   // the op's one wait
-    OP_REQUIRES(ctx, c == cudaSuccess, absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(c)));
-    // every table's index call, then the hybrid tables' new keys back to the host with one wait for
-    // all, then every table's arrays
+    // each stage of every table's index call, then the counts of all tables read back with one wait
+    // (none when no table has missing keys / must evict); then the hybrid tables' new keys back to the
+    // host with one wait for all, then every table's arrays
+    std::vector<int64_t> missing(n), distinct(n), evictable(n);
+    OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, missing.data()));
+    bool any = false;
+    for (int i = 0; i < n; ++i) {
+      const std::string error = res[i]->gpu->FinishDistinct(d, &pending[i], missing[i], &found[i], counts + i);
+      OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
+      any |= missing[i] > 0;
+    }
+    if (any) OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, distinct.data()));
+    any = false;
+    for (int i = 0; i < n; ++i) {
+      bool evicts = false;
+      const std::string error =
+          res[i]->gpu->FinishRoom(d, &pending[i], distinct[i], false, insert_ratio_, counts + i, &evicts);
+      OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
+      if (!evicts) cudaMemsetAsync(counts + i, 0, 8, stream);
+      any |= evicts;
+    }
+    if (any) OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, evictable.data()));
     std::vector<StorePlan> plans(n);
     bool wait = false;
     for (int i = 0; i < n; ++i) {
       IndexResource* r = res[i].get();
       const tf::Tensor& keys = ctx->input(n + i);
-      const std::string error = r->gpu->Finish(d, pending[i], missing[i], &found[i], false, insert_ratio_);
+      const std::string error = r->gpu->FinishCommit(d, &pending[i], evictable[i], &found[i]);
       OP_REQUIRES(ctx, error.empty(), Failed(*r, " ", error));
       tf::Tensor* slots = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(i, keys.shape(), &slots));
