@@ -55,7 +55,9 @@ def test_gpu_hybrid_trains_as_the_cpu_hybrid_and_the_all_hbm_table(rng, case):
     for a, b, c in zip(*outs):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
         np.testing.assert_allclose(a, c, rtol=1e-4, atol=2e-5)
-    _assert_same_tables(tables[0], tables[1], opts[0], opts[1], atol=2e-5)
+    # GPU against CPU: the kernels' rounding apart (FTRL / RMSprop state near 10 differed by 1.5e-5
+    # relative after the steps), the same tables
+    _assert_same_tables(tables[0], tables[1], opts[0], opts[1], atol=2e-5, rtol=1e-4)
     _assert_same_tables(tables[0], tables[2], opts[0], opts[2], atol=2e-5)
     gpu, cpu = sok.cache_stats(tables[0]), sok.cache_stats(tables[1])
     assert gpu == cpu and gpu["evicted"] > 0 and gpu["bytes_to_device"] > 0
@@ -100,7 +102,7 @@ def test_gpu_hybrid_checkpoint_restores_on_the_cpu_and_back(rng, tmp_path):
     tf.train.Checkpoint(t=cpu, o=opt_c).read(path).assert_consumed()
     _train(gpu, opt_g, batches[2:], "/GPU:0")
     _train(cpu, opt_c, batches[2:], "/CPU:0")
-    _assert_same_tables(gpu, cpu, opt_g, opt_c, atol=2e-5)
+    _assert_same_tables(gpu, cpu, opt_g, opt_c, atol=2e-5, rtol=1e-4)
 
 
 def test_host_link_bandwidth_is_measured_each_way():
