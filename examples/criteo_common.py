@@ -34,6 +34,9 @@ def parse_args(description, argv=None, dim=16, batch_size=2048, steps_per_execut
     p.add_argument("--jit-dense", choices=["auto", "on", "off"], default="auto",
                    help="compile the model's dense part with XLA (auto: on when a GPU is visible)")
     p.add_argument("--out", default=None, help="where plots and TensorBoard logs go (default out/<example>)")
+    p.add_argument("--reader-workers", default="auto",
+                   help="Parquet blocks built in this many processes (read_parquet(workers=)); 'auto': half "
+                        "the cores on a GPU machine of 8 or more, else 0 (threads of this process)")
     p.add_argument("--verbose", type=int, default=2)
     a = p.parse_args(argv)
     if not 0 < a.holdout < 1:
@@ -79,13 +82,28 @@ def datasets(a, synthetic_config=None):
     else:
         stored = sd.schema_of(a.data, fmt)
         schema = sd.CriteoSchema.capped(a.max_vocab) if a.max_vocab else (stored or sd.CriteoSchema())
-        ds = sd.read_parquet(a.data, a.batch_size, schema=schema, id_dtype=id_dtype(schema)) if fmt == "parquet" \
+        ds = sd.read_parquet(a.data, a.batch_size, schema=schema, id_dtype=id_dtype(schema),
+                             workers=reader_workers(a)) if fmt == "parquet" \
             else sd.read_tfrecord(a.data, a.batch_size, schema=schema)
     every = max(2, round(1 / a.holdout))
     numbered = sd.for_keras(ds, id_dtype=id_dtype(schema)).enumerate()
     train = numbered.filter(lambda i, b: i % every != 0).map(lambda i, b: b)
     test = numbered.filter(lambda i, b: i % every == 0).map(lambda i, b: b)
     return on_gpu(train.repeat()), on_gpu(test), schema
+
+
+def reader_workers(a):
+    """--reader-workers as read_parquet's `workers` (None: threads of this process)."""
+    if a.reader_workers == "auto":
+        cores = len(os.sched_getaffinity(0))
+        return cores // 2 if cores >= 8 and tf.config.list_physical_devices("GPU") else None
+    try:
+        k = int(a.reader_workers)
+    except ValueError:
+        raise SystemExit(f"--reader-workers: 'auto' or a number of processes, got {a.reader_workers!r}")
+    if k < 0:
+        raise SystemExit(f"--reader-workers: 'auto' or a number of processes >= 0, got {k}")
+    return k or None
 
 
 def id_dtype(schema):

@@ -44,6 +44,10 @@ def test_convert_then_train_with_defaults(tmp_path):
     out = run([os.path.join(ROOT, "examples", "dlrm.py"), "--data", str(tmp_path / "pq"), "--steps", "20",
                "--batch-size", "256", "--out", str(tmp_path / "o"), "--verbose", "0"])
     assert held_out_auc(out) > 0.5, out
+    # the blocks built by worker processes (what --reader-workers auto picks on a GPU machine)
+    out = run([os.path.join(ROOT, "examples", "dlrm.py"), "--data", str(tmp_path / "pq"), "--steps", "20",
+               "--batch-size", "256", "--out", str(tmp_path / "w"), "--verbose", "0", "--reader-workers", "2"])
+    assert held_out_auc(out) > 0.5, out
     # tables smaller than the data's vocabulary: one clear error naming both sizes, before training
     p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "dlrm.py"), "--data", str(tmp_path / "pq"),
                         "--steps", "20", "--max-vocab", "1000"], capture_output=True, text=True, cwd=ROOT,
