@@ -2,6 +2,7 @@
 (synthetic or Criteo files in TSV / Parquet / TFRecord), training with model.fit,
 held-out loss and AUC after every epoch, TensorBoard logs and PNG plots."""
 import argparse
+import contextlib
 import os
 import time
 
@@ -37,6 +38,12 @@ def parse_args(description, argv=None, dim=16, batch_size=2048, steps_per_execut
     p.add_argument("--reader-workers", default="auto",
                    help="Parquet blocks built in this many processes (read_parquet(workers=)); 'auto': half "
                         "the cores on a GPU machine of 8 or more, else 0 (threads of this process)")
+    p.add_argument("--distribute", choices=["none", "horovod", "mirrored"], default="none",
+                   help="horovod: one rank per GPU under horovodrun, --batch-size per rank, each rank reading its "
+                        "share of the data; mirrored: tf.distribute.MirroredStrategy over the visible GPUs, "
+                        "--batch-size global")
+    p.add_argument("--cpu-devices", type=int, default=0,
+                   help="with --distribute mirrored: N logical CPU devices instead of the GPUs")
     p.add_argument("--verbose", type=int, default=2)
     a = p.parse_args(argv)
     if not 0 < a.holdout < 1:
@@ -63,18 +70,73 @@ def _format(a) -> str:
     return "tsv"
 
 
-def datasets(a, synthetic_config=None):
+def make_strategy(cpu_devices: int) -> tf.distribute.MirroredStrategy:
+    """MirroredStrategy over the visible GPUs, or over `cpu_devices` logical CPU devices (2 when no
+    GPU is visible)."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus and not cpu_devices:
+        for g in gpus:
+            tf.config.experimental.set_memory_growth(g, True)
+        return tf.distribute.MirroredStrategy([f"/gpu:{i}" for i in range(len(gpus))])
+    n = cpu_devices or 2
+    tf.config.set_visible_devices([], "GPU")
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+    return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+
+
+class Launch:
+    """How an example runs (--distribute): one process; a Horovod rank (each rank its own GPU, its
+    share of the data and --batch-size rows per step; dense gradients averaged by Horovod, sparse
+    ones by tf_sok's exchange with the same mean, so N ranks train as one process on N x the batch);
+    or MirroredStrategy's replicas (the global batch split among them)."""
+
+    def __init__(self, a):
+        self.kind, self.rank, self.ranks, self.strategy, self.hvd = a.distribute, 0, 1, None, None
+        if self.kind == "horovod":
+            import horovod.tensorflow as hvd
+
+            hvd.init()
+            gpus = tf.config.list_physical_devices("GPU")
+            if gpus:
+                tf.config.set_visible_devices(gpus[hvd.local_rank() % len(gpus)], "GPU")
+                tf.config.experimental.set_memory_growth(gpus[hvd.local_rank() % len(gpus)], True)
+            self.hvd, self.rank, self.ranks = hvd, hvd.rank(), hvd.size()
+        elif self.kind == "mirrored":
+            self.strategy = make_strategy(a.cpu_devices)
+
+    def scope(self):
+        return self.strategy.scope() if self.strategy else contextlib.nullcontext()
+
+    def init(self):
+        """sok.init() for this launch (inside scope())."""
+        return sok.init(sparse_grad_reduction="mean" if self.hvd else "sum")
+
+    def mean(self, x: float) -> float:
+        """x averaged over the ranks (Horovod), else x."""
+        return float(self.hvd.allreduce(tf.constant(x, tf.float32), op=self.hvd.Average)) if self.hvd else x
+
+    def feed(self, ds):
+        """The batches as the step takes them: prefetched to the GPU, except under MirroredStrategy
+        (Keras distributes them there)."""
+        return ds if self.strategy else on_gpu(ds)
+
+
+def datasets(a, synthetic_config=None, launch=None):
     """(train, held-out) tf.data pipelines of ({"dense", "C1".."C26"}, label) and the schema the
     model's tables take. Files: every k-th batch is held out (k = 1 / holdout), the others are
-    cycled for training, so held-out data never takes the whole file."""
+    cycled for training, so held-out data never takes the whole file. Under Horovod each rank
+    takes every N-th batch (synthetic data: its own seed)."""
+    launch = launch or Launch(argparse.Namespace(distribute="none"))
+    rank, ranks = launch.rank, launch.ranks
     if a.data == "synthetic":
         schema = sd.CriteoSchema.capped(a.max_vocab or SYNTHETIC_VOCAB)
         cfg = (synthetic_config or sd.SyntheticConfig)(schema=schema)
         eval_rows = max(1, int(a.steps * a.holdout)) * a.batch_size
-        train = sd.synthetic(a.steps * a.batch_size, a.batch_size, cfg, seed=1)
-        test = sd.synthetic(eval_rows, a.batch_size, cfg, seed=2)
+        train = sd.synthetic(a.steps * a.batch_size, a.batch_size, cfg, seed=1 + 10 * rank)
+        test = sd.synthetic(eval_rows, a.batch_size, cfg, seed=2 + 10 * rank)
         ids = id_dtype(schema)
-        return on_gpu(sd.for_keras(train, id_dtype=ids)), on_gpu(sd.for_keras(test, id_dtype=ids)), schema
+        return launch.feed(sd.for_keras(train, id_dtype=ids)), launch.feed(sd.for_keras(test, id_dtype=ids)), schema
     fmt = _format(a)
     if fmt == "tsv":
         schema = sd.CriteoSchema.capped(a.max_vocab or 10_000_000)
@@ -86,10 +148,14 @@ def datasets(a, synthetic_config=None):
                              workers=reader_workers(a)) if fmt == "parquet" \
             else sd.read_tfrecord(a.data, a.batch_size, schema=schema)
     every = max(2, round(1 / a.holdout))
+    if ranks > 1:
+        ds = ds.shard(ranks, rank)
     numbered = sd.for_keras(ds, id_dtype=id_dtype(schema)).enumerate()
     train = numbered.filter(lambda i, b: i % every != 0).map(lambda i, b: b)
     test = numbered.filter(lambda i, b: i % every == 0).map(lambda i, b: b)
-    return on_gpu(train.repeat()), on_gpu(test), schema
+    if ranks > 1:   # every rank must run as many evaluation steps (each exchanges embeddings)
+        test = test.repeat().take(max(1, int(a.steps * a.holdout) // a.epochs))
+    return launch.feed(train.repeat()), launch.feed(test), schema
 
 
 def reader_workers(a):
@@ -178,27 +244,45 @@ def default_optimizer():
 
 
 def run(name, build_model, a, optimizer=default_optimizer, synthetic_config=None):
-    """Trains `build_model(schema, dim)` with model.fit, evaluating on held-out data after each epoch."""
-    sok.init()
-    train, test, schema = datasets(a, synthetic_config)
-    model = build_model(schema, a.dim)
-    per_epoch = a.steps // a.epochs
-    spe = min(a.steps_per_execution, per_epoch)
-    per_epoch -= per_epoch % spe          # Keras runs whole executions: an epoch is a multiple of them
-    model.compile(optimizer=optimizer(), loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc")],
-                  steps_per_execution=spe)
+    """Trains `build_model(schema, dim)` with model.fit, evaluating on held-out data after each epoch
+    (--distribute: under Horovod or MirroredStrategy; rank 0 prints, plots and logs)."""
+    launch = Launch(a)
+    with launch.scope():
+        ctx = launch.init()
+        train, test, schema = datasets(a, synthetic_config, launch)
+        model = build_model(schema, a.dim)
+        per_epoch = a.steps // a.epochs
+        spe = min(a.steps_per_execution, per_epoch)
+        if launch.strategy and spe > 1:
+            # Keras 3.15's multi-step loop under MirroredStrategy fails ("You must feed a value for
+            # placeholder tensor 'while/cond/Placeholder'"), a plain Dense model as well
+            print(f"{name}: steps_per_execution {spe} -> 1 under MirroredStrategy (Keras' multi-step loop "
+                  "fails there)")
+            spe = 1
+        per_epoch -= per_epoch % spe          # Keras runs whole executions: an epoch is a multiple of them
+        model.compile(optimizer=optimizer(), loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc")],
+                      steps_per_execution=spe)
+    first = launch.rank == 0
     out = a.out or os.path.join("out", name)
     os.makedirs(out, exist_ok=True)
-    curves = Curves(a.batch_size)
+    # samples/s of all ranks (the per-rank batch times the ranks); MirroredStrategy's batch is global
+    curves = Curves(a.batch_size * launch.ranks)
     callbacks = [curves]
-    try:
-        callbacks.append(keras.callbacks.TensorBoard(os.path.join(out, "tensorboard"), update_freq="epoch"))
-    except Exception as e:  # noqa: BLE001 (TensorBoard not installed: train without its logs)
-        print(f"TensorBoard logs off: {e}")
+    if first:
+        try:
+            callbacks.append(keras.callbacks.TensorBoard(os.path.join(out, "tensorboard"), update_freq="epoch"))
+        except Exception as e:  # noqa: BLE001 (TensorBoard not installed: train without its logs)
+            print(f"TensorBoard logs off: {e}")
+    if launch.kind != "none" and first:
+        print(f"{name}: {ctx.num_ranks} {'ranks' if launch.hvd else 'replicas'} ({type(ctx.communicator).__name__})")
     t0 = time.time()
     model.fit(train, epochs=a.epochs, steps_per_epoch=per_epoch, validation_data=test, callbacks=callbacks,
-              verbose=a.verbose)
+              verbose=a.verbose if first else 0)
     secs = time.time() - t0
+    if launch.hvd:   # held-out results averaged over the ranks' shares
+        curves.eval_loss[-1], curves.eval_auc[-1] = launch.mean(curves.eval_loss[-1]), launch.mean(curves.eval_auc[-1])
+    if not first:
+        return {"loss": curves.loss, "eval_auc": curves.eval_auc[-1], "eval_loss": curves.eval_loss[-1]}
     png = os.path.join(out, "training.png")
     plot(curves, png, f"{name}, {a.data}, batch {a.batch_size}")
     sps = np.median(curves.sps) if curves.sps else float("nan")

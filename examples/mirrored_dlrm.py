@@ -16,18 +16,7 @@ import time
 
 import tensorflow as tf
 
-
-def make_strategy(cpu_devices: int) -> tf.distribute.MirroredStrategy:
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus and not cpu_devices:
-        for g in gpus:
-            tf.config.experimental.set_memory_growth(g, True)
-        return tf.distribute.MirroredStrategy([f"/gpu:{i}" for i in range(len(gpus))])
-    n = cpu_devices or 2
-    tf.config.set_visible_devices([], "GPU")
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
-    return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+from criteo_common import make_strategy
 
 
 def main(argv=None):

@@ -296,3 +296,13 @@ def test_mirrored_example_trains_and_checkpoints(tmp_path):
     assert "2 replicas" in p.stdout, p.stdout
     assert float(p.stdout.split("AUC ")[-1].split(";")[0]) > 0.6, p.stdout
     assert os.path.exists(tmp_path / "ckpt_2replicas" / "checkpoint")
+
+
+def test_dcnv2_example_trains_under_mirrored_strategy(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "dcnv2.py"), "--distribute", "mirrored",
+                        "--cpu-devices", "2", "--steps", "60", "--batch-size", "512", "--dim", "8",
+                        "--max-vocab", "5000", "--out", str(tmp_path), "--verbose", "0"],
+                       capture_output=True, text=True, env=_env(), cwd=os.path.join(ROOT, "examples"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "dcnv2: 2 replicas (StrategyCommunicator)" in p.stdout, p.stdout
+    assert float(p.stdout.split("AUC ")[-1].split(";")[0]) > 0.6, p.stdout

@@ -171,6 +171,31 @@ def test_model_fit_averages_dense_weights_and_checkpoint_round_trips(tmp_path, s
     assert not np.array_equal(ranks[0]["before"], ranks[1]["before"])  # different inputs per rank
 
 
+def test_dense_weights_made_inside_the_first_step_are_broadcast(tmp_path, seed):
+    """Weights Keras makes inside the traced training function have no value before it runs: they
+    are broadcast from rank 0 in the first step, so ranks that drew different initial weights hold
+    the same ones after training (without the broadcast each would keep its own)."""
+    ranks = run_workers(2, "keras_fit_lazy", seed % 1000, tmp_path)
+    dense_keys = sorted(k for k in ranks[0] if k.startswith("dense"))
+    assert len(dense_keys) == 4
+    for k in dense_keys:
+        np.testing.assert_array_equal(ranks[0][k], ranks[1][k])
+    for res in ranks:
+        assert res["loss"][-1] < res["loss"][0]
+
+
+def test_dcnv2_example_trains_under_horovodrun(tmp_path):
+    """examples/dcnv2.py --distribute horovod: 2 ranks, each on its share of the data, learn (the
+    exchange and the averaging themselves are checked against one process above)."""
+    p = launch(2, [os.path.join(ROOT, "examples", "dcnv2.py"), "--distribute", "horovod", "--steps", "60",
+                   "--batch-size", "256", "--dim", "8", "--max-vocab", "5000", "--out", str(tmp_path),
+                   "--verbose", "0"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "dcnv2: 2 ranks (HorovodCommunicator)" in p.stdout, p.stdout[-3000:]
+    auc = float(re.search(r"held-out loss [0-9.]+, AUC ([0-9.]+)", p.stdout).group(1))
+    assert auc > 0.6, p.stdout[-3000:]
+
+
 def test_a_dead_rank_stops_the_job_in_bounded_time(tmp_path):
     t0 = time.time()
     p = launch(2, ["-m", "tests.horovod.worker", "rank_dies", "0", str(tmp_path)], timeout=300)

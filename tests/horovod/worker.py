@@ -179,6 +179,45 @@ def keras_fit(seed, out):
              **{f"dense{i}": v.numpy() for i, v in enumerate(dense)})
 
 
+def keras_fit_lazy(seed, out):
+    """model.fit of a model whose dense weights Keras makes inside the first traced step (no eager
+    build first), each rank's initial weights drawn from its own seed, over its own data."""
+    import keras
+
+    sok.init(sparse_grad_reduction="mean")
+    r = hvd.rank()
+    keras.utils.set_random_seed(seed + 7 * r)
+
+    class Lazy(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb = sok.layers.EmbeddingCollection(
+                tables=[sok.TableConfig("t", 500, 8, combiner="mean")], feature_to_table={"f": "t"})
+            self.hidden = keras.layers.Dense(16, activation="relu")
+            self.out = keras.layers.Dense(1, activation="sigmoid")
+
+        def build(self, input_shape):   # as examples/dcnv2.py: the dense layers built here
+            self.hidden.build((None, 8 + input_shape["dense"][-1]))
+            self.out.build((None, 16))
+
+        def call(self, x):
+            return self.out(self.hidden(tf.concat([self.emb({"f": x["f"]})["f"], x["dense"]], axis=1)))
+
+    rng = np.random.default_rng(seed + r)
+    rows, batch = 64 * 40, 64
+    ids = rng.integers(0, 500, rows * 2)
+    dense = rng.standard_normal((rows, 4)).astype(np.float32)
+    label = ((ids[0::2] % 2) ^ (dense[:, 0] > 0)).astype(np.float32)[:, None]
+    ragged = tf.RaggedTensor.from_row_splits(ids, np.arange(0, 2 * rows + 1, 2))
+    ds = tf.data.Dataset.from_tensor_slices(({"f": ragged, "dense": dense}, label)).batch(batch)
+    model = Lazy()
+    model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.Adam(1e-2), sparse=sok.optimizers.Adam(1e-2)),
+                  loss="binary_crossentropy", steps_per_execution=5)
+    hist = model.fit(ds, epochs=3, verbose=0)
+    _, dense_vars = sok.filter_variables(model.trainable_variables)
+    np.savez(out, loss=np.array(hist.history["loss"]), **{f"dense{i}": v.numpy() for i, v in enumerate(dense_vars)})
+
+
 def rank_dies(seed, out):
     """Rank 1 dies before a lookup; rank 0 must not wait forever."""
     sok.init()

@@ -296,12 +296,48 @@ def broadcast_variables(variables: Iterable, root: int = 0) -> None:
         >>> sok_vars, dense_vars = sok.filter_variables(model.variables)
         >>> sok.broadcast_variables(dense_vars)
     """
+    unready = broadcast_ready_variables(variables, root)
+    if unready:
+        v = unready[0][1]
+        raise ValueError(f"broadcast_variables: {v.name} {list(v.shape)} has no value yet (made inside a traced "
+                         f"function, e.g. a model first built inside model.fit, and initialised when it runs); "
+                         f"broadcast after the first step, or build the model before, e.g. by calling it on a "
+                         f"batch")
+
+
+def _value_now(v):
+    """v's value as the program runs now (eagerly), or None where it has none yet: a variable made
+    inside a traced function is initialised when that function first runs."""
+    try:
+        value = tf.convert_to_tensor(v)
+    except (tf.errors.FailedPreconditionError, tf.errors.InvalidArgumentError):
+        return None
+    return value if value.shape == v.shape else None
+
+
+def broadcast_ready_variables(variables: Iterable, root: int = 0) -> list:
+    """broadcast_variables for the variables that have a value now; returns (position, variable) of
+    those that do not, for `broadcast_in_graph` in the function that initialises them."""
     ctx = context_lib.context()
     if ctx.communicator.mirrors_dense_variables:
-        return
+        return []
+    unready = []
     with tf.init_scope():
         for i, v in enumerate(variables):
             if table_meta(v) is not None:
                 raise ValueError(f"broadcast_variables: {v.name} is a sharded tf_sok table; broadcast dense "
                                  f"variables only")
-            v.assign(ctx.communicator.broadcast(tf.convert_to_tensor(v), root, name=f"tf_sok.broadcast.{i}"))
+            value = _value_now(v)
+            if value is None:
+                unready.append((i, v))
+                continue
+            v.assign(ctx.communicator.broadcast(value, root, name=f"tf_sok.broadcast.{i}"))
+    return unready
+
+
+def broadcast_in_graph(pairs, root: int = 0) -> list:
+    """Assignments of rank `root`'s values to the (position, variable) pairs, as ops of the
+    function being traced."""
+    comm = context_lib.context().communicator
+    return [v.assign(comm.broadcast(tf.convert_to_tensor(v), root, name=f"tf_sok.broadcast.{i}"))
+            for i, v in pairs]

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tf_sok.python import context as context_lib
 from tf_sok.python.optimizers.base import SparseOptimizer
-from tf_sok.python.variable import broadcast_variables, filter_variables, state_placement
+from tf_sok.python.variable import broadcast_in_graph, broadcast_ready_variables, filter_variables, state_placement
 
 _log = logging.getLogger("tf_sok")
 
@@ -67,6 +67,7 @@ class Optimizer(keras.optimizers.Optimizer):
         self.sparse_lr_follows_dense = sparse_lr_follows_dense
         self._dense_lr0 = float(keras.ops.convert_to_numpy(dense.learning_rate))  # the ratio's base
         self._dense_lr_at_build = None
+        self._broadcast_in_first_step = []
 
     def _slot(self, name, shape, initial_value, like):
         with state_placement(like):
@@ -75,7 +76,9 @@ class Optimizer(keras.optimizers.Optimizer):
 
     def build(self, var_list):
         sparse_vars, dense_vars = filter_variables(var_list)
-        broadcast_variables(dense_vars, root=0)
+        # rank 0's dense weights to every rank now; weights Keras made inside the training function
+        # (a model first built there) have no value until it runs: they are broadcast in its first step
+        self._broadcast_in_first_step = broadcast_ready_variables(dense_vars, root=0)
         self.dense.build(dense_vars)
         self.sparse.build(sparse_vars, slot_factory=self._slot)
         super().build(var_list)
@@ -116,7 +119,16 @@ class Optimizer(keras.optimizers.Optimizer):
         if dense_vars:
             comm = context_lib.context().communicator
             dense_grads = comm.reduce_dense_gradients(dense_grads)
-            with tf.control_dependencies(done + _tensors(dense_grads)):
+            synced = []
+            if self._broadcast_in_first_step:
+                later = self._broadcast_in_first_step
+
+                def broadcast():
+                    with tf.control_dependencies(broadcast_in_graph(later, root=0)):
+                        return tf.constant(True)
+                synced.append(tf.cond(tf.equal(tf.convert_to_tensor(self.iterations), 0), broadcast,
+                                      lambda: tf.constant(False)))
+            with tf.control_dependencies(done + synced + _tensors(dense_grads)):
                 self.dense.apply(dense_grads, dense_vars)
             done.append(tf.convert_to_tensor(self.dense.iterations))
         with tf.control_dependencies(done):
