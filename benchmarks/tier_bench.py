@@ -6,7 +6,8 @@ memory, in one run.
     python benchmarks/tier_bench.py --quick         (small sizes, any device)
 
 The DLRM-like step: `--tables` dynamic tables of `--keys` keys each (every key inserted before the
-timed steps, so the tables hold their full size), one id per sample and table drawn from the
+timed steps, so the tables hold their full size; `--static`: `sok.Variable`s of `--keys` rows, with a
+host tier against without, every row used once before the timed steps), one id per sample and table drawn from the
 distribution (ids hashed to 64-bit keys), lookup + gradient + Adagrad (one state array per table).
 The hybrid tables get `max_hbm_for_vectors` = cache-share x their bytes (values and state): the
 rest lives in pinned host memory. Printed per distribution: ms per step of both, the ratio (aim
@@ -35,8 +36,9 @@ HASH = np.int64(-7046029254386353131)   # odd: ids -> distinct 64-bit keys
 def batches(a, dist, count):
     rng = np.random.default_rng(7)
     out = []
+    scale = np.int64(1) if a.static else HASH      # static tables: the ids are the rows
     for _ in range(count):
-        out.append([tf.RaggedTensor.from_row_splits(tf.constant(ids_for(rng, a.keys, a.batch, dist) * HASH),
+        out.append([tf.RaggedTensor.from_row_splits(tf.constant(ids_for(rng, a.keys, a.batch, dist) * scale),
                                                     tf.range(a.batch + 1, dtype=tf.int64))
                     for _ in range(a.tables)])
     return out
@@ -45,10 +47,18 @@ def batches(a, dist, count):
 def make_tables(a, device, hybrid: bool, tag: str):
     state_widths = 2 * a.dim                              # values + Adagrad's accumulator
     budget = a.cache_share * a.keys * state_widths * 4 / 2**30
-    kw = dict(var_type="hybrid", max_hbm_for_vectors=budget) if hybrid else dict(init_capacity=a.keys + 1)
     with tf.device(device):
-        tables = [sok.DynamicVariable(a.dim, initializer="uniform", name=f"{tag}{i}", **kw) for i in range(a.tables)]
-        every = np.arange(a.keys, dtype=np.int64) * HASH
+        if a.static:   # sok.Variable with a host tier against the plain static table
+            kw = dict(max_hbm_for_vectors=budget) if hybrid else {}
+            tables = [sok.Variable(shape=[a.keys, a.dim], initializer="uniform", name=f"{tag}{i}", **kw)
+                      for i in range(a.tables)]
+            if not hybrid:
+                return tables
+        else:
+            kw = dict(var_type="hybrid", max_hbm_for_vectors=budget) if hybrid else dict(init_capacity=a.keys + 1)
+            tables = [sok.DynamicVariable(a.dim, initializer="uniform", name=f"{tag}{i}", **kw)
+                      for i in range(a.tables)]
+        every = np.arange(a.keys, dtype=np.int64) * (np.int64(1) if a.static else HASH)
         for t in tables:   # every key in the table before the timed steps
             for lo in range(0, a.keys, 1 << 20):
                 t.rows_for(tf.constant(every[lo:lo + (1 << 20)]))
@@ -57,6 +67,7 @@ def make_tables(a, device, hybrid: bool, tag: str):
 
 def run(a, device, tables, data, profile=False):
     opt = sok.optimizers.Adagrad(0.01)
+    hybrid = getattr(tables[0], "hybrid", False)
 
     @tf.function
     def step(batch):
@@ -69,17 +80,17 @@ def run(a, device, tables, data, profile=False):
     with tf.device(device):
         for b in data[:a.warmup]:
             float(step(b))
-        before = [sok.cache_stats(t) for t in tables] if tables[0].hybrid else None
+        before = [sok.cache_stats(t) for t in tables] if hybrid else None
         times = []
         for b in data[a.warmup:]:
             t0 = time.perf_counter()
             float(step(b))
             times.append(time.perf_counter() - t0)
-        after = [sok.cache_stats(t) for t in tables] if tables[0].hybrid else None
+        after = [sok.cache_stats(t) for t in tables] if hybrid else None
         if profile:   # where the step's time goes, per op and kernel (TensorFlow's profiler)
             from profile_step import profile as profile_steps
 
-            print(f"  -- {'hybrid' if tables[0].hybrid else 'all-HBM'} step, profiled:")
+            print(f"  -- {'hybrid' if hybrid else 'all-HBM'} step, profiled:")
             profile_steps(lambda i: float(step(data[a.warmup + i % a.iters])), steps=5, top=30)
     res = {"ms": float(np.median(times)) * 1e3}
     if before:
@@ -105,6 +116,8 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--link-mib", type=int, default=1024)
     p.add_argument("--profile", action="store_true", help="also profile both steps of the first distribution")
+    p.add_argument("--static", action="store_true",
+                   help="static tables (sok.Variable with max_hbm_for_vectors) against plain sok.Variables")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json")
     a = p.parse_args()
@@ -112,11 +125,12 @@ def main():
         a.tables, a.keys, a.dim, a.batch, a.iters, a.warmup, a.link_mib = 2, 20_000, 16, 2048, 3, 2, 64
     device = "/GPU:0" if gpu else "/CPU:0"
     total = a.tables * a.keys * 2 * a.dim * 4
-    print(f"tier_bench on {device}: {a.tables} tables x {a.keys:,} keys x dim {a.dim} + Adagrad state = "
+    kind = "static" if a.static else "dynamic"
+    print(f"tier_bench on {device}: {a.tables} {kind} tables x {a.keys:,} keys x dim {a.dim} + Adagrad state = "
           f"{total / 1e9:.1f} GB; cache budget {a.cache_share:.0%} ({total * a.cache_share / 1e9:.2f} GB); "
           f"batch {a.batch:,}, one id per sample and table")
     out = {"device": device, "tables": a.tables, "keys": a.keys, "dim": a.dim, "batch": a.batch,
-           "cache_share": a.cache_share}
+           "cache_share": a.cache_share, "static": a.static}
     if gpu:
         link = sok.host_link_bandwidth(a.link_mib)
         print(f"host link ({a.link_mib} MiB of pinned memory): copies to / from the device "

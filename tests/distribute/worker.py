@@ -302,7 +302,7 @@ def dynamic(seed, res):
         for name, t in tables.items():
             for r, shard in zip(sok.context().communicator.local_ranks, t.shards):
                 if dc.TABLES[name][1] is None:
-                    res[f"{prefix}{name}/rows/{r}"] = shard.numpy()
+                    res[f"{prefix}{name}/rows/{r}"] = dc.static_rows(shard)
                 else:
                     keys, values = sok.export(shard)
                     res[f"{prefix}{name}/keys/{r}"], res[f"{prefix}{name}/values/{r}"] = keys.numpy(), values.numpy()
@@ -310,8 +310,8 @@ def dynamic(seed, res):
 
     train(tables, sparse_opt, range(dc.STEPS))
     record(tables, "")
-    # sok.dump under N replicas; loaded back with the dynamic tables' modes swapped and host tiers
-    # (3 cached rows per replica), STEPS more steps
+    # sok.dump under N replicas; loaded back with the dynamic tables' modes swapped and host tiers on
+    # every table (3 cached rows per replica), STEPS more steps
     res["dump_path"] = path = os.path.join(OUTDIR, "dynamic_dump")
     sok.dump(path, list(tables.values()), sparse_opt)
     with STRATEGY.scope():

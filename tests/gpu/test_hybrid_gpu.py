@@ -110,3 +110,42 @@ def test_host_link_bandwidth_is_measured_each_way():
     assert set(got) == {"copy_to_device", "copy_to_host", "read_in_place", "write_in_place"}
     for name, gbps in got.items():   # PCIe 3 x16 (~12 GB/s) up to NVLink-C2C (900 GB/s)
         assert 1.0 < gbps < 1000.0, (name, gbps)
+
+
+@pytest.mark.parametrize("case", ["adagrad", "adam"])
+def test_gpu_static_table_with_a_host_tier_trains_as_the_plain_table(rng, case):
+    """sok.Variable(..., max_hbm_for_vectors=...) on the GPU against the same table without a tier on
+    the GPU and on the CPU; ids outside [0, rows) fail on the GPU as on the CPU."""
+    cls, hp = OPTIMIZERS[case]
+    rows = 50_000
+    init = rng.standard_normal((rows, DIM)).astype(np.float32)
+    p = 1.0 / np.arange(1, rows + 1) ** 1.05
+    order = rng.permutation(rows)
+    batches = []
+    for _ in range(6):
+        lens = rng.integers(0, 6, 2048)
+        ids = order[rng.choice(rows, int(lens.sum()), p=p / p.sum())].astype(np.int64)
+        batches.append((lens, ids, rng.standard_normal((2048, DIM)).astype(np.float32)))
+    budget = _gib(1500, [DIM] + _slot_widths(cls(learning_rate=0.05, **hp)))   # 3% of the rows
+    tables, opts, outs = [], [], []
+    for device, tier in (("/GPU:0", True), ("/GPU:0", False), ("/CPU:0", False)):
+        with tf.device(device):
+            t = sok.Variable(init, name=f"static_{case}_{device[1:4]}_{tier}",
+                             **(dict(max_hbm_for_vectors=budget) if tier else {}))
+        opt = cls(learning_rate=0.05, **hp)
+        outs.append(_train(t, opt, batches, device))
+        tables.append(t)
+        opts.append(opt)
+    for a, b, c in zip(*outs):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=2e-5)
+    keys, parts = tables[0].export_state([tables[0]] + list(opts[0].slots(tables[0])))
+    keys = keys.numpy()
+    assert len(keys) == rows
+    for part, plain in zip(parts, [tables[1]] + list(opts[1].slots(tables[1]))):
+        np.testing.assert_allclose(part.numpy(), tf.gather(plain, keys).numpy().reshape(part.shape),
+                                   rtol=1e-4, atol=2e-5)
+    assert sok.cache_stats(tables[0])["evicted"] > 0
+    with tf.device("/GPU:0"), pytest.raises(tf.errors.InvalidArgumentError,
+                                            match=rf"id {rows} is outside \[0, {rows}\) of table"):
+        sok.lookup_sparse(tables[0], tf.ragged.constant([[1, rows]], tf.int64), feature_names=["f"])

@@ -22,14 +22,15 @@ def key_pool(seed):
 
 
 def make_tables(seed, modes=None, hybrid=False):
-    """The tables; `modes`: other placements of the dynamic ones ({name: mode}); hybrid: the dynamic
-    ones with a host tier whose cache holds 3 rows (of values and Adam's two moments and step)."""
+    """The tables; `modes`: other placements of the dynamic ones ({name: mode}); hybrid: every table
+    with a host tier whose cache holds 3 rows (of values and Adam's two moments and step)."""
     tables = {}
     for name, (dim, mode) in TABLES.items():
         mode = (modes or {}).get(name, mode)
         if mode is None:
             init = np.random.default_rng(seed + 7).standard_normal((STATIC_ROWS, dim)).astype(np.float32)
-            tables[name] = sok.Variable(init, name=name)
+            tier = dict(max_hbm_for_vectors=3 * 4 * (3 * dim + 1) / 2**30) if hybrid else {}
+            tables[name] = sok.Variable(init, name=name, **tier)
         else:
             tier = dict(var_type="hybrid", max_hbm_for_vectors=3 * 4 * (3 * dim + 1) / 2**30) if hybrid else {}
             tables[name] = sok.DynamicVariable(dim, initializer="normal", mode=mode, seed=seed % 1000, name=name,
@@ -91,11 +92,19 @@ def train(tables, dense_w, batches, dense_tape=None, sparse_opt=None):
         step({k: (tf.constant(v[0]), tf.constant(v[1])) for k, v in feats.items()}, tf.constant(target))
 
 
+def static_rows(table):
+    """A static table's rows held here, in row order (a host tier holds every row it was given)."""
+    if isinstance(table, sok.DynamicVariable):
+        keys, values = sok.export(table)
+        return values.numpy()[np.argsort(keys.numpy())]
+    return table.numpy()
+
+
 def results(tables, dense_w):
     res = {"dense": dense_w.numpy()}
     for name, t in tables.items():
         if TABLES[name][1] is None:
-            res[f"{name}/rows"] = t.numpy()
+            res[f"{name}/rows"] = static_rows(t)
         else:
             keys, values = sok.export(t)
             res[f"{name}/keys"], res[f"{name}/values"] = keys.numpy(), values.numpy()

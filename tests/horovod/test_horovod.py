@@ -155,8 +155,11 @@ def test_bad_configurations_raise_on_every_rank(tmp_path, seed):
         assert "mode 'localized:2' needs rank 2, but there are 2 rank(s)" in str(res["localized"])
         assert "ranks disagree on lookup step" in str(res["order"])
         assert "feature 'clicks' has id 10 on rank 1, outside table 'ta' of 10 rows" in str(res["id"])
+        # a static table with a host tier: the same error on every rank before any key moves
+        assert "feature views on rank 1: id 10 is outside [0, 10) of table tiered" in str(res["tier_id"])
+        assert int(res["tier_held"]) == 0
     # the tables were not touched and the job could go on
-    assert ranks[0]["ok"].shape == (2, 4)
+    assert ranks[0]["ok"].shape == (2, 4) and ranks[0]["tier_ok"].shape == (2, 4)
 
 
 def test_model_fit_averages_dense_weights_and_checkpoint_round_trips(tmp_path, seed):
@@ -232,7 +235,7 @@ def test_dynamic_tables_train_like_one_process(tmp_path, seed, n, scenario):
     """Each key ends on its owner (floormod(key, n), or the localized rank) with the value one
     process training on the global batch gives it; dense weights alike. sok_script: written as
     SOK's scripts are (comm_tool, OptimizerWrapper over a tf_keras legacy optimizer). hybrid_training:
-    the ranks' dynamic tables have host tiers (3 cached rows), the one process's have none."""
+    the ranks' tables, static and dynamic, have host tiers (3 cached rows), the one process's none."""
     import tf_keras
 
     from tests.horovod import dynamic_case as dc

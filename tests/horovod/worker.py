@@ -150,8 +150,16 @@ def bad_configs(seed, out):
         sok.lookup_sparse([a], [bad], feature_names=["clicks"])
     except tf.errors.InvalidArgumentError as e:
         errors["id"] = str(e)
+    tiered = sok.Variable(shape=[10, 4], name="tiered", max_hbm_for_vectors=0.001)   # a host tier
+    try:
+        bad = tf.ragged.constant([[1, 2], [3 if r == 0 else 10]], dtype=tf.int64)
+        sok.lookup_sparse([tiered], [bad], feature_names=["views"])
+    except tf.errors.InvalidArgumentError as e:
+        errors["tier_id"] = str(e)
+    held = sok.cache_stats(tiered)["keys"]
     out_ok = sok.lookup_sparse([a], [ids], combiners="sum")[0]  # still healthy afterwards
-    np.savez(out, **{k: np.array(v) for k, v in errors.items()}, ok=out_ok.numpy(), table=a.numpy())
+    np.savez(out, **{k: np.array(v) for k, v in errors.items()}, ok=out_ok.numpy(), table=a.numpy(),
+             tier_held=held, tier_ok=sok.lookup_sparse([tiered], [ids], combiners="sum")[0].numpy())
 
 
 def keras_fit(seed, out):
@@ -260,9 +268,10 @@ def dynamic_training(seed, out, hybrid=False):
     pool = dc.HYBRID_POOL if hybrid else 30
     batches = [dc.rank_slice(*dc.global_batch(seed, s, pool), r, N) for s in range(dc.STEPS)]
     dc.train(tables, dense_w, batches, dense_tape=hvd.DistributedGradientTape)
-    if hybrid:   # every rank's shard of the distributed table went through its host tier
-        stats = sok.cache_stats(tables["users"])
-        assert stats["evicted"] > 0 and stats["bytes_to_device"] > 0, stats
+    if hybrid:   # every rank's shard of the distributed tables went through its host tier
+        for name in ("users", "small"):
+            stats = sok.cache_stats(tables[name])
+            assert stats["evicted"] > 0 and stats["bytes_to_device"] > 0, (name, stats)
     np.savez(out, **dc.results(tables, dense_w))
 
 

@@ -245,8 +245,6 @@ def test_bad_arguments_are_clear_errors():
         hybrid.touched_since(0)
     with pytest.raises(ValueError, match="'tiered' is hybrid"):
         hybrid.export_rows()
-    with pytest.raises(ValueError, match="max_hbm_for_vectors are for dynamic tables"):
-        sok.TableConfig("s", 10, DIM, max_hbm_for_vectors=1)
     with pytest.raises(tf.errors.InvalidArgumentError, match="link between host memory and a GPU: place it on a GPU"):
         sok.host_link_bandwidth(1, device="/CPU:0")
 

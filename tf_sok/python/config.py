@@ -24,8 +24,9 @@ class TableConfig:
 
     dynamic=True makes the table a `sok.DynamicVariable` keyed by any int64 id: vocab_size is then
     its initial capacity (rows allocated at first; they double as keys arrive), and max_capacity,
-    evict_strategy, min_frequency and seed mean what they mean there; max_hbm_for_vectors (GiB) gives
-    the table a host tier (var_type "hybrid": every row in host memory, hot rows cached on the device).
+    evict_strategy, min_frequency and seed mean what they mean there. max_hbm_for_vectors (GiB) gives
+    a table, static or dynamic, a host tier (var_type "hybrid": every row in host memory, hot rows
+    cached on the device; see `sok.Variable` for a static table's).
     """
 
     name: str
@@ -51,7 +52,7 @@ class TableConfig:
                              f"got {self.vocab_size} and {self.dim}")
         check_combiner(self.combiner, f"table {self.name!r}")
         if not self.dynamic and (self.max_capacity is not None or self.evict_strategy is not None
-                                 or self.min_frequency != 1 or self.max_hbm_for_vectors is not None):
-            raise ValueError(f"table {self.name!r}: max_capacity, evict_strategy, min_frequency and "
-                             f"max_hbm_for_vectors are for dynamic tables (dynamic=True)")
+                                 or self.min_frequency != 1):
+            raise ValueError(f"table {self.name!r}: max_capacity, evict_strategy and min_frequency are for "
+                             f"dynamic tables (dynamic=True)")
         ShardingSpec.parse(self.mode)

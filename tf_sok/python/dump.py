@@ -155,6 +155,8 @@ class _Shard:
                 self.keys = keys.numpy()[order]
                 self.rows = np.arange(len(order), dtype=np.int64)
                 self.held = [a.numpy()[order] for a in arrays]
+                if self.meta.row_ids:
+                    self._every_row()
             elif self.dynamic:
                 keys, rows = self.var.export_rows()
                 order = tf.argsort(keys)
@@ -165,6 +167,31 @@ class _Shard:
                 first, step = (m.rank, m.num_ranks) if m.sharding.kind == "distributed" else (0, 1)
                 self.rows = _Affine(0, 1, m.local_rows)
                 self.keys = _Affine(first, step, m.local_rows)
+
+    def _every_row(self):
+        """A static table with a host tier holds the rows it has seen: the others are at their
+        initial value (a function of the row) and state fill; a dump holds every row."""
+        m = self.meta
+        first, step = (m.rank, m.num_ranks) if m.sharding.kind == "distributed" else (0, 1)
+        every = first + step * np.arange(m.local_rows, dtype=np.int64)
+        at = (self.keys - first) // step
+        missing = np.ones(m.local_rows, bool)
+        missing[at] = False
+        from tf_sok.python.serving import initial_values
+        fills = [None] + self.var.state_fills()
+        full = []
+        for which, (held, fill) in enumerate(zip(self.held, fills)):
+            out = np.empty((m.local_rows,) + held.shape[1:], np.float32)
+            out[at] = held
+            if which == 0:
+                gaps = np.flatnonzero(missing)
+                for a in range(0, len(gaps), _piece_rows(m.dim)):
+                    part = gaps[a:a + _piece_rows(m.dim)]
+                    out[part] = initial_values(tf.constant(every[part]), m.dim, *self.var.initial_spec).numpy()
+            else:
+                out[missing] = fill
+            full.append(out)
+        self.keys, self.rows, self.held = every, np.arange(m.local_rows, dtype=np.int64), full
 
     def arrays(self) -> list:
         return [self.var] + self.state
@@ -413,7 +440,7 @@ def dump(path: str, dump_vars, optimizer=None, since: Optional[str] = None) -> N
                 os.remove(part)
         for t, n in enumerate(names):
             meta = tables[n][0].meta
-            entry = {"stem": file_stem(n), "dim": meta.dim, "mode": str(meta.sharding), "dynamic": meta.dynamic,
+            entry = {"stem": file_stem(n), "dim": meta.dim, "mode": str(meta.sharding), "dynamic": meta.keyed,
                      "rows": meta.rows, "count": int(counts[:, t].sum()), "files": [x[0] for x in specs[n]],
                      "widths": [x[2] for x in specs[n]], "headers": [zlib.crc32(x[1]) for x in specs[n]],
                      "pieces": sorted(p for part in parts for p in part.get(n, []))}
@@ -459,7 +486,7 @@ def _write_held(directory, manifest, tables, ranks, previous) -> None:
     if previous is None:
         return
     for n in sorted(tables):
-        if not tables[n][0].meta.dynamic:
+        if not tables[n][0].meta.keyed:
             continue
         held = ranks.gather_keys(np.concatenate([s.keys for s in tables[n]]))
         if manifest is None:
@@ -731,21 +758,21 @@ def load(path, load_vars, optimizer=None) -> None:
             count = reader.check(name, layout)
             entry = reader.entry(name)
             if entry is not None:
-                if entry["dim"] != meta.dim or entry["dynamic"] != meta.dynamic:
+                if entry["dim"] != meta.dim or entry["dynamic"] != meta.keyed:
                     raise DumpError(f"sok.load: table {name!r}: {reader.path} holds a "
                                     f"{'dynamic' if entry['dynamic'] else 'static'} table of dim {entry['dim']}, "
-                                    f"the model's is {'dynamic' if meta.dynamic else 'static'} of dim {meta.dim}")
-                if not meta.dynamic and entry["rows"] != meta.rows:
+                                    f"the model's is {'dynamic' if meta.keyed else 'static'} of dim {meta.dim}")
+                if not meta.keyed and entry["rows"] != meta.rows:
                     raise DumpError(f"sok.load: table {name!r}: {reader.path} holds {entry['rows']} rows, the "
                                     f"model's table has {meta.rows}")
             pieces = reader.pieces(name, count, meta.dim)
             delta = reader.manifest is not None and bool(reader.manifest.get("delta_of"))
-            if not meta.dynamic and not delta and count != meta.rows:
+            if not meta.keyed and not delta and count != meta.rows:
                 raise DumpError(f"sok.load: table {name!r}: {reader.path} holds {count} rows, the model's table "
                                 f"has {meta.rows}")
             for piece in pieces:             # every checksum and key before anything changes
                 keys = reader.read_piece(name, layout, piece)[0]
-                if not meta.dynamic and len(keys) and (keys.min() < 0 or keys.max() >= meta.rows):
+                if not meta.keyed and len(keys) and (keys.min() < 0 or keys.max() >= meta.rows):
                     bad = keys[(keys < 0) | (keys >= meta.rows)][0]
                     raise DumpError(f"sok.load: table {name!r}: {reader.path} has row id {bad}, outside the "
                                     f"table's [0, {meta.rows})")

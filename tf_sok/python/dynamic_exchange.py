@@ -21,7 +21,7 @@ import tensorflow as tf
 from tf_sok.python.comm import Communicator
 from tf_sok.python.dynamic_variable import rows_for_tables
 from tf_sok.python.exchange import _gather_rows, _scale_gradient
-from tf_sok.python.lookup import splits_ok
+from tf_sok.python.lookup import row_id_checks, splits_ok
 from tf_sok.python.ops import lookup_ops
 from tf_sok.python.variable import TableMeta, backing_variable
 
@@ -38,8 +38,17 @@ def _check(comm: Communicator, step: int, metas, feature_table, combiners, names
     sig = zlib.crc32(text.encode())
     valid = tf.stack([splits_ok(tf.cast(s, tf.int64), v) for s, v in zip(splits, ids)])
     first_bad = tf.argmin(tf.concat([tf.cast(valid, tf.int64), [0]], 0))     # = len(ids) when all valid
-    every = comm.allgather(tf.stack([tf.constant(sig, tf.int64), first_bad])[None, :],
-                           name=f"tf_sok.dyncheck.{step}")                    # [N, 2]
+    # ids of static tables with a host tier must be rows: the first feature out of range and its id
+    ranged = row_id_checks(metas, feature_table, ids, names)
+    if ranged:
+        in_range = tf.stack([ok for _, ok, _, _ in ranged] + [False])   # the last: none out of range
+        which = tf.argmin(tf.cast(in_range, tf.int64))
+        out_feature = tf.gather(tf.constant([f for f, _, _, _ in ranged] + [len(names)], tf.int64), which)
+        out_id = tf.gather(tf.stack([bad for _, _, bad, _ in ranged] + [tf.constant(0, tf.int64)]), which)
+    else:
+        out_feature, out_id = tf.constant(len(names), tf.int64), tf.constant(0, tf.int64)
+    every = comm.allgather(tf.stack([tf.constant(sig, tf.int64), first_bad, out_feature, out_id])[None, :],
+                           name=f"tf_sok.dyncheck.{step}")                    # [N, 4]
     same = tf.debugging.Assert(
         tf.reduce_all(tf.equal(every[:, 0], sig)),
         [tf.strings.format("tf_sok lookup: ranks disagree on the dynamic tables' lookup at step {} (different "
@@ -52,7 +61,19 @@ def _check(comm: Communicator, step: int, metas, feature_table, combiners, names
         [tf.strings.join(["tf_sok lookup: feature '", feature, "' on rank ", tf.strings.as_string(rank),
                           " has malformed row_splits (they must start at 0, never decrease and end at the "
                           "number of ids)"])], name="valid_row_splits_on_all_ranks")
-    return [same, ok]
+    if not ranged:
+        return [same, ok]
+    rank = tf.argmin(every[:, 2])
+    f = tf.minimum(every[rank, 2], len(names))
+    rows = tf.gather(tf.constant([metas[feature_table[g]].rows for g in range(len(names))] + [0], tf.int64), f)
+    table = tf.gather(tf.constant([metas[feature_table[g]].name for g in range(len(names))] + [""]), f)
+    within = tf.debugging.Assert(
+        tf.reduce_all(tf.equal(every[:, 2], len(names))),
+        [tf.strings.join(["tf_sok lookup: feature ", tf.gather(tf.constant(list(names) + [""]), f), " on rank ",
+                          tf.strings.as_string(rank), ": id ", tf.strings.as_string(every[rank, 3]),
+                          " is outside [0, ", tf.strings.as_string(rows), ") of table ", table])],
+        name="ids_within_rows_on_all_ranks")
+    return [same, ok, within]
 
 
 def dynamic_exchanged_lookup(comm: Communicator, tables: Sequence, metas: Sequence[TableMeta],

@@ -185,7 +185,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
 
     def __init__(self, dimension, initializer=None, var_type=None, name=None, constraint=None, trainable=True,
                  key_type=None, dtype=None, mode=None, init_capacity=None, max_capacity=None, evict_strategy=None,
-                 min_frequency=1, seed=0, max_hbm_for_vectors=None, _rank=None, **kwargs):
+                 min_frequency=1, seed=0, max_hbm_for_vectors=None, _rank=None, _rows=None, **kwargs):
         name = name or "sok_dynamic_variable"
         dimension = _count(name, "dimension", dimension, 1)
         unknown = sorted(set(kwargs) - set(_TUNING_ARGS))
@@ -236,7 +236,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
                                 max_keys=max_keys, evict=evict or "none", min_frequency=min_frequency,
                                 initializer=kind, init_a=a, init_b=b, seed=int(seed), cache_bytes=cache_bytes)
         self._hybrid = cache_bytes >= 0
-        self._attached = []
+        self._attached, self._fills = [], []
         self._attach(self, 0.0, values=True)
         self._track_trackable(self._index, name="tf_sok_index")
         self._dimension = dimension
@@ -246,8 +246,12 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         self.evict_strategy = evict
         self.max_capacity = max_keys or None
         self.min_frequency = min_frequency
-        meta = TableMeta(name, max_keys, dimension, spec, max_keys, ctx.rank if _rank is None else _rank,
-                         ctx.num_ranks, dynamic=True)
+        rank = ctx.rank if _rank is None else _rank
+        if _rows is None:
+            meta = TableMeta(name, max_keys, dimension, spec, max_keys, rank, ctx.num_ranks, dynamic=True)
+        else:   # sok.Variable with a host tier: a static table of _rows rows, keyed by row
+            meta = TableMeta(name, int(_rows), dimension, spec, spec.local_rows(int(_rows), rank, ctx.num_ranks),
+                             rank, ctx.num_ranks, dynamic=True, row_ids=True)
         if ctx.num_ranks > 1 and not ctx.communicator.per_replica_tables:
             _check_same_on_all_ranks(ctx, meta)
         attach_meta(self, meta)
@@ -335,6 +339,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         with tf.init_scope(), tf.device(self._index_device):
             ops().tf_sok_dynamic_attach(self._index.resource_handle, array.handle, fill=float(fill), values=values)
         self._attached.append(array)
+        self._fills.append(float(fill))
 
     def attach_state(self, array, fill: float):
         """Makes `array` ([rows] or [rows, dim] float32 tf.Variable of this table's rows) per-key
@@ -380,6 +385,24 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
             part = rows[:, int(bounds[i]):int(bounds[i + 1])]
             out.append(part if len(a.shape) == 2 else tf.reshape(part, [-1]))
         return keys, out
+
+    def set_rows(self, keys, values):
+        """Makes a hybrid table hold exactly `keys` ([n] int64) with `values` ([n, dim]) in its host tier
+        (its cache emptied; attached optimizer state at its fill). Eager only."""
+        if not self._hybrid:
+            raise ValueError(f"sok.DynamicVariable {self.table.name!r} is not hybrid; use sok.assign")
+        keys = tf.convert_to_tensor(keys, tf.int64)
+        values = tf.convert_to_tensor(values, tf.float32)
+        n = tf.shape(keys)[0]
+        state = [tf.fill([n, a.shape[1] if len(a.shape) == 2 else 1], f)
+                 for a, f in zip(self._attached[1:], self._fills[1:])]
+        with tf.device(self._index_device):
+            ops().tf_sok_dynamic_store_import(self._index.resource_handle, keys, tf.concat([values] + state, 1),
+                                              clear_cache=True)
+
+    def state_fills(self) -> list:
+        """The value a new key's row of each attached array takes after the values (attach order)."""
+        return list(self._fills[1:])
 
     def _position(self, array):
         for i, a in enumerate(self._attached):

@@ -219,7 +219,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
         metas = [table_meta(t) for t in tables]
         for f, x in enumerate(ids_list):
             dense = not isinstance(x, (tf.RaggedTensor, tf.SparseTensor))
-            if prune_negative_ids or (prune_negative_ids is None and dense and not metas[feature_table[f]].dynamic):
+            if prune_negative_ids or (prune_negative_ids is None and dense and not metas[feature_table[f]].keyed):
                 ids[f], splits[f], weights[f] = _pruned(ids[f], splits[f], weights[f] if weighted[f] else None)
                 if not weighted[f]:
                     weights[f] = tf.zeros([0], tf.float32)
@@ -304,6 +304,24 @@ def splits_ok(splits, ids):
                                          tf.reduce_all(splits[1:] >= splits[:-1])))
 
 
+def row_id_checks(metas, feature_table, ids, names) -> list:
+    """(feature, ids in range: a bool tensor, an offending id, the error's message) per feature of a static table held by
+    a key index (a host tier), whose ids are rows in [0, rows): the finds would insert others as keys."""
+    out = []
+    for f, v in enumerate(ids):
+        meta = metas[feature_table[f]]
+        if not meta.row_ids:
+            continue
+        v = tf.cast(v, tf.int64)
+        lo = tf.reduce_min(tf.concat([v, [0]], 0))
+        hi = tf.reduce_max(tf.concat([v, [0]], 0))
+        bad = tf.where(lo < 0, lo, hi)
+        out.append((f, tf.logical_and(lo >= 0, hi < meta.rows), bad,
+                    [tf.strings.join([f"lookup_sparse feature {names[f]}: id ", tf.strings.as_string(bad),
+                                      f" is outside [0, {meta.rows}) of table {meta.name}"])]))
+    return out
+
+
 def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio=1.0):
     """The ids of features on dynamic tables replaced by the rows holding them (missing keys
     inserted): one find per table over all its features' ids, so that keys of one feature never
@@ -316,7 +334,9 @@ def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio
     check = tf.debugging.Assert(tf.reduce_all(valid), [
         "lookup_sparse: row_splits must start at 0, never decrease and end at the number of ids; malformed in "
         "feature(s)", tf.boolean_mask(tf.constant([names[f] for f in dynamic]), tf.logical_not(valid))])
-    with tf.control_dependencies([check]):
+    checks = [check] + [tf.debugging.Assert(ok, message, name="ids_within_rows")
+                        for _, ok, _, message in row_id_checks(metas, feature_table, ids, names)]
+    with tf.control_dependencies(checks):
         ids = [tf.identity(v) if f in dynamic else v for f, v in enumerate(ids)]
     from tf_sok.python.dynamic_variable import rows_for_tables
 

@@ -49,6 +49,7 @@ def initial_values(keys, dim: int, kind: int, a: float, b: float, seed: int):
     """[n, dim] float32: a dynamic table's initial value of each key (dynamic_index.h's InitialValue:
     kind 0 uniform [a, b), 1 normal (a, b), 2 normal truncated at 2 stddev, 3 the constant a)."""
     n = tf.size(keys)
+    a, b = np.float32(a), np.float32(b)   # the kernel's float parameters (exactly: e.g. float32(0.05))
     if kind == 3:
         return tf.fill([n, dim], tf.constant(a, tf.float32))
     seed_bits = _mix(tf.constant(np.uint64(seed & (2**64 - 1)) ^ _C_KEY, tf.uint64))
@@ -56,7 +57,7 @@ def initial_values(keys, dim: int, kind: int, a: float, b: float, seed: int):
     columns = tf.range(dim, dtype=tf.int64)
     x = _mix(key_bits[:, None] + tf.bitcast(columns, tf.uint64)[None, :] * tf.constant(_C_COLUMN, tf.uint64))
     if kind == 0:
-        return tf.cast(a + (b - a) * tf.cast(_unit(x), tf.float32), tf.float32)
+        return a + (b - a) * tf.cast(_unit(x), tf.float32)   # in float, as the kernel
 
     def draw(x):
         u1 = _unit(x) + 2.0 ** -53
@@ -72,7 +73,7 @@ def initial_values(keys, dim: int, kind: int, a: float, b: float, seed: int):
             redo = tf.abs(z) > 2.0
             return tf.where(redo, z2, z), tf.where(redo, x2, x)
         z, _ = tf.while_loop(lambda z, x: tf.reduce_any(tf.abs(z) > 2.0), body, [z, x])
-    return tf.cast(a + b * z, tf.float32)
+    return tf.cast(np.float64(a) + np.float64(b) * z, tf.float32)   # in double, as the kernel
 
 
 class ServingTable(tf.Module):

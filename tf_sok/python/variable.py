@@ -32,7 +32,13 @@ class TableMeta:
     local_rows: int      # rows held by this rank
     rank: int = 0        # the rank holding this shard
     num_ranks: int = 1
-    dynamic: bool = False  # keyed by any int64 (sok.DynamicVariable): rows = max keys (0: unbounded)
+    dynamic: bool = False  # held by a key index (sok.DynamicVariable): rows = max keys (0: unbounded)
+    row_ids: bool = False  # a static table held by a key index (a host tier): ids are rows in [0, rows)
+
+    @property
+    def keyed(self) -> bool:
+        """Whether ids are keys (any int64, a dynamic table) rather than rows in [0, rows)."""
+        return self.dynamic and not self.row_ids
 
 
 def table_meta(var) -> Optional[TableMeta]:
@@ -213,19 +219,28 @@ class Variable(resource_variable_ops.ResourceVariable):
       dtype: tf.float32 (the kernels' storage type).
       mode: "distributed" (row-wise round robin) or "localized:<rank>".
       name: the table's name, used in error messages and checkpoints.
+      max_hbm_for_vectors: a host tier for a table larger than device memory (GiB of device memory
+        for cached rows, values and optimizer state together, as `sok.DynamicVariable`'s): every row
+        lives in host memory (pinned, on a GPU) and the rows a step uses are cached on the device.
+        The call then returns a `sok.DynamicVariable` keyed by row id, ids outside [0, rows) being
+        errors as for any static table; `initializer` is drawn per row (as a DynamicVariable's:
+        "uniform", "normal", "truncated_normal", constants, or the Keras initializers of those), or
+        `initial_value` is copied to host memory whole.
     In one process the variable holds the whole table; with N ranks it holds
     this rank's shard (rank r: global rows r, r+N, r+2N, ... under
     "distributed"; all rows on rank k and none elsewhere under "localized:k").
     Every rank must create the same tables in the same order (checked).
     Under tf.distribute (sok.init() inside strategy.scope()) the call returns
     a `ReplicaTable`: one such shard per local replica, each on its device.
-    Under tf.distribute (sok.init() inside strategy.scope()) the call returns
-    a `ReplicaTable`: one such shard per local replica, each on its device.
     """
 
     @classmethod
     def _variable_call(cls, initial_value=None, _meta=None, **kwargs):
-        """Under tf.distribute: one shard per local replica, as a ReplicaTable."""
+        """A table with a host tier (max_hbm_for_vectors); under tf.distribute: one shard per local
+        replica, as a ReplicaTable."""
+        if kwargs.get("max_hbm_for_vectors") is not None:
+            return _host_tier_table(cls, initial_value, **kwargs)
+        kwargs.pop("max_hbm_for_vectors", None)
         if _meta is not None or not context_lib.context().communicator.per_replica_tables:
             return None
         value, global_shape = cls._global_value(initial_value, kwargs.get("shape"), kwargs.get("dtype", tf.float32),
@@ -253,7 +268,7 @@ class Variable(resource_variable_ops.ResourceVariable):
 
     def __init__(self, initial_value=None, *, shape=None, initializer="uniform", dtype=tf.float32,
                  mode: str = "distributed", name: Optional[str] = None, trainable: bool = True,
-                 _meta: Optional[TableMeta] = None):
+                 max_hbm_for_vectors: Optional[float] = None, _meta: Optional[TableMeta] = None):
         initial_value, global_shape = self._global_value(initial_value, shape, dtype, name)
         table_name = name or "sok_table"
         meta = _meta or make_meta(table_name, global_shape[0], global_shape[1], mode)
@@ -275,6 +290,29 @@ class Variable(resource_variable_ops.ResourceVariable):
     @property
     def table(self) -> TableMeta:
         return table_meta(self)
+
+
+def _host_tier_table(cls, initial_value=None, *, shape=None, initializer="uniform", dtype=tf.float32,
+                     mode: str = "distributed", name: Optional[str] = None, trainable: bool = True,
+                     max_hbm_for_vectors=None):
+    """sok.Variable(..., max_hbm_for_vectors=...): a hybrid DynamicVariable whose keys are the rows."""
+    from tf_sok.python.dynamic_variable import DynamicVariable
+
+    value, (rows, dim) = cls._global_value(initial_value, shape, dtype, name)
+    name = name or "sok_table"
+    # a per-row initial value is a function of the row and the seed: the table's name makes the seed,
+    # so that two tables of one model start apart and every rank agrees
+    table = DynamicVariable(dim, initializer=initializer if value is None else "zeros", var_type="hybrid",
+                            max_hbm_for_vectors=max_hbm_for_vectors, name=name, trainable=trainable, mode=mode,
+                            seed=zlib.crc32(name.encode()), _rows=rows)
+    if value is not None:
+        for shard in ([table] if not isinstance(table, ReplicaTable) else table.shards):
+            meta = table_meta(shard)
+            if not meta.local_rows:
+                continue
+            first, step = (meta.rank, meta.num_ranks) if meta.sharding.kind == "distributed" else (0, 1)
+            shard.set_rows(tf.range(first, rows, step, dtype=tf.int64), local_shard(value, meta))
+    return table
 
 
 def filter_variables(variables: Iterable) -> Tuple[list, list]:

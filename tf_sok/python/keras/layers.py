@@ -83,13 +83,19 @@ def _assign_rows(var, value):
 
 
 def _add_dynamic_table(layer: keras.layers.Layer, cfg: TableConfig):
+    """A dynamic table's weight, or a static table's with a host tier (held the same way)."""
     from tf_sok.python.dynamic_variable import DynamicVariable
+    from tf_sok.python.variable import Variable
 
-    table = DynamicVariable(cfg.dim, initializer=cfg.initializer, name=cfg.name, mode=cfg.mode,
-                            init_capacity=cfg.vocab_size, max_capacity=cfg.max_capacity,
-                            evict_strategy=cfg.evict_strategy, min_frequency=cfg.min_frequency, seed=cfg.seed,
-                            max_hbm_for_vectors=cfg.max_hbm_for_vectors,
-                            var_type="hybrid" if cfg.max_hbm_for_vectors is not None else None)
+    if not cfg.dynamic:
+        table = Variable(shape=[cfg.vocab_size, cfg.dim], initializer=cfg.initializer, name=cfg.name, mode=cfg.mode,
+                         max_hbm_for_vectors=cfg.max_hbm_for_vectors)
+    else:
+        table = DynamicVariable(cfg.dim, initializer=cfg.initializer, name=cfg.name, mode=cfg.mode,
+                                init_capacity=cfg.vocab_size, max_capacity=cfg.max_capacity,
+                                evict_strategy=cfg.evict_strategy, min_frequency=cfg.min_frequency, seed=cfg.seed,
+                                max_hbm_for_vectors=cfg.max_hbm_for_vectors,
+                                var_type="hybrid" if cfg.max_hbm_for_vectors is not None else None)
     with keras.name_scope(layer.name, caller=layer):
         weight = _DynamicWeight(table, trainable=True, autocast=False, name=cfg.name)
     layer._track_variable(weight)  # noqa: SLF001 (what add_weight does)
@@ -100,7 +106,7 @@ def _add_dynamic_table(layer: keras.layers.Layer, cfg: TableConfig):
 def _add_table(layer: keras.layers.Layer, cfg: TableConfig):
     """The table's weight: this rank's shard, or under tf.distribute one
     weight per local replica (a ReplicaTable)."""
-    if cfg.dynamic:
+    if cfg.dynamic or cfg.max_hbm_for_vectors is not None:
         return _add_dynamic_table(layer, cfg)
     init = make_initializer(cfg.initializer)
     per_replica = context_lib.context().communicator.per_replica_tables
@@ -127,14 +133,14 @@ class Embedding(_TableLayer):
     def __init__(self, vocab_size: int, dim: int, combiner: str = "mean", initializer="uniform",
                  mode: str = "distributed", name: Optional[str] = None, dynamic: bool = False,
                  max_capacity: Optional[int] = None, evict_strategy: Optional[str] = None, min_frequency: int = 1,
-                 **kwargs):
+                 max_hbm_for_vectors: Optional[float] = None, **kwargs):
         super().__init__(name=name, **kwargs)
         self.supports_jit = False  # the fused ops have no XLA kernels: Keras' jit_compile="auto" must not pick XLA
         self.combiner = combiner   # None: a sequence feature ([batch, (ids), dim] ragged)
         self.config = TableConfig(name=(name or "embedding").replace("/", "_"), vocab_size=vocab_size, dim=dim,
                                   combiner=combiner or "sum", initializer=initializer, mode=mode, dynamic=dynamic,
                                   max_capacity=max_capacity, evict_strategy=evict_strategy,
-                                  min_frequency=min_frequency)
+                                  min_frequency=min_frequency, max_hbm_for_vectors=max_hbm_for_vectors)
         self.table = _add_table(self, self.config)
 
     def call(self, ids, weights=None):
@@ -151,7 +157,7 @@ class Embedding(_TableLayer):
         return {**super().get_config(), "vocab_size": c.vocab_size, "dim": c.dim, "combiner": self.combiner,
                 "initializer": _initializer_config(c.initializer), "mode": c.mode, "dynamic": c.dynamic,
                 "max_capacity": c.max_capacity, "evict_strategy": c.evict_strategy,
-                "min_frequency": c.min_frequency}
+                "min_frequency": c.min_frequency, "max_hbm_for_vectors": c.max_hbm_for_vectors}
 
     @classmethod
     def from_config(cls, config):

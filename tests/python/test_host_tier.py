@@ -1,0 +1,205 @@
+"""Static tables with a host tier (`sok.Variable(..., max_hbm_for_vectors=...)`, `TableConfig` /
+`sok.layers.Embedding` likewise): every row in host memory, the rows a step uses cached on the
+device within the budget. Against the same table without a tier (itself tested against NumPy and
+Keras): lookups and K steps of every optimizer at budgets of a few rows, 0, 1 and the whole table;
+rows the table never used come from its per-row initializer and dumps hold every row; ids outside
+[0, rows) are errors naming the feature, the table and the id, leaving the table unchanged; Keras fit,
+checkpoints, dumps both ways and serving."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sok as sok
+from tests.helpers import np_lookup, to_ragged
+from tests.python.test_hybrid import OPTIMIZERS
+from tf_sok.python.dump import DumpError
+
+ROWS, DIM = 120, 4
+
+
+def _gib(rows, opt=None):
+    widths = [DIM] + ([DIM if not s.per_row else 1 for s in opt.slot_specs()] if opt is not None else [])
+    return rows * 4 * sum(widths) / 2**30
+
+
+def _held(table, opt=None):
+    """[ROWS, ...] arrays (values, then the optimizer's state) of a tiered table holding every row."""
+    arrays = [table] + (list(opt.slots(table)) if opt is not None else [])
+    keys, parts = table.export_state(arrays)
+    order = np.argsort(keys.numpy())
+    np.testing.assert_array_equal(keys.numpy()[order], np.arange(ROWS))
+    return [p.numpy()[order] for p in parts]
+
+
+def _plain(table, opt=None):
+    return [table.numpy()] + ([s.numpy() for s in opt.slots(table)] if opt is not None else [])
+
+
+def _batches(rng, steps, batch=16):
+    """(row lengths, ids) per step, ids Zipf-distributed over a random order of the rows."""
+    p = 1.0 / np.arange(1, ROWS + 1) ** 1.1
+    order = rng.permutation(ROWS)
+    return [(lens, order[rng.choice(ROWS, int(lens.sum()), p=p / p.sum())])
+            for lens in (rng.integers(0, 4, batch) for _ in range(steps))]
+
+
+@pytest.mark.parametrize("case,budget_rows", [(c, 4) for c in sorted(OPTIMIZERS)] + [("adam", ROWS)] +
+                         [(c, b) for c in ("sgd", "adam") for b in (0, 1)])
+def test_training_equals_the_table_without_a_host_tier(rng, case, budget_rows):
+    cls, hp = OPTIMIZERS[case]
+    init = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    opt_p, opt_t = cls(learning_rate=0.05, **hp), cls(learning_rate=0.05, **hp)
+    plain = sok.Variable(init, name=f"p_{case}_{budget_rows}")
+    tiered = sok.Variable(init, name=f"t_{case}_{budget_rows}", max_hbm_for_vectors=_gib(budget_rows, opt_t))
+    assert tiered.table.rows == ROWS and tiered.hybrid
+
+    def step(table, opt, ids, target):
+        with tf.GradientTape() as tape:
+            out = sok.lookup_sparse(table, ids, combiners="mean")
+            loss = tf.reduce_sum(out * target)
+        opt.apply_gradients([(tape.gradient(loss, table), table)])
+        return out
+
+    step_p = tf.function(lambda ids, target: step(plain, opt_p, ids, target))
+    step_t = tf.function(lambda ids_, target_: step(tiered, opt_t, ids_, target_))
+    for s, (lens, ids) in enumerate(_batches(rng, 6)):
+        target = tf.constant(rng.standard_normal((len(lens), DIM)).astype(np.float32))
+        got = step_t(to_ragged(lens, tf.constant(ids, tf.int64)), target).numpy()
+        if s == 0:   # before any update: NumPy's lookup of the initial table
+            np.testing.assert_allclose(got, np_lookup(init, lens, np.asarray(ids), None, "mean"), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(got, step_p(to_ragged(lens, tf.constant(ids, tf.int64)), target).numpy(),
+                                   rtol=1e-5, atol=1e-7)
+    for a, b in zip(_held(tiered, opt_t), _plain(plain, opt_p)):
+        np.testing.assert_allclose(a, b.reshape(a.shape), rtol=1e-5, atol=1e-7)
+    stats = sok.cache_stats(tiered)
+    assert stats["keys"] == ROWS
+    if budget_rows < ROWS:
+        assert stats["evicted"] > 0 and stats["bytes_to_host"] > 0 and stats["cached"] < ROWS
+
+
+def test_rows_start_at_the_per_row_initializer_and_dumps_hold_every_row(rng, tmp_path):
+    tiered = sok.Variable(shape=[ROWS, DIM], initializer="normal", name="drawn", max_hbm_for_vectors=_gib(3))
+    used = rng.choice(ROWS, 10, replace=False)
+    first = tf.nn.embedding_lookup(tiered, tf.constant(used)).numpy()
+    # the same table made again (another rank, a restart) draws the same rows; another table others
+    again = tf.nn.embedding_lookup(sok.Variable(shape=[ROWS, DIM], initializer="normal", name="drawn",
+                                                max_hbm_for_vectors=_gib(3)), tf.constant(used)).numpy()
+    other = tf.nn.embedding_lookup(sok.Variable(shape=[ROWS, DIM], initializer="normal", name="drawn_too",
+                                                max_hbm_for_vectors=_gib(3)), tf.constant(used)).numpy()
+    np.testing.assert_array_equal(first, again)
+    assert not np.allclose(first, other)
+    opt = sok.optimizers.Adagrad(0.1)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.nn.embedding_lookup(tiered, tf.constant(used[:5])) ** 2)
+    opt.apply_gradients([(tape.gradient(loss, tiered), tiered)])
+    assert sok.cache_stats(tiered)["keys"] == 10      # rows come to host memory as they are used
+    # the dump holds every row (used or not): a table without a tier loaded from it reads alike
+    sok.dump(str(tmp_path / "d"), [tiered], optimizer=opt)
+    plain, opt_p = sok.Variable(shape=[ROWS, DIM], name="drawn"), sok.optimizers.Adagrad(0.1)
+    sok.load(str(tmp_path / "d"), [plain], optimizer=opt_p)
+    every = tf.range(ROWS, dtype=tf.int64)
+    np.testing.assert_array_equal(tf.nn.embedding_lookup(tiered, every).numpy(), plain.numpy())
+    values = plain.numpy()
+    assert abs(values.mean()) < 0.01 and 0.04 < values.std() < 0.06   # "normal": stddev 0.05
+    accum = opt_p.slots(plain)[0].numpy()
+    untouched = np.setdiff1d(np.arange(ROWS), used[:5])
+    np.testing.assert_array_equal(accum[untouched], np.full_like(accum[untouched], 0.1))  # Adagrad's fill
+    assert (accum[used[:5]] > 0.1).all()
+    # and the other way: a plain table's dump into a tiered one
+    plain.assign(rng.standard_normal((ROWS, DIM)).astype(np.float32))
+    sok.dump(str(tmp_path / "p"), [plain])
+    sok.load(str(tmp_path / "p"), [tiered])
+    np.testing.assert_array_equal(tf.nn.embedding_lookup(tiered, every).numpy(), plain.numpy())
+    with pytest.raises(DumpError, match=f"holds {ROWS} rows, the model's table has {ROWS + 1}"):
+        sok.load(str(tmp_path / "p"), [sok.Variable(shape=[ROWS + 1, DIM], name="drawn",
+                                                    max_hbm_for_vectors=_gib(3))])
+
+
+def test_ids_outside_the_rows_are_errors_that_change_nothing(rng):
+    init = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    tiered = sok.Variable(init, name="ranged", max_hbm_for_vectors=_gib(2))
+    plain = sok.Variable(init, name="ranged_plain")
+    before = sok.cache_stats(tiered)
+    lookup = tf.function(lambda ids: sok.lookup_sparse([tiered, tiered], [ids, ids[:, :1]],
+                                                       feature_names=["clicks", "first"]))
+    for bad in (ROWS, ROWS + 7, -2):
+        ids = tf.ragged.constant([[1, 2], [bad, 3]], tf.int64)
+        # InvalidArgumentError naming the feature, the offending id and the table
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"feature clicks: id {bad} is outside \[0, {ROWS}\) of table ranged"):
+            sok.lookup_sparse(tiered, ids, feature_names=["clicks"])
+        with pytest.raises(tf.errors.InvalidArgumentError, match=rf"id {bad} is outside \[0, {ROWS}\)"):
+            lookup(ids)
+    after = sok.cache_stats(tiered)
+    assert after["finds"] == before["finds"] and after["keys"] == ROWS
+    np.testing.assert_array_equal(_held(tiered)[0], init)
+    # dense ids: -1 pads, as for any static table
+    dense = tf.constant([[3, -1, 5], [-1, -1, 7]], tf.int64)
+    np.testing.assert_allclose(sok.lookup_sparse(tiered, dense, combiners="sum").numpy(),
+                               sok.lookup_sparse(plain, dense, combiners="sum").numpy(), rtol=1e-6)
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="max_hbm_for_vectors must be a number of GiB >= 0, got -1"):
+        sok.Variable(shape=[10, DIM], name="neg", max_hbm_for_vectors=-1)
+    with pytest.raises(TypeError, match="initializer .* is not supported: a key's initial value is drawn per key"):
+        sok.Variable(shape=[10, DIM], name="glorot", initializer="glorot_uniform", max_hbm_for_vectors=1)
+    with pytest.raises(ValueError, match="max_capacity, evict_strategy and min_frequency are for dynamic tables"):
+        sok.TableConfig("s", 10, DIM, max_capacity=5, max_hbm_for_vectors=1)
+    with pytest.raises(ValueError, match="give initial_value or a 2-D shape"):
+        sok.Variable(name="shapeless", max_hbm_for_vectors=1)
+
+
+def test_checkpoint_round_trip(rng, tmp_path):
+    cls, hp = OPTIMIZERS["adam"]
+    tiered = sok.Variable(rng.standard_normal((ROWS, DIM)).astype(np.float32), name="ck",
+                          max_hbm_for_vectors=_gib(3, cls(**hp)))
+    opt = cls(learning_rate=0.05, **hp)
+
+    def train(batches):
+        for lens, ids in batches:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(sok.lookup_sparse(tiered, to_ragged(lens, tf.constant(ids, tf.int64))) ** 2)
+            opt.apply_gradients([(tape.gradient(loss, tiered), tiered)])
+
+    train(_batches(rng, 3))
+    ckpt = tf.train.Checkpoint(table=tiered, opt=opt)
+    path = ckpt.write(str(tmp_path / "ck"))
+    later = _batches(rng, 3)
+    train(later)
+    want = _held(tiered, opt)
+    ckpt.read(path).assert_consumed()
+    train(later)
+    for a, b in zip(_held(tiered, opt), want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_keras_fit_equals_the_table_without_a_tier_and_serves(rng, tmp_path):
+    x = tf.ragged.constant([rng.integers(0, ROWS, rng.integers(1, 4)).tolist() for _ in range(96)], tf.int64)
+    y = rng.standard_normal((96, 1)).astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices(({"ids": x}, y)).batch(16)
+    models, histories = [], []
+    for budget in (_gib(5, sok.optimizers.Adam()), None):
+        emb = sok.layers.Embedding(ROWS, DIM, combiner="sum", initializer="uniform", name="items",
+                                   max_hbm_for_vectors=budget)
+        inp = keras.Input(shape=(None,), dtype="int64", ragged=True, name="ids")
+        model = keras.Model({"ids": inp}, keras.layers.Dense(1, kernel_initializer="ones")(emb(inp)))
+        model.compile(optimizer=sok.keras.Optimizer(keras.optimizers.SGD(0.05), sok.optimizers.Adam(0.02)),
+                      loss="mse")
+        if budget is None:   # the plain table starts where the tiered one did
+            sok.load(str(tmp_path / "start"), [emb.table])
+        else:
+            sok.dump(str(tmp_path / "start"), [emb.table])
+        histories.append(model.fit(ds, epochs=2, verbose=0).history["loss"])
+        models.append(model)
+    np.testing.assert_allclose(histories[0], histories[1], rtol=1e-5)
+    np.testing.assert_allclose(models[0].predict_on_batch({"ids": x}), models[1].predict_on_batch({"ids": x}),
+                               rtol=1e-5, atol=1e-6)
+    assert models[0].layers[1].get_config()["max_hbm_for_vectors"] is not None
+    # served by stock TensorFlow: the table as a dense variable of every row
+    path = str(tmp_path / "served")
+    sok.export_saved_model(models[0], path, {"ids": x[:8]})
+    served = tf.saved_model.load(path)
+    np.testing.assert_allclose(served.serve({"ids": x[:8]}).numpy(), models[0].predict_on_batch({"ids": x[:8]}),
+                               rtol=1e-5, atol=1e-6)
