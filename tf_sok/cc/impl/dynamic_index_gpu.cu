@@ -218,13 +218,26 @@ __global__ void StoreWriteKernel(const V* cache, int64_t width, const int64_t* c
   store[store_row_of[r] * width + c] = cache[r * width + c];
 }
 
+// StoreWriteKernel's work and the reads of new rows in one grid, their blocks alternating (then the rest
+// of the larger), so that writes to and reads from host memory are in flight together
 template <typename V>
-__global__ void StoreCopyKernel(const V* store, int64_t width, const int64_t* store_rows, const uint8_t* fresh,
-                                const int64_t* cache_rows, int64_t n, V* cache) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= n * width) return;
-  const int64_t j = i / width, c = i - j * width;
-  if (!fresh[j]) cache[cache_rows[j] * width + c] = store[store_rows[j] * width + c];
+__global__ void StoreMoveKernel(const V* evicted, const int64_t* evicted_slots, const int64_t* store_row_of,
+                                int64_t n_out, const int64_t* store_rows, const uint8_t* fresh,
+                                const int64_t* cache_rows, int64_t n_in, int64_t width, V* store, V* cache) {
+  const int64_t per = blockDim.x;
+  const int64_t blocks_out = (n_out * width + per - 1) / per, blocks_in = (n_in * width + per - 1) / per;
+  const int64_t paired = 2 * (blocks_out < blocks_in ? blocks_out : blocks_in), b = blockIdx.x;
+  const bool out = b < paired ? b % 2 == 0 : blocks_out > blocks_in;
+  const int64_t i = (b < paired ? b / 2 : b - paired / 2) * per + threadIdx.x;
+  if (out) {
+    if (i >= n_out * width) return;
+    const int64_t j = i / width, c = i - j * width;
+    store[store_row_of[evicted_slots[j]] * width + c] = evicted[i];
+  } else {
+    if (i >= n_in * width) return;
+    const int64_t j = i / width, c = i - j * width;
+    if (!fresh[j]) cache[cache_rows[j] * width + c] = store[store_rows[j] * width + c];
+  }
 }
 
 __global__ void StoreFreshKernel(int64_t width, const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows,
@@ -856,21 +869,25 @@ void GpuStoreWrite(const GpuDevice& d, const float* cache, int64_t width, const 
   }
 }
 
-void GpuStoreRead(const GpuDevice& d, const float* store, int64_t width, const int64_t* store_rows,
-                  const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind,
-                  float a, float b, int64_t seed, float fill, float* cache) {
-  if (n * width == 0) return;
-  if (Float4Rows(width, cache, store)) {
-    const int64_t w = width / 4;
-    StoreCopyKernel<<<Blocks(n * w), kThreads, 0, StreamOf(d)>>>(reinterpret_cast<const float4*>(store), w,
-                                                                  store_rows, fresh, cache_rows, n,
-                                                                  reinterpret_cast<float4*>(cache));
+void GpuStoreMove(const GpuDevice& d, const float* evicted, const int64_t* evicted_slots, const int64_t* store_row_of,
+                  int64_t n_out, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,
+                  const int64_t* cache_rows, int64_t n_in, int64_t width, int init_kind, float a, float b,
+                  int64_t seed, float fill, float* store, float* cache) {
+  if ((n_out + n_in) * width == 0) return;
+  const bool words = Float4Rows(width, cache, store) && reinterpret_cast<uintptr_t>(evicted) % 16 == 0;
+  const int64_t w = words ? width / 4 : width;
+  const int64_t blocks = (n_out * w + kThreads - 1) / kThreads + (n_in * w + kThreads - 1) / kThreads;
+  if (words) {
+    StoreMoveKernel<<<blocks, kThreads, 0, StreamOf(d)>>>(
+        reinterpret_cast<const float4*>(evicted), evicted_slots, store_row_of, n_out, store_rows, fresh, cache_rows,
+        n_in, w, reinterpret_cast<float4*>(store), reinterpret_cast<float4*>(cache));
   } else {
-    StoreCopyKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(store, width, store_rows, fresh, cache_rows, n,
-                                                                      cache);
+    StoreMoveKernel<<<blocks, kThreads, 0, StreamOf(d)>>>(evicted, evicted_slots, store_row_of, n_out, store_rows,
+                                                          fresh, cache_rows, n_in, w, store, cache);
   }
-  StoreFreshKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(width, fresh, keys, cache_rows, n, init_kind, a,
-                                                                     b, seed, fill, cache);
+  if (n_in * width > 0)
+    StoreFreshKernel<<<Blocks(n_in * width), kThreads, 0, StreamOf(d)>>>(width, fresh, keys, cache_rows, n_in,
+                                                                          init_kind, a, b, seed, fill, cache);
 }
 
 void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, int64_t n, int64_t* out) {

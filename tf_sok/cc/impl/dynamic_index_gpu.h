@@ -136,15 +136,20 @@ void GpuFill(const GpuDevice& d, float* p, int64_t count, float value);
 // Pinned host memory mapped into the GPUs' address space: a hybrid table's host tier, which the
 // kernels below read and write in place.
 std::unique_ptr<HostMemory> NewPinnedHostMemory();
-// StoreWrite / StoreRead (host_store.h) as CUDA kernels: cache rows in device memory, the store in
-// pinned memory, row lists in either (device-accessible) memory.
+// StoreWrite (host_store.h) as a CUDA kernel, and GpuStoreMove below: cache rows in device memory,
+// the store in pinned memory, row lists in either (device-accessible) memory.
 void GpuStoreWrite(const GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
                    const int64_t* store_row_of, int64_t n, float* store);
 // out[at[j]] = values[j] for j < n (device memory)
 void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, int64_t n, int64_t* out);
-void GpuStoreRead(const GpuDevice& d, const float* store, int64_t width, const int64_t* store_rows,
-                  const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind,
-                  float a, float b, int64_t seed, float fill, float* cache);
+// Both directions in one launch: rows evicted[j] (gathered on the device) written to store rows
+// store_row_of[evicted_slots[j]], j < n_out, while rows of keys not fresh are read from store rows
+// store_rows[j] into cache rows cache_rows[j], j < n_in (fresh ones: their initial value / fill), so
+// that the host link carries both at once. Store rows written and read must differ (other keys).
+void GpuStoreMove(const GpuDevice& d, const float* evicted, const int64_t* evicted_slots, const int64_t* store_row_of,
+                  int64_t n_out, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,
+                  const int64_t* cache_rows, int64_t n_in, int64_t width, int init_kind, float a, float b,
+                  int64_t seed, float fill, float* store, float* cache);
 // The host link measured with `bytes` of pinned host memory and device_buffer (as many bytes), the
 // best of `repeats` timings each (cudaEvents, after one round of warm-up), in GB/s: [0] copy to the
 // device, [1] copy to the host (cudaMemcpyAsync), [2] a kernel reading the host memory in place into

@@ -3,6 +3,9 @@
 // device); the rows it hands out index the table's value and state arrays, which
 // the lookup and optimizer kernels read and update like a static table's.
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -208,9 +211,21 @@ void StoreWrite(const impl::CpuDevice&, const float* cache, int64_t width, const
                 const int64_t* store_row_of, int64_t n, float* store) {
   impl::StoreWrite(cache, width, cache_rows, store_row_of, n, store);
 }
-void StoreRead(const impl::CpuDevice&, const IndexResource& r, const IndexResource::Array& a, const float* store,
+// Evicted rows leave for the store: on the host written now (*out = nullptr); on a GPU gathered into
+// device memory (*out), to be written by StoreRead's launch while it reads the new rows in.
+absl::Status WriteBack(const impl::CpuDevice&, const float* cache, int64_t width, const int64_t* cache_rows,
+                       const int64_t* store_row_of, int64_t n, float* store, float** out) {
+  impl::StoreWrite(cache, width, cache_rows, store_row_of, n, store);
+  *out = nullptr;
+  return absl::OkStatus();
+}
+// The rows of new keys read from the store (or set to their initial value / fill when fresh); on a
+// GPU, the rows WriteBack gathered (`evicted`, of cache rows evicted_slots) written back in the same
+// launch, so that the host link carries both directions at once.
+void StoreRead(const impl::CpuDevice&, const IndexResource& r, const IndexResource::Array& a, float* store,
                int64_t width, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,
-               const int64_t* cache_rows, int64_t n, float* cache) {
+               const int64_t* cache_rows, int64_t n, float* cache, const float* /*evicted*/,
+               const int64_t* /*evicted_slots*/, const int64_t* /*store_row_of*/, int64_t /*num_evicted*/) {
   impl::StoreRead(store, width, store_rows, fresh, keys, cache_rows, n, a.values ? r.init_kind : -1, r.a, r.b, r.seed,
                   a.fill, cache);
 }
@@ -219,11 +234,19 @@ void StoreWrite(const impl::GpuDevice& d, const float* cache, int64_t width, con
                 const int64_t* store_row_of, int64_t n, float* store) {
   impl::GpuStoreWrite(d, cache, width, cache_rows, store_row_of, n, store);
 }
-void StoreRead(const impl::GpuDevice& d, const IndexResource& r, const IndexResource::Array& a, const float* store,
+absl::Status WriteBack(const impl::GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
+                       const int64_t* store_row_of, int64_t n, float* store, float** out) {
+  *out = static_cast<float*>(d.scratch->Allocate(sizeof(float) * static_cast<size_t>(n * width)));
+  if (*out == nullptr) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table evicts");
+  impl::GpuGatherRows(d, cache, width, cache_rows, n, *out);
+  return absl::OkStatus();
+}
+void StoreRead(const impl::GpuDevice& d, const IndexResource& r, const IndexResource::Array& a, float* store,
                int64_t width, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,
-               const int64_t* cache_rows, int64_t n, float* cache) {
-  impl::GpuStoreRead(d, store, width, store_rows, fresh, keys, cache_rows, n, a.values ? r.init_kind : -1, r.a, r.b,
-                     r.seed, a.fill, cache);
+               const int64_t* cache_rows, int64_t n, float* cache, const float* evicted, const int64_t* evicted_slots,
+               const int64_t* store_row_of, int64_t num_evicted) {
+  impl::GpuStoreMove(d, evicted, evicted_slots, store_row_of, evicted != nullptr ? num_evicted : 0, store_rows, fresh,
+                     keys, cache_rows, n, width, a.values ? r.init_kind : -1, r.a, r.b, r.seed, a.fill, store, cache);
 }
 void InitialRowsAt(const impl::GpuDevice& d, const IndexResource& r, const int64_t* keys, const int64_t* rows,
                    int64_t n, int64_t width, float* base) {
@@ -428,16 +451,19 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
     const int64_t width = t->dims() == 2 ? t->dim_size(1) : 1;
     if (a.values && evicted_values != nullptr && c.num_evicted > 0)
       GatherRows(d, t->flat<float>().data(), width, c.evicted_slots, c.num_evicted, evicted_values);
-    if (moves && c.num_evicted > 0)   // written back before new keys take the rows
-      StoreWrite(d, t->flat<float>().data(), width, c.evicted_slots, plan.store_row_of, c.num_evicted,
-                 res->store->base(i));
-    if (c.num_new == 0 && t->dim_size(0) >= c.rows && !a.values) continue;
-    TF_RETURN_IF_ERROR(GrowArray(ctx, d, *res, a, c.rows));
+    float* evicted = nullptr;   // written back before new keys take the rows (on a GPU, as they are read in)
+    if (moves && c.num_evicted > 0)
+      TF_RETURN_IF_ERROR(WriteBack(d, t->flat<float>().data(), width, c.evicted_slots, plan.store_row_of,
+                                   c.num_evicted, res->store->base(i), &evicted));
+    const bool unchanged = c.num_new == 0 && t->dim_size(0) >= c.rows && !a.values;
+    if (!unchanged) TF_RETURN_IF_ERROR(GrowArray(ctx, d, *res, a, c.rows));
     float* base = a.var->tensor()->flat<float>().data();
     if (a.values) Fill(d, base, width, 0.0f);   // row 0, which keys not inserted read (an update may have moved it)
     if (moves)
-      StoreRead(d, *res, a, res->store->base(i), width, plan.new_rows, plan.fresh, c.new_keys, c.new_slots, c.num_new,
-                base);
+      StoreRead(d, *res, a, res->store->base(i), width, plan.new_rows, plan.fresh, c.new_keys, c.new_slots,
+                unchanged ? 0 : c.num_new, base, evicted, c.evicted_slots, plan.store_row_of, c.num_evicted);
+    else if (unchanged)
+      continue;
     else if (a.values)
       InitialRowsAt(d, *res, c.new_keys, c.new_slots, c.num_new, width, base);
     else
@@ -553,6 +579,63 @@ class FindOp : public tf::OpKernel {
   float insert_ratio_ = 1.0f;
 };
 
+#if TF_SOK_WITH_CUDA
+// With TF_SOK_FIND_STAGES=1 in the environment, the GPU multi-table find times its stages on the
+// host (kernel launches, each wait for counts, the host store's lookups; a last wait takes the
+// device's remaining work) and prints their means to stderr every 20 calls: where a hybrid
+// table's step goes. The extra wait changes the overlap it measures; for profiling only.
+class StageClock {
+ public:
+  static constexpr int kStages = 9;
+  explicit StageClock(cudaStream_t stream) : stream_(stream), on_(Enabled()) {
+    if (on_) last_ = Now();
+  }
+  void Mark(int stage) {
+    if (!on_) return;
+    const double now = Now();
+    Totals().ms[stage] += now - last_;
+    last_ = now;
+  }
+  ~StageClock() {
+    if (!on_) return;
+    cudaStreamSynchronize(stream_);
+    Mark(kStages - 1);
+    Sums& t = Totals();
+    if (++t.calls % 20 != 0) return;
+    static const char* names[kStages] = {"probe",          "wait missing",           "distinct",
+                                         "wait distinct",  "room",                   "wait evictable",
+                                         "commit + wait new keys", "host store lookups", "arrays + device tail"};
+    std::fprintf(stderr, "tf_sok find stages (ms per call, mean of 20):");
+    for (int i = 0; i < kStages; ++i) std::fprintf(stderr, " %s %.3f;", names[i], t.ms[i] / 20);
+    std::fprintf(stderr, "\n");
+    t = Sums();
+  }
+
+ private:
+  struct Sums {
+    double ms[kStages] = {};
+    int64_t calls = 0;
+  };
+  static bool Enabled() {
+    static const bool on = [] {
+      const char* v = std::getenv("TF_SOK_FIND_STAGES");
+      return v != nullptr && v[0] == '1';
+    }();
+    return on;
+  }
+  static Sums& Totals() {
+    static Sums sums;
+    return sums;
+  }
+  static double Now() {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  cudaStream_t stream_;
+  bool on_;
+  double last_ = 0;
+};
+#endif
+
 // TfSokDynamicFindMany: one find (insert) per table; on a GPU the missing-key counts of all
 // tables come back in one wait. Indices are locked in address order (no deadlock with other ops).
 class FindManyOp : public tf::OpKernel {
@@ -610,6 +693,7 @@ class FindManyOp : public tf::OpKernel {
     OP_REQUIRES(ctx, counts != nullptr, absl::ResourceExhaustedError("TfSokDynamicFindMany: out of GPU memory"));
     std::vector<impl::GpuFindResult> found(n);
     std::vector<impl::GpuFindPending> pending(n);
+    StageClock clock(stream);
     for (int i = 0; i < n; ++i) {
       OP_REQUIRES(ctx, res[i]->gpu != nullptr, Failed(*res[i], ": ", "its index is on the host; look it up there"));
       const tf::Tensor& keys = ctx->input(n + i);
@@ -621,14 +705,18 @@ class FindManyOp : public tf::OpKernel {
     // (none when no table has missing keys / must evict); then the hybrid tables' new keys back to the
     // host with one wait for all, then every table's arrays
     std::vector<int64_t> missing(n), distinct(n), evictable(n);
+    clock.Mark(0);
     OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, missing.data()));
+    clock.Mark(1);
     bool any = false;
     for (int i = 0; i < n; ++i) {
       const std::string error = res[i]->gpu->FinishDistinct(d, &pending[i], missing[i], &found[i], counts + i);
       OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
       any |= missing[i] > 0;
     }
+    clock.Mark(2);
     if (any) OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, distinct.data()));
+    clock.Mark(3);
     any = false;
     for (int i = 0; i < n; ++i) {
       bool evicts = false;
@@ -638,7 +726,9 @@ class FindManyOp : public tf::OpKernel {
       if (!evicts) cudaMemsetAsync(counts + i, 0, 8, stream);
       any |= evicts;
     }
+    clock.Mark(4);
     if (any) OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, evictable.data()));
+    clock.Mark(5);
     std::vector<StorePlan> plans(n);
     bool wait = false;
     for (int i = 0; i < n; ++i) {
@@ -658,9 +748,14 @@ class FindManyOp : public tf::OpKernel {
       }
     }
     if (wait) OP_REQUIRES_OK(ctx, CudaWait(stream));
+    clock.Mark(6);
     for (int i = 0; i < n; ++i) {
       const Changes c = DeviceChanges(found[i], ctx->input(n + i).NumElements());
       if (plans[i].planned) OP_REQUIRES_OK(ctx, FinishStorePlan(ctx, d, res[i].get(), c, &plans[i]));
+    }
+    clock.Mark(7);
+    for (int i = 0; i < n; ++i) {
+      const Changes c = DeviceChanges(found[i], ctx->input(n + i).NumElements());
       OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res[i].get(), c, nullptr, plans[i]));
     }
   }
