@@ -131,6 +131,11 @@ def test_ids_outside_the_rows_are_errors_that_change_nothing(rng):
             sok.lookup_sparse(tiered, ids, feature_names=["clicks"])
         with pytest.raises(tf.errors.InvalidArgumentError, match=rf"id {bad} is outside \[0, {ROWS}\)"):
             lookup(ids)
+    # malformed row_splits: the same one check before any find
+    broken = tf.RaggedTensor.from_row_splits(tf.constant([1, 2, 3], tf.int64), tf.constant([0, 2, 1, 3], tf.int64),
+                                             validate=False)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="row_splits must start at 0, never decrease"):
+        lookup(broken)
     after = sok.cache_stats(tiered)
     assert after["finds"] == before["finds"] and after["keys"] == ROWS
     np.testing.assert_array_equal(_held(tiered)[0], init)

@@ -305,8 +305,9 @@ def splits_ok(splits, ids):
 
 
 def row_id_checks(metas, feature_table, ids, names) -> list:
-    """(feature, ids in range: a bool tensor, an offending id, the error's message) per feature of a static table held by
-    a key index (a host tier), whose ids are rows in [0, rows): the finds would insert others as keys."""
+    """(feature, ids in range: a bool tensor, an offending id, message(bad): the error's text) per
+    feature of a static table held by a key index (a host tier), whose ids are rows in [0, rows):
+    the finds would insert others as keys."""
     out = []
     for f, v in enumerate(ids):
         meta = metas[feature_table[f]]
@@ -315,10 +316,11 @@ def row_id_checks(metas, feature_table, ids, names) -> list:
         v = tf.cast(v, tf.int64)
         lo = tf.reduce_min(tf.concat([v, [0]], 0))
         hi = tf.reduce_max(tf.concat([v, [0]], 0))
-        bad = tf.where(lo < 0, lo, hi)
-        out.append((f, tf.logical_and(lo >= 0, hi < meta.rows), bad,
-                    [tf.strings.join([f"lookup_sparse feature {names[f]}: id ", tf.strings.as_string(bad),
-                                      f" is outside [0, {meta.rows}) of table {meta.name}"])]))
+
+        def message(bad, name=names[f], meta=meta):
+            return tf.strings.join([f"lookup_sparse feature {name}: id ", tf.strings.as_string(bad),
+                                    f" is outside [0, {meta.rows}) of table {meta.name}"])
+        out.append((f, tf.logical_and(lo >= 0, hi < meta.rows), tf.where(lo < 0, lo, hi), message))
     return out
 
 
@@ -331,12 +333,19 @@ def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio
     # check for all features (on a GPU, a check is a wait for the device)
     dynamic = [f for f in range(len(ids)) if metas[feature_table[f]].dynamic]
     valid = ops().tf_sok_row_splits_valid([tf.cast(splits[f], tf.int64) for f in dynamic], [ids[f] for f in dynamic])
-    check = tf.debugging.Assert(tf.reduce_all(valid), [
-        "lookup_sparse: row_splits must start at 0, never decrease and end at the number of ids; malformed in "
-        "feature(s)", tf.boolean_mask(tf.constant([names[f] for f in dynamic]), tf.logical_not(valid))])
-    checks = [check] + [tf.debugging.Assert(ok, message, name="ids_within_rows")
-                        for _, ok, _, message in row_id_checks(metas, feature_table, ids, names)]
-    with tf.control_dependencies(checks):
+    ranged = row_id_checks(metas, feature_table, ids, names)
+    ok = tf.reduce_all(tf.concat([valid] + [tf.reshape(r[1], [1]) for r in ranged], 0))
+
+    def fail():   # built only when a check fails: the passing step reads one bool back
+        asserts = [tf.debugging.Assert(tf.reduce_all(valid), [
+            "lookup_sparse: row_splits must start at 0, never decrease and end at the number of ids; malformed "
+            "in feature(s)", tf.boolean_mask(tf.constant([names[f] for f in dynamic]), tf.logical_not(valid))])]
+        asserts += [tf.debugging.Assert(within, [message(bad)], name="ids_within_rows")
+                    for _, within, bad, message in ranged]
+        with tf.control_dependencies(asserts):
+            return tf.constant(False)
+    check = tf.cond(ok, lambda: tf.constant(True), fail)
+    with tf.control_dependencies([check]):
         ids = [tf.identity(v) if f in dynamic else v for f, v in enumerate(ids)]
     from tf_sok.python.dynamic_variable import rows_for_tables
 
