@@ -58,13 +58,15 @@ std::string HostStore::AddArray(int64_t width, float fill) {
 
 std::string HostStore::Insert(const int64_t* keys, int64_t n, int64_t* rows, uint8_t* fresh,
                               const ParallelFor* parallel_for) {
-  auto find = [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) rows[j] = row_of_key_.Get(keys[j], -1);
-  };
+  auto find = [&](int64_t begin, int64_t end) { Rows(keys + begin, end - begin, rows + begin); };
   if (parallel_for != nullptr && n > 4096)
     (*parallel_for)(n, 200, find);   // lookups only: the map is not changed while they run
   else
     find(0, n);
+  return AddAbsent(keys, n, rows, fresh);
+}
+
+std::string HostStore::AddAbsent(const int64_t* keys, int64_t n, int64_t* rows, uint8_t* fresh) {
   int64_t added = 0;
   for (int64_t j = 0; j < n; ++j) added += rows[j] < 0;
   const std::string error = Reserve(count_ + added);

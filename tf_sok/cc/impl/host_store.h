@@ -56,8 +56,11 @@ class HostStore {
   // parallel_for (optional): the lookups run on the host's threads.
   std::string Insert(const int64_t* keys, int64_t n, int64_t* rows, uint8_t* fresh,
                      const ParallelFor* parallel_for = nullptr);
-  // The rows of keys (-1 when absent).
+  // The rows of keys (-1 when absent). Read only: several threads may call it at once.
   void Rows(const int64_t* keys, int64_t n, int64_t* rows) const;
+  // Insert's second half, after Rows: distinct keys[j] with rows[j] < 0 are added (at the arrays'
+  // fills) and get their row, fresh[j] = 1 (else 0). "" or an error (nothing added then).
+  std::string AddAbsent(const int64_t* keys, int64_t n, int64_t* rows, uint8_t* fresh);
   // Replaces the contents: keys[n] and, per array, its rows data[a] ([n, width(a)]).
   std::string Replace(const int64_t* keys, int64_t n, const std::vector<const float*>& data);
 

@@ -396,16 +396,44 @@ absl::Status StartStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, 
   return absl::OkStatus();
 }
 
-absl::Status FinishStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
-                             const Changes& c, StorePlan* p) {
-  const int64_t n = c.num_new;
-  if (n == 0) return absl::OkStatus();
-  TF_RETURN_IF_ERROR(
-      StoreRowsOnHost(ctx, res, reinterpret_cast<int64_t*>(p->staging), n, p->staging, &p->fresh_count));
-  cudaMemcpyAsync(p->on_device, p->staging + 8 * n, 9 * n, cudaMemcpyHostToDevice,   // rows, then fresh flags
-                  static_cast<cudaStream_t>(d.stream));
-  p->new_rows = reinterpret_cast<const int64_t*>(p->on_device);
-  p->fresh = p->on_device + 8 * n;
+// The plans of several tables (num_new[i] new keys each, their keys on the host now): every table's
+// keys looked up in its store by the host's threads together (no store changes meanwhile), then each
+// table's absent keys added and its store rows and fresh flags sent to the device.
+absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
+                              const std::vector<IndexResource*>& res, const std::vector<int64_t>& num_new,
+                              std::vector<StorePlan>* plans) {
+  const size_t tables = res.size();
+  std::vector<int64_t> start(tables + 1, 0);   // table i's keys: [start[i], start[i + 1]) of all
+  for (size_t i = 0; i < tables; ++i) start[i + 1] = start[i] + ((*plans)[i].planned ? num_new[i] : 0);
+  if (start.back() == 0) return absl::OkStatus();
+  auto keys = [&](size_t i) { return reinterpret_cast<int64_t*>((*plans)[i].staging); };
+  auto rows = [&](size_t i) { return reinterpret_cast<int64_t*>((*plans)[i].staging + 8 * num_new[i]); };
+  auto lookup = [&](int64_t begin, int64_t end) {
+    for (size_t i = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1; begin < end; ++i) {
+      const int64_t stop = std::min(end, start[i + 1]), at = begin - start[i];
+      if (stop > begin) res[i]->store->Rows(keys(i) + at, stop - begin, rows(i) + at);
+      begin = stop;
+    }
+  };
+  TensorScratch scratch(ctx);
+  const impl::CpuDevice host = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+  if (start.back() > 4096)
+    host.parallel_for(start.back(), 200, lookup);
+  else
+    lookup(0, start.back());
+  for (size_t i = 0; i < tables; ++i) {
+    StorePlan* p = &(*plans)[i];
+    const int64_t n = num_new[i];
+    if (!p->planned || n == 0) continue;
+    uint8_t* fresh = p->staging + 16 * n;
+    const std::string error = res[i]->store->AddAbsent(keys(i), n, rows(i), fresh);
+    if (!error.empty()) return Failed(*res[i], ": ", error);
+    p->fresh_count = std::count(fresh, fresh + n, uint8_t{1});
+    cudaMemcpyAsync(p->on_device, p->staging + 8 * n, 9 * n, cudaMemcpyHostToDevice,   // rows, then fresh flags
+                    static_cast<cudaStream_t>(d.stream));
+    p->new_rows = reinterpret_cast<const int64_t*>(p->on_device);
+    p->fresh = p->on_device + 8 * n;
+  }
   return absl::OkStatus();
 }
 
@@ -413,7 +441,11 @@ absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::GpuDevice& d, Index
                        StorePlan* p) {
   TF_RETURN_IF_ERROR(StartStorePlan(ctx, d, res, c, p));
   if (c.num_new > 0) TF_RETURN_IF_ERROR(CudaWait(static_cast<cudaStream_t>(d.stream)));
-  return FinishStorePlan(ctx, d, res, c, p);
+  p->planned = true;
+  std::vector<StorePlan> one = {*p};
+  TF_RETURN_IF_ERROR(FinishStorePlans(ctx, d, {res}, {c.num_new}, &one));
+  *p = one[0];
+  return absl::OkStatus();
 }
 
 void SetStoreRows(const impl::GpuDevice& d, int64_t* store_row_of, const int64_t* cache_rows, const int64_t* rows,
@@ -749,10 +781,13 @@ class FindManyOp : public tf::OpKernel {
     }
     if (wait) OP_REQUIRES_OK(ctx, CudaWait(stream));
     clock.Mark(6);
+    std::vector<IndexResource*> tables(n);
+    std::vector<int64_t> num_new(n);
     for (int i = 0; i < n; ++i) {
-      const Changes c = DeviceChanges(found[i], ctx->input(n + i).NumElements());
-      if (plans[i].planned) OP_REQUIRES_OK(ctx, FinishStorePlan(ctx, d, res[i].get(), c, &plans[i]));
+      tables[i] = res[i].get();
+      num_new[i] = found[i].num_new;
     }
+    OP_REQUIRES_OK(ctx, FinishStorePlans(ctx, d, tables, num_new, &plans));
     clock.Mark(7);
     for (int i = 0; i < n; ++i) {
       const Changes c = DeviceChanges(found[i], ctx->input(n + i).NumElements());
