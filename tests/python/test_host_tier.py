@@ -139,6 +139,10 @@ def test_ids_outside_the_rows_are_errors_that_change_nothing(rng):
     after = sok.cache_stats(tiered)
     assert after["finds"] == before["finds"] and after["keys"] == ROWS
     np.testing.assert_array_equal(_held(tiered)[0], init)
+    # a feature without ids is in range (its outputs are zeros)
+    empty = tf.RaggedTensor.from_row_lengths(tf.zeros([0], tf.int64), tf.constant([0, 0], tf.int64))
+    out = lookup(empty)
+    assert out[0].shape == (2, DIM) and not np.any(out[0].numpy())
     # dense ids: -1 pads, as for any static table
     dense = tf.constant([[3, -1, 5], [-1, -1, 7]], tf.int64)
     np.testing.assert_allclose(sok.lookup_sparse(tiered, dense, combiners="sum").numpy(),

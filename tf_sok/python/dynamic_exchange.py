@@ -41,10 +41,10 @@ def _check(comm: Communicator, step: int, metas, feature_table, combiners, names
     # ids of static tables with a host tier must be rows: the first feature out of range and its id
     ranged = row_id_checks(metas, feature_table, ids, names)
     if ranged:
-        in_range = tf.stack([ok for _, ok, _, _ in ranged] + [False])   # the last: none out of range
-        which = tf.argmin(tf.cast(in_range, tf.int64))
-        out_feature = tf.gather(tf.constant([f for f, _, _, _ in ranged] + [len(names)], tf.int64), which)
-        out_id = tf.gather(tf.stack([bad for _, _, bad, _ in ranged] + [tf.constant(0, tf.int64)]), which)
+        feats, in_range, bad, _ = ranged
+        which = tf.argmin(tf.cast(tf.concat([in_range, [False]], 0), tf.int64))   # the last: none out of range
+        out_feature = tf.gather(tf.constant(feats + [len(names)], tf.int64), which)
+        out_id = tf.gather(tf.concat([bad, [0]], 0), which)
     else:
         out_feature, out_id = tf.constant(len(names), tf.int64), tf.constant(0, tf.int64)
     every = comm.allgather(tf.stack([tf.constant(sig, tf.int64), first_bad, out_feature, out_id])[None, :],

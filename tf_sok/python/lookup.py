@@ -304,24 +304,25 @@ def splits_ok(splits, ids):
                                          tf.reduce_all(splits[1:] >= splits[:-1])))
 
 
-def row_id_checks(metas, feature_table, ids, names) -> list:
-    """(feature, ids in range: a bool tensor, an offending id, message(bad): the error's text) per
-    feature of a static table held by a key index (a host tier), whose ids are rows in [0, rows):
-    the finds would insert others as keys."""
-    out = []
-    for f, v in enumerate(ids):
-        meta = metas[feature_table[f]]
-        if not meta.row_ids:
-            continue
-        v = tf.cast(v, tf.int64)
-        lo = tf.reduce_min(tf.concat([v, [0]], 0))
-        hi = tf.reduce_max(tf.concat([v, [0]], 0))
+def row_id_checks(metas, feature_table, ids, names):
+    """For the features of static tables held by a key index (a host tier), whose ids are rows in
+    [0, rows) (the finds would insert others as keys): (their positions, ids in range [k] bool, an
+    offending id [k] int64, message(i, bad): the i-th one's error text), by one reduction over all of
+    them; None when there are none."""
+    feats = [f for f in range(len(ids)) if metas[feature_table[f]].row_ids]
+    if not feats:
+        return None
+    values = tf.concat([tf.cast(ids[f], tf.int64) for f in feats], 0)
+    segment = tf.repeat(tf.range(len(feats)), tf.stack([tf.size(ids[f]) for f in feats]))
+    lo = tf.math.unsorted_segment_min(values, segment, len(feats))   # a feature without ids: int64 max
+    hi = tf.math.unsorted_segment_max(values, segment, len(feats))   # and int64 min: in range
+    rows = tf.constant([metas[feature_table[f]].rows for f in feats], tf.int64)
 
-        def message(bad, name=names[f], meta=meta):
-            return tf.strings.join([f"lookup_sparse feature {name}: id ", tf.strings.as_string(bad),
-                                    f" is outside [0, {meta.rows}) of table {meta.name}"])
-        out.append((f, tf.logical_and(lo >= 0, hi < meta.rows), tf.where(lo < 0, lo, hi), message))
-    return out
+    def message(i, bad):
+        meta = metas[feature_table[feats[i]]]
+        return tf.strings.join([f"lookup_sparse feature {names[feats[i]]}: id ", tf.strings.as_string(bad),
+                                f" is outside [0, {meta.rows}) of table {meta.name}"])
+    return feats, tf.logical_and(lo >= 0, hi < rows), tf.where(lo < 0, lo, hi), message
 
 
 def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio=1.0):
@@ -334,14 +335,16 @@ def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio
     dynamic = [f for f in range(len(ids)) if metas[feature_table[f]].dynamic]
     valid = ops().tf_sok_row_splits_valid([tf.cast(splits[f], tf.int64) for f in dynamic], [ids[f] for f in dynamic])
     ranged = row_id_checks(metas, feature_table, ids, names)
-    ok = tf.reduce_all(tf.concat([valid] + [tf.reshape(r[1], [1]) for r in ranged], 0))
+    ok = tf.reduce_all(tf.concat([valid, ranged[1]], 0) if ranged else valid)
 
     def fail():   # built only when a check fails: the passing step reads one bool back
         asserts = [tf.debugging.Assert(tf.reduce_all(valid), [
             "lookup_sparse: row_splits must start at 0, never decrease and end at the number of ids; malformed "
             "in feature(s)", tf.boolean_mask(tf.constant([names[f] for f in dynamic]), tf.logical_not(valid))])]
-        asserts += [tf.debugging.Assert(within, [message(bad)], name="ids_within_rows")
-                    for _, within, bad, message in ranged]
+        if ranged:
+            _, within, bad, message = ranged
+            asserts += [tf.debugging.Assert(within[i], [message(i, bad[i])], name="ids_within_rows")
+                        for i in range(len(ranged[0]))]
         with tf.control_dependencies(asserts):
             return tf.constant(False)
     check = tf.cond(ok, lambda: tf.constant(True), fail)
