@@ -1,6 +1,7 @@
-"""A seeded, bounded fuzzer over tf_sok's public calls: `lookup_sparse`, every sparse optimizer's
-`apply_gradients`, `sok.Variable` and `sok.DynamicVariable` (assignments and lookups over
-random int64 keys, bounded or not, with eviction and admission), eagerly and in `tf.function`.
+"""A seeded, bounded fuzzer over tf_sok's public calls: `lookup_sparse` (over static tables, a
+third of them with a host tier), every sparse optimizer's `apply_gradients`, `sok.Variable` and
+`sok.DynamicVariable` (assignments and lookups over random int64 keys, bounded or not, with
+eviction and admission, some with a host tier), eagerly and in `tf.function`.
 
 Each case is drawn from its seed alone. A valid case must give the independent reference's result
 (NumPy); a faulty one (an id out of range, negative or at the int64 extremes, corrupt row_splits
@@ -63,19 +64,30 @@ class Case:
         self.fault = str(rng.choice(faults)) if rng.random() < 0.5 else None
 
 
+def _state(v):
+    """A table's contents: its value (a static table with a host tier: every key held and its row)."""
+    if getattr(v, "hybrid", False):
+        keys, values = v.export()
+        order = np.argsort(keys.numpy())
+        return np.hstack([keys.numpy()[order, None].astype(np.float64), values.numpy()[order]])
+    return v.numpy().copy()
+
+
 def _snapshot(variables):
-    return [v.numpy().copy() for v in variables]
+    return [_state(v) for v in variables]
 
 
 def _unchanged(before, variables):
-    return all(np.array_equal(a, b.numpy(), equal_nan=True) for a, b in zip(before, variables))
+    return all(np.array_equal(a, _state(b), equal_nan=True) for a, b in zip(before, variables))
 
 
 def run_lookup(case, tf, sok):
     rng = case.rng
     rows, dim = int(rng.integers(1, 40)), int(rng.integers(1, 9))
     table_np = rng.standard_normal((rows, dim)).astype(np.float32)
-    table = sok.Variable(table_np, name="fuzz")
+    # a third of the tables with a host tier: a cache of 0-5 rows, every row in host memory
+    tier = dict(max_hbm_for_vectors=int(rng.integers(0, 6)) * dim * 4 / 2**30) if rng.random() < 0.3 else {}
+    table = sok.Variable(table_np, name="fuzz", **tier)
     F = int(rng.integers(1, 4))
     feats = []
     for _ in range(F):
