@@ -44,6 +44,9 @@ def parse_args(description, argv=None, dim=16, batch_size=2048, steps_per_execut
                         "--batch-size global")
     p.add_argument("--cpu-devices", type=int, default=0,
                    help="with --distribute mirrored: N logical CPU devices instead of the GPUs")
+    p.add_argument("--host-tier-gib", type=float, default=None,
+                   help="every table with a host tier: its rows in host memory, this many GiB of device memory "
+                        "for each table's cached rows and their optimizer state (max_hbm_for_vectors)")
     p.add_argument("--verbose", type=int, default=2)
     a = p.parse_args(argv)
     if not 0 < a.holdout < 1:
@@ -250,7 +253,8 @@ def run(name, build_model, a, optimizer=default_optimizer, synthetic_config=None
     with launch.scope():
         ctx = launch.init()
         train, test, schema = datasets(a, synthetic_config, launch)
-        model = build_model(schema, a.dim)
+        tier = {} if a.host_tier_gib is None else {"max_hbm_for_vectors": a.host_tier_gib}
+        model = build_model(schema, a.dim, **tier)
         per_epoch = a.steps // a.epochs
         spe = min(a.steps_per_execution, per_epoch)
         if launch.strategy and spe > 1:
@@ -267,7 +271,7 @@ def run(name, build_model, a, optimizer=default_optimizer, synthetic_config=None
     os.makedirs(out, exist_ok=True)
     # samples/s of all ranks (the per-rank batch times the ranks); MirroredStrategy's batch is global
     curves = Curves(a.batch_size * launch.ranks)
-    callbacks = [curves]
+    callbacks = [curves] + ([sok.keras.CacheStats()] if tier and first else [])   # a hit-rate line per epoch
     if first:
         try:
             callbacks.append(keras.callbacks.TensorBoard(os.path.join(out, "tensorboard"), update_freq="epoch"))
@@ -289,4 +293,10 @@ def run(name, build_model, a, optimizer=default_optimizer, synthetic_config=None
     print(f"{name}: {curves.step[-1] if curves.step else 0} steps in {secs:.1f}s ({sps:,.0f} samples/s median, tracing left out); "
           f"final training loss {curves.loss[-1] if curves.loss else float('nan'):.4f}; "
           f"held-out loss {curves.eval_loss[-1]:.4f}, AUC {curves.eval_auc[-1]:.4f}; plot {png}")
+    if tier:   # the tables' caches over the whole run
+        stats = [sok.cache_stats(v._dynamic) for v in model.variables if getattr(v, "_dynamic", None) is not None]
+        lookups, misses = sum(x["lookups"] for x in stats), sum(x["misses"] for x in stats)
+        print(f"{name}: host tier, {len(stats)} tables: hit rate {1 - misses / max(lookups, 1):.4f}, "
+              f"{sum(x['bytes_to_device'] + x['bytes_to_host'] for x in stats) / 1e6:.1f} MB over the host link, "
+              f"{sum(x['cached'] for x in stats):,} of {sum(x['keys'] for x in stats):,} rows held cached")
     return {"loss": curves.loss, "eval_auc": curves.eval_auc[-1], "eval_loss": curves.eval_loss[-1], "sps": sps}

@@ -54,13 +54,15 @@ class DCNv2(keras.Model):
     """`jit_dense`: the dense part (bottom MLP, cross layers, top MLP) compiled by XLA into a few
     fused kernels; the fused lookup stays outside it (tf_sok's ops have no XLA kernels)."""
 
-    def __init__(self, schema, dim, cross_layers=3, cross_rank=512, jit_dense=False, **kwargs):
+    def __init__(self, schema, dim, cross_layers=3, cross_rank=512, jit_dense=False, max_hbm_for_vectors=None,
+                 **kwargs):
         super().__init__(**kwargs)
         self.dim = dim
         self.names = list(schema.categorical_names)
         self.embeddings = sok.layers.EmbeddingCollection(
             tables=[sok.TableConfig(n, v, dim, combiner="sum",
-                                    initializer=keras.initializers.RandomUniform(-0.05, 0.05))
+                                    initializer=keras.initializers.RandomUniform(-0.05, 0.05),
+                                    max_hbm_for_vectors=max_hbm_for_vectors)
                     for n, v in zip(self.names, schema.vocab_sizes)],
             feature_to_table={n: n for n in self.names})
         self.bottom = mlp((512, 256, dim))

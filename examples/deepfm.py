@@ -15,13 +15,14 @@ class DeepFM(keras.Model):
     embeddings + an MLP over the same embeddings; every table of both orders
     is looked up in ONE fused call."""
 
-    def __init__(self, schema, dim, **kwargs):
+    def __init__(self, schema, dim, max_hbm_for_vectors=None, **kwargs):
         super().__init__(**kwargs)
         self.names = list(schema.categorical_names)
         init = keras.initializers.RandomUniform(-0.05, 0.05)
-        tables = [sok.TableConfig(f"{n}_w", v, 1, combiner="sum", initializer="zeros")
+        tier = dict(max_hbm_for_vectors=max_hbm_for_vectors)
+        tables = [sok.TableConfig(f"{n}_w", v, 1, combiner="sum", initializer="zeros", **tier)
                   for n, v in zip(self.names, schema.vocab_sizes)]
-        tables += [sok.TableConfig(f"{n}_v", v, dim, combiner="mean", initializer=init)
+        tables += [sok.TableConfig(f"{n}_v", v, dim, combiner="mean", initializer=init, **tier)
                    for n, v in zip(self.names, schema.vocab_sizes)]
         mapping = {f"{n}/1": f"{n}_w" for n in self.names}
         mapping.update({f"{n}/k": f"{n}_v" for n in self.names})

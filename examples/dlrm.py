@@ -18,12 +18,13 @@ class DLRM(keras.Model):
     pairwise dot interaction, top MLP. `jit_dense`: the dense part (both MLPs and the
     interaction) compiled by XLA; the fused lookup stays outside it."""
 
-    def __init__(self, schema, dim, jit_dense=False, **kwargs):
+    def __init__(self, schema, dim, jit_dense=False, max_hbm_for_vectors=None, **kwargs):
         super().__init__(**kwargs)
         self.dim = dim
         self.names = list(schema.categorical_names)
         self.embeddings = sok.layers.EmbeddingCollection(
-            tables=[sok.TableConfig(n, v, dim, combiner="mean", initializer=keras.initializers.RandomUniform(-0.05, 0.05))
+            tables=[sok.TableConfig(n, v, dim, combiner="mean", initializer=keras.initializers.RandomUniform(-0.05, 0.05),
+                                    max_hbm_for_vectors=max_hbm_for_vectors)
                     for n, v in zip(self.names, schema.vocab_sizes)],
             feature_to_table={n: n for n in self.names})
         self.bottom = keras.Sequential([keras.layers.Dense(64, activation="relu"),

@@ -61,6 +61,19 @@ def test_dcnv2_small_runs_and_learns(tmp_path):
     assert held_out_auc(out) > 0.6, out
 
 
+def test_dlrm_with_host_tiers_learns_on_a_cache_smaller_than_its_tables(tmp_path):
+    """--host-tier-gib: every table's rows in host memory, 200 rows (values and Adam's two moments) cached."""
+    gib = 200 * 4 * 3 * 16 / 2**30
+    out = run([os.path.join(ROOT, "examples", "dlrm.py"), "--steps", "40", "--batch-size", "256", "--max-vocab",
+               "20000", "--dim", "16", "--host-tier-gib", repr(gib), "--out", str(tmp_path), "--verbose", "0"])
+    assert held_out_auc(out) > 0.6, out
+    line = next(l for l in out.splitlines() if "host tier, 26 tables" in l)
+    rate = float(line.split("hit rate ")[1].split(",")[0])
+    cached, held = (int(x.replace(",", "")) for x in line.split("MB over the host link, ")[1].split(" rows")[0]
+                    .split(" of "))
+    assert 0 < rate < 1 and cached <= 26 * 256 * 2 < held, line   # a batch's keys at most (20000-row tables)
+
+
 @pytest.mark.parametrize("example", ["dlrm", "dcnv2"])
 def test_dense_part_under_xla_trains_as_the_plain_model(example):
     """--jit-dense: the same weights give the same predictions and the same three training steps
