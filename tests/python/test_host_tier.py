@@ -212,3 +212,27 @@ def test_keras_fit_equals_the_table_without_a_tier_and_serves(rng, tmp_path):
     served = tf.saved_model.load(path)
     np.testing.assert_allclose(served.serve({"ids": x[:8]}).numpy(), models[0].predict_on_batch({"ids": x[:8]}),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_keras_weights_files_refuse_another_kind_of_table(rng, tmp_path):
+    """A weights file of a model whose table has a host tier does not load into the same model
+    without one, nor the other way: a ValueError naming the table says to move rows by sok.dump /
+    sok.load (the file holds a key index and cached rows, or a plain array)."""
+    def model(budget):
+        emb = sok.layers.Embedding(ROWS, DIM, name="kinds", max_hbm_for_vectors=budget)
+        inp = keras.Input(shape=(None,), dtype="int64", ragged=True, name="ids")
+        m = keras.Model({"ids": inp}, emb(inp))
+        m({"ids": tf.ragged.constant([rng.integers(0, ROWS, 3).tolist()], tf.int64)})
+        return m
+    tiered, plain = model(_gib(2)), model(None)
+    tiered.save_weights(str(tmp_path / "t.weights.h5"))
+    plain.save_weights(str(tmp_path / "p.weights.h5"))
+    with pytest.raises(ValueError, match="table 'kinds' is a plain static table but the weights file holds a key "
+                                         "index"):
+        plain.load_weights(str(tmp_path / "t.weights.h5"))
+    with pytest.raises(ValueError, match="table 'kinds' has a host tier but the weights file holds a plain array"):
+        tiered.load_weights(str(tmp_path / "p.weights.h5"))
+    # each loads its own kind
+    before = tiered.predict_on_batch({"ids": tf.ragged.constant([[1, 2]], tf.int64)})
+    tiered.load_weights(str(tmp_path / "t.weights.h5"))
+    np.testing.assert_array_equal(tiered.predict_on_batch({"ids": tf.ragged.constant([[1, 2]], tf.int64)}), before)

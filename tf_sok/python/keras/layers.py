@@ -11,7 +11,7 @@ from tf_sok.python import context as context_lib
 from tf_sok.python.config import TableConfig, check_combiner
 from tf_sok.python.lookup import lookup_sparse
 from tf_sok.python.serving import serving_lookup, serving_tables_of
-from tf_sok.python.variable import attach_meta, make_initializer, make_shards
+from tf_sok.python.variable import attach_meta, make_initializer, make_shards, table_meta
 
 
 class _DynamicWeight(keras.Variable):
@@ -52,13 +52,20 @@ class _TableLayer(keras.layers.Layer):
             if str(i) not in plain:
                 raise ValueError(f"layer {self.name!r}: the weights file has {len(plain)} variables, the layer "
                                  f"{len(weights)}")
+            keyed = any(k.startswith(f"{i}:") for k in store.keys())
             if isinstance(v, _DynamicWeight):
                 parts = {k.split(":", 1)[1]: store[k] for k in store.keys() if k.startswith(f"{i}:")}
                 if not parts:
-                    raise ValueError(f"layer {self.name!r}: table {v.name!r} is dynamic but the weights file holds "
-                                     f"no key index for it (saved from a static table?)")
+                    kind = "has a host tier" if v._dynamic.table.row_ids else "is dynamic"  # noqa: SLF001
+                    raise ValueError(f"layer {self.name!r}: table {v.name!r} {kind} but the weights file holds a "
+                                     f"plain array for it, no key index (saved from a table without one?); move "
+                                     f"rows between the kinds with sok.dump / sok.load")
                 v._dynamic._index._restore_from_tensors({k: tf.constant(x) for k, x in parts.items()})  # noqa: SLF001
                 _assign_rows(v._dynamic, plain[str(i)])  # noqa: SLF001
+            elif keyed and table_meta(v) is not None:
+                raise ValueError(f"layer {self.name!r}: table {v.name!r} is a plain static table but the weights file "
+                                 f"holds a key index for it (saved from a dynamic table or one with a host tier, "
+                                 f"max_hbm_for_vectors); move rows between the kinds with sok.dump / sok.load")
             else:
                 v.assign(plain[str(i)])
 
