@@ -158,6 +158,11 @@ def test_bad_configurations_raise_on_every_rank(tmp_path, seed):
         # a static table with a host tier: the same error on every rank before any key moves
         assert "feature views on rank 1: id 10 is outside [0, 10) of table tiered" in str(res["tier_id"])
         assert int(res["tier_held"]) == 0
+        # the localized tiered table: rows from rank 0's host tier, as NumPy sums them
+        init = res["shelf_init"]
+        np.testing.assert_allclose(res["shelf_out"], [init[r] + init[8], init[5 - r] + init[0] + init[2]],
+                                   rtol=1e-6)
+        assert sorted(res["shelf_keys"].tolist()) == (list(range(9)) if r == 0 else [])
     # the tables were not touched and the job could go on
     assert ranks[0]["ok"].shape == (2, 4) and ranks[0]["tier_ok"].shape == (2, 4)
 

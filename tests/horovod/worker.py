@@ -158,8 +158,14 @@ def bad_configs(seed, out):
         errors["tier_id"] = str(e)
     held = sok.cache_stats(tiered)["keys"]
     out_ok = sok.lookup_sparse([a], [ids], combiners="sum")[0]  # still healthy afterwards
+    # a localized static table with a host tier: every row on rank 0, looked up from every rank
+    shelf_init = np.random.default_rng(seed).standard_normal((9, 3)).astype(np.float32)
+    shelf = sok.Variable(shelf_init, name="shelf", mode="localized:0", max_hbm_for_vectors=2 * 3 * 4 / 2**30)
+    shelf_ids = tf.ragged.constant([[r, 8], [5 - r, 0, 2]], dtype=tf.int64)
     np.savez(out, **{k: np.array(v) for k, v in errors.items()}, ok=out_ok.numpy(), table=a.numpy(),
-             tier_held=held, tier_ok=sok.lookup_sparse([tiered], [ids], combiners="sum")[0].numpy())
+             tier_held=held, tier_ok=sok.lookup_sparse([tiered], [ids], combiners="sum")[0].numpy(),
+             shelf_init=shelf_init, shelf_out=sok.lookup_sparse([shelf], [shelf_ids], combiners="sum")[0].numpy(),
+             shelf_keys=sok.export(shelf)[0].numpy())
 
 
 def keras_fit(seed, out):
