@@ -64,6 +64,22 @@ def test_sparse_tensors_that_are_not_right_ragged_equal_tensorflows_lookup(rng):
         np.testing.assert_array_equal(got[~nonempty], 0)
 
 
+def test_a_sparse_tensor_without_entries_gives_zero_rows(rng):
+    """A batch (or one replica's share of it) may hold no ids of a SparseTensor feature: zeros, eagerly
+    and in a graph, next to a feature that has ids (as TensorFlow's lookup of that feature)."""
+    rows, dim, batch = 25, 3, int(rng.integers(1, 9))
+    table = rng.standard_normal((rows, dim)).astype(np.float32)
+    t = sok.Variable(table, name="t")
+    empty = tf.SparseTensor(tf.zeros([0, 2], tf.int64), tf.zeros([0], tf.int64), [batch, 4])
+    full = tf.sparse.from_dense(tf.constant(rng.integers(1, rows, (batch, 2)), tf.int64))
+    want = tf.nn.embedding_lookup_sparse(tf.constant(table), full, None, combiner="sum").numpy()
+    for call in (lambda: sok.lookup_sparse([t, t], [empty, full], combiners="sum"),
+                 tf.function(lambda: sok.lookup_sparse([t, t], [empty, full], combiners="sum"))):
+        got = call()
+        np.testing.assert_array_equal(got[0].numpy(), np.zeros((batch, dim), np.float32))
+        np.testing.assert_allclose(got[1].numpy(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_sequence_features_give_one_vector_per_id_and_row_sparse_gradients(rng):
     rows, dim = 40, 5
     table = rng.standard_normal((rows, dim)).astype(np.float32)

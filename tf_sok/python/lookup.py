@@ -23,11 +23,13 @@ def _sparse_rows(sp: tf.SparseTensor, what: str):
     idx = tf.cast(sp.indices, tf.int64)
     shape = tf.cast(sp.dense_shape, tf.int64)
     rows, cols = idx[:, 0], idx[:, 1]
+    n = tf.shape(idx, out_type=tf.int64)[0]
+    padded = tf.concat([idx, tf.zeros([1, 2], tf.int64)], 0)   # the messages' gathers work without entries
     outside = tf.where(tf.logical_or(tf.logical_or(rows < 0, rows >= shape[0]),
                                      tf.logical_or(cols < 0, cols >= shape[1])))[:, 0]
-    first = tf.concat([outside, [-1]], 0)[0]
+    first = tf.concat([outside, [n]], 0)[0]
     checks = [tf.debugging.Assert(tf.equal(tf.size(outside), 0), [
-        f"{what}: SparseTensor entry", first, "has index", tf.gather(idx, tf.maximum(first, 0)),
+        f"{what}: SparseTensor entry", first, "has index", tf.gather(padded, first),
         "outside dense_shape", shape])]
     key = rows * tf.maximum(shape[1], 1) + cols          # row-major position
     order = tf.argsort(key, stable=True)
@@ -35,7 +37,7 @@ def _sparse_rows(sp: tf.SparseTensor, what: str):
         sorted_key = tf.gather(key, order)
     repeated = tf.where(sorted_key[1:] <= sorted_key[:-1])[:, 0]
     checks.append(tf.debugging.Assert(tf.equal(tf.size(repeated), 0), [
-        f"{what}: SparseTensor index", tf.gather(idx, tf.gather(order, tf.concat([repeated, [0]], 0)[0])),
+        f"{what}: SparseTensor index", tf.gather(padded, tf.concat([tf.gather(order, repeated[:1]), [n]], 0)[0]),
         "appears more than once"]))
     with tf.control_dependencies(checks):
         return tf.gather(rows, order), tf.identity(order), shape[0]
