@@ -33,8 +33,9 @@ import tf_sok.data as sd  # noqa: E402
 from tf_sok.python.data.convert import convert  # noqa: E402
 
 
-def graph_rows_per_second(ds, steps: int) -> float:
-    """Rows/s of `steps` batches pulled inside one tf.function (after one warm-up call)."""
+def graph_rows_per_second(ds, steps: int, on_timed=None) -> float:
+    """Rows/s of `steps` batches pulled inside one tf.function (after one warm-up call);
+    on_timed(): called as the timed call starts."""
     it = iter(ds.repeat())
 
     @tf.function
@@ -44,6 +45,8 @@ def graph_rows_per_second(ds, steps: int) -> float:
             n += tf.shape(next(it)[2], out_type=tf.int64)[0]
         return n
     pull(it)
+    if on_timed:
+        on_timed()
     t0 = time.perf_counter()
     n = int(pull(it))
     return n / (time.perf_counter() - t0)

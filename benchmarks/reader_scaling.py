@@ -38,6 +38,44 @@ def threads_rate(files, schema, threads: int, pyarrow_threads: bool) -> float:
     return sum(rows) / (time.perf_counter() - t0)
 
 
+def physical_cores() -> str:
+    """What the cores are: physical cores and threads per core, from /proc/cpuinfo."""
+    try:
+        info = open("/proc/cpuinfo").read().split("\n\n")
+        ids = {(b.split("physical id")[1].split("\n")[0], b.split("core id")[1].split("\n")[0])
+               for b in info if "core id" in b}
+        model = info[0].split("model name")[1].split("\n")[0].strip(" :\t")
+        return f"{len(ids)} physical cores seen in /proc/cpuinfo, {model}"
+    except (OSError, IndexError):
+        return "physical cores unknown"
+
+
+class CpuUse:
+    """Cores kept busy by this process and by read_parquet's worker processes (from /proc), from
+    start() to cores()."""
+
+    def __init__(self, workers: int):
+        from tf_sok.python.data import block_workers
+
+        self.pids = list(block_workers._pool(workers)._processes)
+
+    @staticmethod
+    def _ticks(pid) -> int:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])   # utime + stime
+
+    def start(self):
+        self.t0 = time.perf_counter()
+        self.c0 = time.process_time()
+        self.w0 = sum(self._ticks(p) for p in self.pids)
+
+    def cores(self):
+        wall = time.perf_counter() - self.t0
+        workers = (sum(self._ticks(p) for p in self.pids) - self.w0) / os.sysconf("SC_CLK_TCK")
+        return (time.process_time() - self.c0) / wall, workers / wall
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--files", type=int, default=8)
@@ -52,7 +90,7 @@ def main():
         files.append(os.path.join(d, f"part-{k}.parquet"))
         sd.write_parquet(sd.raw_batches(a.rows, min(a.rows, 65536), cfg, seed=k), files[-1], schema)
     cores = len(os.sched_getaffinity(0))
-    print(f"{cores} cores, {a.files} DCNv2 files of {a.rows:,} rows")
+    print(f"{cores} cores ({physical_cores()}), {a.files} DCNv2 files of {a.rows:,} rows")
     for t in sorted({1, 2, 4, 8, cores}):
         print(f"  block builder, {t:2d} Python threads: {threads_rate(files, schema, t, False):12,.0f} rows/s "
               f"(pyarrow threads on: {threads_rate(files, schema, t, True):12,.0f})", flush=True)
@@ -74,10 +112,13 @@ def main():
             ds = sd.read_parquet(d, a.batch, parallel_files=t, id_dtype=tf.int32, deterministic=det)
             print(f"  read_parquet, {t:2d} pieces, deterministic={det}: "
                   f"{graph_rows_per_second(ds, steps):12,.0f} rows/s", flush=True)
-    for w in sorted({2, max(2, cores // 2), cores}):   # blocks built in w processes (after a warm-up pass)
+    for w in sorted({2, max(2, cores // 2), max(2, 3 * cores // 4), cores}):   # blocks built in w processes
         ds = sd.read_parquet(d, a.batch, parallel_files=cores, id_dtype=tf.int32, deterministic=False, workers=w)
-        print(f"  read_parquet, {cores} pieces built by {w:2d} worker processes: "
-              f"{graph_rows_per_second(ds, steps):12,.0f} rows/s", flush=True)
+        busy = CpuUse(w)
+        rate = graph_rows_per_second(ds, steps, on_timed=busy.start)
+        main, workers = busy.cores()
+        print(f"  read_parquet, {cores} pieces built by {w:2d} worker processes: {rate:12,.0f} rows/s "
+              f"(cores busy: main process {main:.1f}, workers {workers:.1f})", flush=True)
 
 
 if __name__ == "__main__":

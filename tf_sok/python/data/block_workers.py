@@ -10,6 +10,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import glob
+import mmap
 import multiprocessing
 import os
 import secrets
@@ -61,8 +62,24 @@ def _pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
                 started = [pool.submit(_ready) for _ in range(workers)]   # one process per task while none idles
                 concurrent.futures.wait(started)
             _pools[workers] = pool
-            atexit.register(pool.shutdown, wait=False, cancel_futures=True)
+            atexit.register(_close, pool)
         return _pools[workers]
+
+
+_closing = threading.Event()
+
+
+def _close(pool):
+    _closing.set()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _exiting() -> bool:
+    """Whether the interpreter is exiting (the pools are shut down then): readers still pulling
+    blocks (tf.data's prefetch threads) end quietly."""
+    import concurrent.futures.process as cfp
+
+    return _closing.is_set() or getattr(cfp, "_global_shutdown", False) or sys.is_finalizing()
 
 
 def _remove_stale_blocks():
@@ -99,39 +116,64 @@ def _parquet_file(path: str, schema: CriteoSchema):
     return _files[path]
 
 
+class _Arena:
+    """Arrays placed one after the other, each 64-byte aligned, in a writable buffer."""
+
+    def __init__(self, buffer):
+        self.buffer, self.used = buffer, 0
+
+    def __call__(self, shape, dtype):
+        dtype = np.dtype(dtype)
+        start = -(-self.used // 64) * 64
+        count = int(np.prod(shape, dtype=np.int64))
+        self.used = start + count * dtype.itemsize
+        return np.ndarray(shape, dtype, buffer=self.buffer, offset=start)
+
+
 def build_block(path: str, lo: int, hi: int, schema: CriteoSchema, id_dtype: str, owner: int) -> Tuple[str, list]:
-    """In a worker: rows [lo, hi) of Parquet file `path` as a block, written to one shared-memory
-    file: (its path, [(dtype, shape, offset) of each array in the block's order])."""
+    """In a worker: rows [lo, hi) of Parquet file `path` as a block, built in place in one
+    shared-memory file: (its path, [(dtype, shape, offset) of each array in the block's order])."""
     import tempfile
 
-    from tf_sok.python.data.columnar import arrow_block
+    from tf_sok.python.data.columnar import arrow_block, block_bytes
 
     f, starts, in_range, columns = _parquet_file(path, schema)
     g0 = int(np.searchsorted(starts, lo, side="right")) - 1
     g1 = int(np.searchsorted(starts, hi, side="left"))
     table = f.read_row_groups(list(range(g0, g1)), columns=columns, use_threads=False)
     table = table.slice(lo - int(starts[g0]), hi - lo)
-    dense, cats, label = arrow_block(table, schema, f"Parquet file {path}", np.dtype(id_dtype), in_range)
-    arrays = [dense] + [a for n in schema.categorical_names for a in cats[n]] + [label]
-    layout, offset = [], 0
-    for a in arrays:
-        layout.append((a.dtype.str, a.shape, offset))
-        offset += -(-a.nbytes // 64) * 64
+    bound = max(block_bytes(table, schema, id_dtype), 1)
     out = os.path.join(_SHM or tempfile.gettempdir(), f"{_PREFIX}{owner}_{secrets.token_hex(8)}")
-    with open(out, "wb+") as fh:
-        fh.truncate(max(offset, 1))
-        mm = np.memmap(fh, dtype=np.uint8, mode="r+", shape=(max(offset, 1),))
-        for a, (_, _, off) in zip(arrays, layout):
-            mm[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
-        mm.flush()
-        del mm
+    fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, bound)   # a sparse file: only the pages written take memory
+        mm = mmap.mmap(fd, bound)
+        arena = _Arena(mm)
+        dense, cats, label = arrow_block(table, schema, f"Parquet file {path}", np.dtype(id_dtype), in_range,
+                                         alloc=arena)
+        arrays = [dense] + [a for n in schema.categorical_names for a in cats[n]] + [label]
+        base = np.frombuffer(mm, np.uint8, count=1).ctypes.data
+        layout = [(a.dtype.str, a.shape, a.ctypes.data - base if a.size else 0) for a in arrays]
+        del dense, cats, label, arrays
+        mm.close()
+        os.ftruncate(fd, max(arena.used, 1))
+    except BaseException:
+        os.unlink(out)
+        raise
+    finally:
+        os.close(fd)
     return out, layout
 
 
 def _mapped(path: str, layout: list):
-    """The arrays of a block file (mapped, the file unlinked: the mapping outlives the name)."""
+    """The arrays of a block file: mapped with all its pages mapped by one call (no fault per page;
+    shared: a private writable mapping would copy every page), the file unlinked (the mapping
+    outlives the name)."""
     try:
-        mm = np.memmap(path, dtype=np.uint8, mode="r+")
+        with open(path, "r+b") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            mm = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.unlink(path)
     out = []
@@ -158,8 +200,18 @@ def worker_blocks(workers: int, path: str, groups, batch_size: int, block_rows: 
         for i in range(len(bounds)):
             while len(pending) <= ahead and len(pending) + i < len(bounds):
                 lo, hi = bounds[i + len(pending)]
-                pending.append(pool.submit(build_block, path, lo, hi, schema, dt, os.getpid()))
-            arrays = _mapped(*pending.pop(0).result())
+                try:
+                    pending.append(pool.submit(build_block, path, lo, hi, schema, dt, os.getpid()))
+                except RuntimeError:
+                    if _exiting():
+                        return
+                    raise
+            try:
+                arrays = _mapped(*pending.pop(0).result())
+            except (concurrent.futures.CancelledError, concurrent.futures.process.BrokenProcessPool):
+                if _exiting():
+                    return
+                raise
             n = len(schema.categorical_names)
             cats = {name: (arrays[1 + 2 * k], arrays[2 + 2 * k]) for k, name in enumerate(schema.categorical_names)}
             yield arrays[0], cats, arrays[1 + 2 * n]

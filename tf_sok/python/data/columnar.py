@@ -67,11 +67,11 @@ def _resolve_schema(files, fmt: str, schema: Optional[CriteoSchema]) -> CriteoSc
     return schema
 
 
-def _ids(column, name: str, vocab: int, path: str, id_dtype=np.int64, check: bool = True):
+def _ids(column, name: str, vocab: int, path: str, id_dtype=np.int64, check: bool = True, alloc=aligned_empty):
     """(values, row_splits) of one categorical column (an Arrow array or chunked array), list<int>
     or plain int (null = missing): values of `id_dtype`, in one pass over each chunk (no combined
     copy first); their range checked in one pass by Arrow before the cast (unless `check` is off:
-    the file's statistics showed it)."""
+    the file's statistics showed it). `alloc(shape, dtype)` gives the arrays' memory."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -91,10 +91,10 @@ def _ids(column, name: str, vocab: int, path: str, id_dtype=np.int64, check: boo
         lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
         if lo is not None and (lo < 0 or hi >= vocab):
             raise ValueError(f"{path}: column {name} has id {lo if lo < 0 else hi} outside [0, {vocab})")
-    values = aligned_empty([total], id_dtype)
+    values = alloc([total], id_dtype)
     if parts:
         np.concatenate([p.to_numpy(zero_copy_only=False) for p in parts], out=values, casting="same_kind")
-    splits = aligned_empty([(total if lengths is None else len(lengths)) + 1], np.int64)
+    splits = alloc([(total if lengths is None else len(lengths)) + 1], np.int64)
     if lengths is None:
         splits[:] = np.arange(total + 1, dtype=np.int64)
     else:
@@ -103,17 +103,35 @@ def _ids(column, name: str, vocab: int, path: str, id_dtype=np.int64, check: boo
     return values, splits
 
 
-def arrow_block(table, schema: CriteoSchema, where: str, id_dtype=np.int64, in_range=frozenset()):
+def block_bytes(table, schema: CriteoSchema, id_dtype=np.int64, align: int = 64) -> int:
+    """An upper bound on the bytes of `arrow_block(table, ...)`'s arrays, each `align`-aligned."""
+    import pyarrow as pa
+
+    n, ids = table.num_rows, 0
+    for name in schema.categorical_names:
+        column = table.column(name)
+        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+            ids += sum(len(c.values) for c in column.chunks)
+        else:
+            ids += len(column)
+    arrays = 2 * len(schema.categorical_names) + 2
+    return n * NUM_DENSE * 8 + n * 4 + ids * np.dtype(id_dtype).itemsize + \
+        len(schema.categorical_names) * (n + 1) * 8 + arrays * align
+
+
+def arrow_block(table, schema: CriteoSchema, where: str, id_dtype=np.int64, in_range=frozenset(), alloc=aligned_empty):
     """A table in tf_sok's Parquet layout -> a raw block of flat NumPy arrays (see blocks.py);
-    the ids of columns `in_range` are known to be inside their tables (not scanned again)."""
+    the ids of columns `in_range` are known to be inside their tables (not scanned again).
+    `alloc(shape, dtype)` gives the arrays' memory, in the block's order (dense, each feature's
+    values and row_splits, label); at most `block_bytes(...)` in all."""
     def col(n):
         return table.column(n).combine_chunks()
-    dense = aligned_empty((table.num_rows, NUM_DENSE), np.int64)
+    dense = alloc((table.num_rows, NUM_DENSE), np.int64)
     for i, n in enumerate(schema.dense_names):
         dense[:, i] = col(n).fill_null(0).to_numpy(zero_copy_only=False)
-    cats = {n: _ids(table.column(n), n, v, where, id_dtype, check=n not in in_range)
+    cats = {n: _ids(table.column(n), n, v, where, id_dtype, check=n not in in_range, alloc=alloc)
             for n, v in zip(schema.categorical_names, schema.vocab_sizes)}
-    label = aligned_empty([table.num_rows], np.float32)
+    label = alloc([table.num_rows], np.float32)
     label[:] = col("label").fill_null(0).to_numpy(zero_copy_only=False)
     return dense, cats, label
 
