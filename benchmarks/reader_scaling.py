@@ -81,7 +81,11 @@ def main():
     p.add_argument("--files", type=int, default=8)
     p.add_argument("--rows", type=int, default=131072)
     p.add_argument("--batch", type=int, default=65536)
+    p.add_argument("--parts", default="builder,memory,threads,workers",
+                   help="which measurements: the block builder in threads, blocks in memory -> tf.data, "
+                        "read_parquet with threads, read_parquet with worker processes")
     a = p.parse_args()
+    parts = set(a.parts.split(","))
     schema = sd.CriteoSchema.capped(10_000_000)
     d = tempfile.mkdtemp()
     cfg = sd.SyntheticConfig.dcnv2(schema)
@@ -91,15 +95,16 @@ def main():
         sd.write_parquet(sd.raw_batches(a.rows, min(a.rows, 65536), cfg, seed=k), files[-1], schema)
     cores = len(os.sched_getaffinity(0))
     print(f"{cores} cores ({physical_cores()}), {a.files} DCNv2 files of {a.rows:,} rows")
-    for t in sorted({1, 2, 4, 8, cores}):
+    for t in sorted({1, 2, 4, 8, cores}) if "builder" in parts else []:
         print(f"  block builder, {t:2d} Python threads: {threads_rate(files, schema, t, False):12,.0f} rows/s "
               f"(pyarrow threads on: {threads_rate(files, schema, t, True):12,.0f})", flush=True)
     steps = max(2, a.files * a.rows // a.batch)
     # the reader's main-process side alone: blocks already built (in memory), handed to tf.data by a
     # generator and sliced into batches there, P pieces interleaved as read_parquet does
-    built = [list(columnar._parquet_blocks(f, 1 << 18, schema, None, a.batch, np.int32, False)) for f in files]
+    built = [list(columnar._parquet_blocks(f, 1 << 18, schema, None, a.batch, np.int32, False)) for f in files] \
+        if "memory" in parts else []
     sig = blocks_lib.block_signature(schema, tf.int32)
-    for t in sorted({1, 4, 8, cores}):
+    for t in sorted({1, 4, 8, cores}) if "memory" in parts else []:
         def piece(k):
             return blocks_lib.batched_blocks(tf.data.Dataset.from_generator(
                 lambda i: iter(built[int(i)]), output_signature=sig, args=(k,)), a.batch)
@@ -107,12 +112,12 @@ def main():
                                                           deterministic=False).prefetch(tf.data.AUTOTUNE)
         print(f"  blocks in memory -> tf.data batches, {t:2d} pieces: {graph_rows_per_second(ds, steps):12,.0f} rows/s",
               flush=True)
-    for t in sorted({1, 4, 8, cores}):
+    for t in sorted({1, 4, 8, cores}) if "threads" in parts else []:
         for det in (True, False):
             ds = sd.read_parquet(d, a.batch, parallel_files=t, id_dtype=tf.int32, deterministic=det)
             print(f"  read_parquet, {t:2d} pieces, deterministic={det}: "
                   f"{graph_rows_per_second(ds, steps):12,.0f} rows/s", flush=True)
-    for w in sorted({2, max(2, cores // 2), max(2, 3 * cores // 4), cores}):   # blocks built in w processes
+    for w in sorted({2, max(2, cores // 2), max(2, 3 * cores // 4), cores}) if "workers" in parts else []:
         ds = sd.read_parquet(d, a.batch, parallel_files=cores, id_dtype=tf.int32, deterministic=False, workers=w)
         busy = CpuUse(w)
         rate = graph_rows_per_second(ds, steps, on_timed=busy.start)

@@ -473,7 +473,8 @@ int64_t ReadCount(const GpuDevice& d, const int64_t* count, std::string* error) 
 }  // namespace
 
 std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64_t n, bool insert,
-                                  GpuFindResult* out, bool admit_all, float insert_ratio) {
+                                  GpuFindResult* out, bool admit_all, float insert_ratio,
+                                  const std::function<void(int)>& mark) {
   if (!insert) {
     if (!init_error_.empty()) return init_error_;
     out->rows = rows_;
@@ -489,25 +490,33 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
   if (!count) return "ran out of GPU memory";
   std::string error = Probe(d, keys, n, out, &pending, count);
   if (!error.empty() || n == 0) return error;
+  if (mark) mark(0);
   const int64_t missing = ReadCount(d, count, &error);
   if (!error.empty()) return error;
-  return Finish(d, &pending, missing, out, admit_all, insert_ratio);
+  if (mark) mark(1);
+  return Finish(d, &pending, missing, out, admit_all, insert_ratio, mark);
 }
 
 std::string GpuDynamicIndex::Finish(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
-                                    bool admit_all, float insert_ratio) {
+                                    bool admit_all, float insert_ratio, const std::function<void(int)>& mark) {
   auto* count = gpu::Alloc<int64_t>(d, 1);
   if (!count) return "ran out of GPU memory";
   std::string error = FinishDistinct(d, p, missing, out, count);
   if (!error.empty()) return error;
-  const int64_t distinct = p->n > 0 ? ReadCount(d, count, &error) : 0;
+  if (mark) mark(2);
+  const int64_t distinct = p->n > 0 && missing > 0 ? ReadCount(d, count, &error) : 0;
   if (!error.empty()) return error;
+  if (mark) mark(3);
   bool evicts = false;
   error = FinishRoom(d, p, distinct, admit_all, insert_ratio, count, &evicts);
   if (!error.empty()) return error;
+  if (mark) mark(4);
   const int64_t evictable = evicts ? ReadCount(d, count, &error) : 0;
   if (!error.empty()) return error;
-  return FinishCommit(d, p, evictable, out);
+  if (mark) mark(5);
+  error = FinishCommit(d, p, evictable, out);
+  if (mark) mark(6);
+  return error;
 }
 
 std::string GpuDynamicIndex::Probe(const GpuDevice& d, const int64_t* keys, int64_t n, GpuFindResult* out,

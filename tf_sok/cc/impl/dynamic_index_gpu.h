@@ -13,6 +13,7 @@
 #define TF_SOK_CC_IMPL_DYNAMIC_INDEX_GPU_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -69,15 +70,17 @@ class GpuDynamicIndex {
 
   // As DynamicIndex::Find, with keys and outputs on the device. "" or an error
   // message; an error changes nothing a later call can see.
+  // mark(i), when given, is called after each stage i (0 probe, 1 missing count read back, 2
+  // distinct, 3 its count read back, 4 room, 5 its count read back, 6 commit queued): a profiler's hook.
   std::string Find(const GpuDevice& d, const int64_t* keys, int64_t n, bool insert, GpuFindResult* out,
-                   bool admit_all = false, float insert_ratio = 1.0f);
+                   bool admit_all = false, float insert_ratio = 1.0f, const std::function<void(int)>& mark = {});
   // Find with insert, in two halves: Probe queues the work up to the count of positions whose key
   // is missing (written to the device's *count, not waited for); Finish, given that count read
   // back, does the rest. Nothing else may use the index in between.
   std::string Probe(const GpuDevice& d, const int64_t* keys, int64_t n, GpuFindResult* out, GpuFindPending* p,
                     int64_t* count);
   std::string Finish(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
-                     bool admit_all = false, float insert_ratio = 1.0f);
+                     bool admit_all = false, float insert_ratio = 1.0f, const std::function<void(int)>& mark = {});
   // Finish in three parts, for many indices at once: FinishDistinct, given the missing count, leaves
   // the count of distinct missing keys at *count; FinishRoom, given that, admits keys and, when the
   // call must evict (*evicts), leaves the count of evictable rows at *count; FinishCommit, given that

@@ -541,6 +541,66 @@ absl::Status EvictedOutputs(tf::OpKernelContext* ctx, const IndexResource& res, 
   return ctx->allocate_output(2, tf::TensorShape({n, res.dim}), values);
 }
 
+#if TF_SOK_WITH_CUDA
+// With TF_SOK_FIND_STAGES=1 in the environment, the GPU finds (one table, or many) time their
+// stages on the host (kernel launches, each wait for counts, the host store's lookups; a last wait
+// takes the device's remaining work) and print their means to stderr every 20 calls: where a
+// dynamic or hybrid table's step goes. The extra wait changes the overlap it measures; for
+// profiling only.
+class StageClock {
+ public:
+  static constexpr int kStages = 9;
+  StageClock(cudaStream_t stream, bool many, bool active = true)
+      : stream_(stream), on_(active && Enabled()), many_(many) {
+    if (on_) last_ = Now();
+  }
+  void Mark(int stage) {
+    if (!on_) return;
+    const double now = Now();
+    Totals(many_).ms[stage] += now - last_;
+    last_ = now;
+  }
+  ~StageClock() {
+    if (!on_) return;
+    cudaStreamSynchronize(stream_);
+    Mark(kStages - 1);
+    Sums& t = Totals(many_);
+    if (++t.calls % 20 != 0) return;
+    static const char* names[kStages] = {"probe",          "wait missing",           "distinct",
+                                         "wait distinct",  "room",                   "wait evictable",
+                                         "commit + wait new keys", "host store lookups / array upkeep launched",
+                                         "arrays + device tail"};
+    std::fprintf(stderr, "tf_sok %s stages (ms per call, mean of 20):", many_ ? "find-many" : "find");
+    for (int i = 0; i < kStages; ++i) std::fprintf(stderr, " %s %.3f;", names[i], t.ms[i] / 20);
+    std::fprintf(stderr, "\n");
+    t = Sums();
+  }
+
+ private:
+  struct Sums {
+    double ms[kStages] = {};
+    int64_t calls = 0;
+  };
+  static bool Enabled() {
+    static const bool on = [] {
+      const char* v = std::getenv("TF_SOK_FIND_STAGES");
+      return v != nullptr && v[0] == '1';
+    }();
+    return on;
+  }
+  static Sums& Totals(bool many) {
+    static Sums sums[2];
+    return sums[many ? 1 : 0];
+  }
+  static double Now() {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  cudaStream_t stream_;
+  bool on_, many_;
+  double last_ = 0;
+};
+#endif
+
 class FindOp : public tf::OpKernel {
  public:
   explicit FindOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
@@ -590,8 +650,9 @@ class FindOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, keys.shape(), &slots));
     impl::GpuFindResult r;
     tf::mutex_lock l(res->mu);
-    const std::string error =
-        res->gpu->Find(d, keys.flat<int64_t>().data(), keys.NumElements(), insert_, &r, admit_all_, insert_ratio_);
+    StageClock clock(stream, false, insert_);   // finds that insert
+    const std::string error = res->gpu->Find(d, keys.flat<int64_t>().data(), keys.NumElements(), insert_, &r,
+                                             admit_all_, insert_ratio_, [&clock](int stage) { clock.Mark(stage); });
     OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
     if (keys.NumElements() > 0)
       cudaMemcpyAsync(slots->flat<int64_t>().data(), r.slots, 8 * keys.NumElements(), cudaMemcpyDeviceToDevice,
@@ -605,68 +666,13 @@ class FindOp : public tf::OpKernel {
     // stream-ordered: the scratch these read is reused only by work queued after them
     OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res, DeviceChanges(r, keys.NumElements()),
                                          with_evicted_ ? ev_values->flat<float>().data() : nullptr));
+    clock.Mark(7);
   }
 #endif
   bool insert_ = true, with_evicted_ = false, admit_all_ = false;
   float insert_ratio_ = 1.0f;
 };
 
-#if TF_SOK_WITH_CUDA
-// With TF_SOK_FIND_STAGES=1 in the environment, the GPU multi-table find times its stages on the
-// host (kernel launches, each wait for counts, the host store's lookups; a last wait takes the
-// device's remaining work) and prints their means to stderr every 20 calls: where a hybrid
-// table's step goes. The extra wait changes the overlap it measures; for profiling only.
-class StageClock {
- public:
-  static constexpr int kStages = 9;
-  explicit StageClock(cudaStream_t stream) : stream_(stream), on_(Enabled()) {
-    if (on_) last_ = Now();
-  }
-  void Mark(int stage) {
-    if (!on_) return;
-    const double now = Now();
-    Totals().ms[stage] += now - last_;
-    last_ = now;
-  }
-  ~StageClock() {
-    if (!on_) return;
-    cudaStreamSynchronize(stream_);
-    Mark(kStages - 1);
-    Sums& t = Totals();
-    if (++t.calls % 20 != 0) return;
-    static const char* names[kStages] = {"probe",          "wait missing",           "distinct",
-                                         "wait distinct",  "room",                   "wait evictable",
-                                         "commit + wait new keys", "host store lookups", "arrays + device tail"};
-    std::fprintf(stderr, "tf_sok find stages (ms per call, mean of 20):");
-    for (int i = 0; i < kStages; ++i) std::fprintf(stderr, " %s %.3f;", names[i], t.ms[i] / 20);
-    std::fprintf(stderr, "\n");
-    t = Sums();
-  }
-
- private:
-  struct Sums {
-    double ms[kStages] = {};
-    int64_t calls = 0;
-  };
-  static bool Enabled() {
-    static const bool on = [] {
-      const char* v = std::getenv("TF_SOK_FIND_STAGES");
-      return v != nullptr && v[0] == '1';
-    }();
-    return on;
-  }
-  static Sums& Totals() {
-    static Sums sums;
-    return sums;
-  }
-  static double Now() {
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  }
-  cudaStream_t stream_;
-  bool on_;
-  double last_ = 0;
-};
-#endif
 
 // TfSokDynamicFindMany: one find (insert) per table; on a GPU the missing-key counts of all
 // tables come back in one wait. Indices are locked in address order (no deadlock with other ops).
@@ -725,7 +731,7 @@ class FindManyOp : public tf::OpKernel {
     OP_REQUIRES(ctx, counts != nullptr, absl::ResourceExhaustedError("TfSokDynamicFindMany: out of GPU memory"));
     std::vector<impl::GpuFindResult> found(n);
     std::vector<impl::GpuFindPending> pending(n);
-    StageClock clock(stream);
+    StageClock clock(stream, true);
     for (int i = 0; i < n; ++i) {
       OP_REQUIRES(ctx, res[i]->gpu != nullptr, Failed(*res[i], ": ", "its index is on the host; look it up there"));
       const tf::Tensor& keys = ctx->input(n + i);
