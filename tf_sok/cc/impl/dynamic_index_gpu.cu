@@ -81,44 +81,9 @@ __global__ void LiveFlagsKernel(const int64_t* state, int64_t n, uint8_t* flags)
   if (i < n) flags[i] = state[i] >= 0;
 }
 
-// The keys of the flagged positions entered in a scratch set (open addressing; state kEmpty,
-// kClaimed while its key is written, else the least position holding the key): each distinct key's
-// first position, without a sort and without its count on the host.
-__global__ void FirstSeenKernel(int64_t* skeys, unsigned long long* sstate, int64_t mask, const int64_t* keys,
-                                const uint8_t* flagged, int64_t n) {
+__global__ void UniqueFlagsKernel(const int64_t* sorted, int64_t n, uint8_t* flags) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= n || !flagged[i]) return;
-  const int64_t key = keys[i];
-  int64_t p = Home(key, mask);
-  while (true) {
-    const long long s = static_cast<long long>(*reinterpret_cast<volatile unsigned long long*>(&sstate[p]));
-    if (s == kEmpty) {
-      if (atomicCAS(&sstate[p], static_cast<unsigned long long>(kEmpty), static_cast<unsigned long long>(kClaimed)) ==
-          static_cast<unsigned long long>(kEmpty)) {
-        skeys[p] = key;
-        __threadfence();
-        atomicExch(&sstate[p], static_cast<unsigned long long>(i));
-        return;
-      }
-      continue;   // taken meanwhile: look at it again
-    }
-    if (s == kClaimed) continue;   // its key is being written
-    __threadfence();
-    if (*reinterpret_cast<volatile int64_t*>(&skeys[p]) == key) {
-      atomicMin(reinterpret_cast<long long*>(&sstate[p]), static_cast<long long>(i));
-      return;
-    }
-    p = (p + 1) & mask;
-  }
-}
-
-// flags: the flagged positions that hold their key's first occurrence
-__global__ void FirstFlagsKernel(const int64_t* skeys, const int64_t* sstate, int64_t mask, const int64_t* keys,
-                                 const uint8_t* flagged, int64_t n, uint8_t* first) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= n) return;
-  int64_t w;
-  first[i] = flagged[i] && Probe(skeys, sstate, mask, keys[i], &w) == i;
+  if (i < n) flags[i] = (i == 0 || sorted[i] != sorted[i - 1]);
 }
 
 // per position: its row (-1 when absent), a flag for absent keys; found rows marked touched by `call`
@@ -374,6 +339,17 @@ bool CompactCount(const GpuDevice& d, const T* in, const uint8_t* flags, int64_t
   return true;
 }
 
+template <typename K>
+bool SortKeys(const GpuDevice& d, const K* keys_in, K* keys_out, int64_t n) {
+  cudaStream_t s = StreamOf(d);
+  size_t bytes = 0;
+  cub::DeviceRadixSort::SortKeys(nullptr, bytes, keys_in, keys_out, n, 0, static_cast<int>(sizeof(K) * 8), s);
+  void* temp = d.scratch->Allocate(std::max<size_t>(bytes, 1));
+  if (!temp) return false;
+  cub::DeviceRadixSort::SortKeys(temp, bytes, keys_in, keys_out, n, 0, static_cast<int>(sizeof(K) * 8), s);
+  return true;
+}
+
 // sorted by the keys' bits [0, bits) (every bit by default; the keys must be >= 0 when fewer)
 template <typename K, typename V>
 bool SortPairs(const GpuDevice& d, const K* keys_in, K* keys_out, const V* values_in, V* values_out, int64_t n,
@@ -510,27 +486,29 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
     return "";
   }
   GpuFindPending pending;
-  auto* counts = gpu::Alloc<int64_t>(d, 2);
-  if (!counts) return "ran out of GPU memory";
-  std::string error = Probe(d, keys, n, out, &pending, counts);
-  if (!error.empty() || n == 0) return error;
-  if (mark) mark(0);
-  int64_t missing[2] = {0, 0};
-  cudaMemcpyAsync(missing, counts, sizeof(missing), cudaMemcpyDeviceToHost, StreamOf(d));
-  const cudaError_t c = cudaStreamSynchronize(StreamOf(d));
-  if (c != cudaSuccess) return std::string("CUDA error ") + cudaGetErrorString(c);
-  if (mark) mark(1);
-  return Finish(d, &pending, missing[0], missing[1], out, admit_all, insert_ratio, mark);
-}
-
-std::string GpuDynamicIndex::Finish(const GpuDevice& d, GpuFindPending* p, int64_t missing, int64_t distinct,
-                                    GpuFindResult* out, bool admit_all, float insert_ratio,
-                                    const std::function<void(int)>& mark) {
   auto* count = gpu::Alloc<int64_t>(d, 1);
   if (!count) return "ran out of GPU memory";
-  std::string error;
+  std::string error = Probe(d, keys, n, out, &pending, count);
+  if (!error.empty() || n == 0) return error;
+  if (mark) mark(0);
+  const int64_t missing = ReadCount(d, count, &error);
+  if (!error.empty()) return error;
+  if (mark) mark(1);
+  return Finish(d, &pending, missing, out, admit_all, insert_ratio, mark);
+}
+
+std::string GpuDynamicIndex::Finish(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
+                                    bool admit_all, float insert_ratio, const std::function<void(int)>& mark) {
+  auto* count = gpu::Alloc<int64_t>(d, 1);
+  if (!count) return "ran out of GPU memory";
+  std::string error = FinishDistinct(d, p, missing, out, count);
+  if (!error.empty()) return error;
+  if (mark) mark(2);
+  const int64_t distinct = p->n > 0 && missing > 0 ? ReadCount(d, count, &error) : 0;
+  if (!error.empty()) return error;
+  if (mark) mark(3);
   bool evicts = false;
-  error = FinishRoom(d, p, missing, distinct, admit_all, insert_ratio, count, &evicts);
+  error = FinishRoom(d, p, distinct, admit_all, insert_ratio, count, &evicts);
   if (!error.empty()) return error;
   if (mark) mark(4);
   const int64_t evictable = evicts ? ReadCount(d, count, &error) : 0;
@@ -542,7 +520,7 @@ std::string GpuDynamicIndex::Finish(const GpuDevice& d, GpuFindPending* p, int64
 }
 
 std::string GpuDynamicIndex::Probe(const GpuDevice& d, const int64_t* keys, int64_t n, GpuFindResult* out,
-                                   GpuFindPending* p, int64_t* counts) {
+                                   GpuFindPending* p, int64_t* count) {
   if (!init_error_.empty()) return init_error_;
   cudaStream_t s = StreamOf(d);
   out->rows = rows_;
@@ -551,40 +529,47 @@ std::string GpuDynamicIndex::Probe(const GpuDevice& d, const int64_t* keys, int6
   p->keys = keys;
   p->n = n;
   if (n == 0) {
-    cudaMemsetAsync(counts, 0, 2 * sizeof(int64_t), s);
+    cudaMemsetAsync(count, 0, sizeof(int64_t), s);
     return "";
   }
   p->call = ++call_;
   call_times_.Record(p->call);
-  // every position probed, found rows touched; the missing positions counted, and their distinct
-  // keys compacted in the order of first occurrence (a scratch hash set of the batch's size picks
-  // each key's first position: no sort, and both counts come back with one wait)
-  const int64_t buckets = PowerOfTwoAtLeast(2 * n);
+  // every position probed, found rows touched; the keys of the missing positions compacted, their
+  // count left on the device (no sort, no wait: a batch whose keys are all held needs neither)
   auto* missing_flags = gpu::Alloc<uint8_t>(d, n);
-  auto* first = gpu::Alloc<uint8_t>(d, n);
-  auto* missing_at = gpu::Alloc<int64_t>(d, n);
-  auto* skeys = gpu::Alloc<int64_t>(d, buckets);
-  auto* sstate = gpu::Alloc<int64_t>(d, buckets);
-  p->missing = gpu::Alloc<int64_t>(d, n);
-  if (!missing_flags || !first || !missing_at || !skeys || !sstate || !p->missing) return "ran out of GPU memory";
+  p->missing_at = gpu::Alloc<int64_t>(d, n);
+  if (!missing_flags || !p->missing_at) return "ran out of GPU memory";
   FindTouchKernel<<<Blocks(n), kThreads, 0, s>>>(keys_.keys, keys_.state, keys_.buckets - 1, keys, n, out->slots,
                                                  missing_flags, touched_, p->call);
-  cudaMemsetAsync(sstate, 0xFF, sizeof(int64_t) * buckets, s);   // kEmpty
-  FirstSeenKernel<<<Blocks(n), kThreads, 0, s>>>(skeys, reinterpret_cast<unsigned long long*>(sstate), buckets - 1,
-                                                 keys, missing_flags, n);
-  FirstFlagsKernel<<<Blocks(n), kThreads, 0, s>>>(skeys, sstate, buckets - 1, keys, missing_flags, n, first);
-  if (!CompactCount(d, keys, missing_flags, n, missing_at, counts) ||
-      !CompactCount(d, keys, first, n, p->missing, counts + 1))
-    return "ran out of GPU memory";
+  if (!CompactCount(d, keys, missing_flags, n, p->missing_at, count)) return "ran out of GPU memory";
+  return "";
+}
+
+// 2. the distinct missing keys (sorted), their count left at *count
+std::string GpuDynamicIndex::FinishDistinct(const GpuDevice& d, GpuFindPending* p, int64_t mp, GpuFindResult* out,
+                                            int64_t* count) {
+  cudaStream_t s = StreamOf(d);
+  p->mp = mp;
+  out->missing_positions = mp;
+  p->missing = gpu::Alloc<int64_t>(d, std::max<int64_t>(mp, 1));
+  if (!p->missing) return "ran out of GPU memory";
+  if (mp == 0) {
+    cudaMemsetAsync(count, 0, sizeof(int64_t), s);
+    return "";
+  }
+  auto* sorted = gpu::Alloc<int64_t>(d, mp);
+  auto* first = gpu::Alloc<uint8_t>(d, mp);
+  if (!sorted || !first || !SortKeys(d, p->missing_at, sorted, mp)) return "ran out of GPU memory";
+  UniqueFlagsKernel<<<Blocks(mp), kThreads, 0, s>>>(sorted, mp, first);
+  if (!CompactCount(d, sorted, first, mp, p->missing, count)) return "ran out of GPU memory";
   return "";
 }
 
 // 3. admission (nothing written yet); 4. when the call must evict: the untouched rows, their count
 // left at *count (*evicts: whether it must)
-std::string GpuDynamicIndex::FinishRoom(const GpuDevice& d, GpuFindPending* p, int64_t mp, int64_t m,
-                                        bool admit_all, float insert_ratio, int64_t* count, bool* evicts) {
+std::string GpuDynamicIndex::FinishRoom(const GpuDevice& d, GpuFindPending* p, int64_t m, bool admit_all,
+                                        float insert_ratio, int64_t* count, bool* evicts) {
   *evicts = false;
-  p->mp = mp;
   p->m = m;
   if (p->n == 0) return "";
   cudaStream_t s = StreamOf(d);
@@ -650,7 +635,6 @@ std::string GpuDynamicIndex::FinishRoom(const GpuDevice& d, GpuFindPending* p, i
 // 4. the victims: of the c untouched rows, the k of lowest (score, key), by two stable radix sorts;
 // 5. commit; 6. the missing positions' rows
 std::string GpuDynamicIndex::FinishCommit(const GpuDevice& d, GpuFindPending* p, int64_t c, GpuFindResult* out) {
-  out->missing_positions = p->mp;
   if (p->n == 0) return "";
   cudaStream_t s = StreamOf(d);
   const int64_t n = p->n, call = p->call, mp = p->mp, m = p->m, a = p->a, waiting_count = p->waiting_count;

@@ -43,14 +43,15 @@ struct GpuFindResult {
   int64_t missing_positions = 0;     // positions whose key was not held (cache statistics)
 };
 
-// A find in stages (GpuDynamicIndex::Probe, then Finish or its two parts), each but the last
-// ending in counts on the device that the next needs on the host: a caller with many indices
+// A find in stages (GpuDynamicIndex::Probe, then Finish or its three parts), each but the last
+// ending in a count on the device that the next needs on the host: a caller with many indices
 // reads each stage's counts back once for all of them.
 struct GpuFindPending {
   const int64_t* keys = nullptr;
   int64_t n = 0, call = 0;
-  int64_t mp = 0;                 // the positions whose key was not found
-  int64_t* missing = nullptr;     // the distinct missing keys, in the order of their first position
+  int64_t* missing_at = nullptr;  // [n]: the keys of the positions not found, compacted
+  int64_t mp = 0;                 // their number
+  int64_t* missing = nullptr;     // the distinct missing keys, sorted
   int64_t m = 0;                  // their number
   // admission: the keys let in (a) and those still waiting, with their sightings and buckets
   int64_t *admitted = nullptr, *admitted_where = nullptr;
@@ -69,22 +70,25 @@ class GpuDynamicIndex {
 
   // As DynamicIndex::Find, with keys and outputs on the device. "" or an error
   // message; an error changes nothing a later call can see.
-  // mark(i), when given, is called after each stage i (0 probe, 1 its counts read back, 4 room, 5
-  // its count read back, 6 commit queued): a profiler's hook.
+  // mark(i), when given, is called after each stage i (0 probe, 1 missing count read back, 2
+  // distinct, 3 its count read back, 4 room, 5 its count read back, 6 commit queued): a profiler's hook.
   std::string Find(const GpuDevice& d, const int64_t* keys, int64_t n, bool insert, GpuFindResult* out,
                    bool admit_all = false, float insert_ratio = 1.0f, const std::function<void(int)>& mark = {});
-  // Find with insert, in two halves: Probe queues the work up to two counts on the device, not
-  // waited for: counts[0] the positions whose key is missing, counts[1] their distinct keys;
-  // Finish, given both read back, does the rest. Nothing else may use the index in between.
+  // Find with insert, in two halves: Probe queues the work up to the count of positions whose key
+  // is missing (written to the device's *count, not waited for); Finish, given that count read
+  // back, does the rest. Nothing else may use the index in between.
   std::string Probe(const GpuDevice& d, const int64_t* keys, int64_t n, GpuFindResult* out, GpuFindPending* p,
-                    int64_t* counts);
-  std::string Finish(const GpuDevice& d, GpuFindPending* p, int64_t missing, int64_t distinct, GpuFindResult* out,
+                    int64_t* count);
+  std::string Finish(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
                      bool admit_all = false, float insert_ratio = 1.0f, const std::function<void(int)>& mark = {});
-  // Finish in two parts, for many indices at once: FinishRoom, given Probe's counts, admits keys
-  // and, when the call must evict (*evicts), leaves the count of evictable rows at *count;
-  // FinishCommit, given that (or 0), evicts, inserts and writes the rows of the call's positions.
-  // No waits, except admission's.
-  std::string FinishRoom(const GpuDevice& d, GpuFindPending* p, int64_t missing, int64_t distinct, bool admit_all,
+  // Finish in three parts, for many indices at once: FinishDistinct, given the missing count, leaves
+  // the count of distinct missing keys at *count; FinishRoom, given that, admits keys and, when the
+  // call must evict (*evicts), leaves the count of evictable rows at *count; FinishCommit, given that
+  // (or 0), evicts, inserts and writes the rows of the call's positions. No waits, except
+  // admission's.
+  std::string FinishDistinct(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
+                             int64_t* count);
+  std::string FinishRoom(const GpuDevice& d, GpuFindPending* p, int64_t distinct, bool admit_all,
                          float insert_ratio, int64_t* count, bool* evicts);
   std::string FinishCommit(const GpuDevice& d, GpuFindPending* p, int64_t evictable, GpuFindResult* out);
   int64_t size() const { return live_; }

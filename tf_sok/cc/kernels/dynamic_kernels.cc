@@ -566,13 +566,12 @@ class StageClock {
     Mark(kStages - 1);
     Sums& t = Totals(many_);
     if (++t.calls % 20 != 0) return;
-    static const char* names[kStages] = {"probe",          "wait missing + distinct", "-",
-                                         "-",              "room",                    "wait evictable",
+    static const char* names[kStages] = {"probe",          "wait missing",           "distinct",
+                                         "wait distinct",  "room",                   "wait evictable",
                                          "commit + wait new keys", "host store lookups / array upkeep launched",
                                          "arrays + device tail"};
     std::fprintf(stderr, "tf_sok %s stages (ms per call, mean of 20):", many_ ? "find-many" : "find");
-    for (int i = 0; i < kStages; ++i)
-      if (names[i][0] != '-') std::fprintf(stderr, " %s %.3f;", names[i], t.ms[i] / 20);
+    for (int i = 0; i < kStages; ++i) std::fprintf(stderr, " %s %.3f;", names[i], t.ms[i] / 20);
     std::fprintf(stderr, "\n");
     t = Sums();
   }
@@ -728,7 +727,7 @@ class FindManyOp : public tf::OpKernel {
     TensorScratch scratch(ctx);
     const impl::GpuDevice d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
     const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
-    auto* counts = static_cast<int64_t*>(d.scratch->Allocate(16 * static_cast<size_t>(n)));
+    auto* counts = static_cast<int64_t*>(d.scratch->Allocate(8 * static_cast<size_t>(n)));
     OP_REQUIRES(ctx, counts != nullptr, absl::ResourceExhaustedError("TfSokDynamicFindMany: out of GPU memory"));
     std::vector<impl::GpuFindResult> found(n);
     std::vector<impl::GpuFindPending> pending(n);
@@ -737,34 +736,43 @@ class FindManyOp : public tf::OpKernel {
       OP_REQUIRES(ctx, res[i]->gpu != nullptr, Failed(*res[i], ": ", "its index is on the host; look it up there"));
       const tf::Tensor& keys = ctx->input(n + i);
       const std::string error = res[i]->gpu->Probe(d, keys.flat<int64_t>().data(), keys.NumElements(), &found[i],
-                                                   &pending[i], counts + 2 * i);
+                                                   &pending[i], counts + i);
       OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
     }
     // each stage of every table's index call, then the counts of all tables read back with one wait
-    // (none when no table must evict); then the hybrid tables' new keys back to the host with one
-    // wait for all, then every table's arrays
-    std::vector<int64_t> probed(2 * n), evictable(2 * n);
+    // (none when no table has missing keys / must evict); then the hybrid tables' new keys back to the
+    // host with one wait for all, then every table's arrays
+    std::vector<int64_t> missing(n), distinct(n), evictable(n);
     clock.Mark(0);
-    OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, 2 * n, probed.data()));
+    OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, missing.data()));
     clock.Mark(1);
     bool any = false;
     for (int i = 0; i < n; ++i) {
-      bool evicts = false;
-      const std::string error = res[i]->gpu->FinishRoom(d, &pending[i], probed[2 * i], probed[2 * i + 1], false,
-                                                        insert_ratio_, counts + 2 * i, &evicts);
+      const std::string error = res[i]->gpu->FinishDistinct(d, &pending[i], missing[i], &found[i], counts + i);
       OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
-      if (!evicts) cudaMemsetAsync(counts + 2 * i, 0, 8, stream);
+      any |= missing[i] > 0;
+    }
+    clock.Mark(2);
+    if (any) OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, distinct.data()));
+    clock.Mark(3);
+    any = false;
+    for (int i = 0; i < n; ++i) {
+      bool evicts = false;
+      const std::string error =
+          res[i]->gpu->FinishRoom(d, &pending[i], distinct[i], false, insert_ratio_, counts + i, &evicts);
+      OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
+      if (!evicts) cudaMemsetAsync(counts + i, 0, 8, stream);
       any |= evicts;
     }
     clock.Mark(4);
-    if (any) OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, 2 * n, evictable.data()));
+    if (any) OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, evictable.data()));
     clock.Mark(5);
     std::vector<StorePlan> plans(n);
     bool wait = false;
     for (int i = 0; i < n; ++i) {
       IndexResource* r = res[i].get();
       const tf::Tensor& keys = ctx->input(n + i);
-      const std::string error = r->gpu->FinishCommit(d, &pending[i], evictable[2 * i], &found[i]);
+      const std::string error = r->gpu->FinishCommit(d, &pending[i], evictable[i], &found[i]);
       OP_REQUIRES(ctx, error.empty(), Failed(*r, " ", error));
       tf::Tensor* slots = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(i, keys.shape(), &slots));
