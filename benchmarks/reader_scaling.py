@@ -1,9 +1,10 @@
 """Where the Parquet reader's scaling stops: the block builder alone in T Python threads (no
 TensorFlow), blocks already in memory turned into batches by tf.data at T pieces (the reader's
 main-process side alone), then the tf.data reader at T pieces, then with its blocks built by W
-worker processes (read_parquet(workers=W)), over DCNv2 multi-hot files.
+worker processes (read_parquet(workers=W)), over DCNv2 multi-hot files; with worker processes
+it also prints the cores the reader process and its workers keep busy.
 
-    python benchmarks/reader_scaling.py [--files 8] [--rows 131072]
+    python benchmarks/reader_scaling.py [--files 8] [--rows 131072] [--parts builder,memory,threads,workers]
 """
 import argparse
 import os
