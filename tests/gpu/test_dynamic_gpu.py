@@ -43,6 +43,28 @@ def test_find_insert_and_initial_values_match_the_host_index(rng):
         assert tf.shape(gpu).numpy()[0] >= len(keys)
 
 
+@pytest.mark.parametrize("dim", [3, 40])
+def test_keys_inserted_together_get_rows_of_their_own(rng, dim):
+    """One find inserts few keys repeated at many positions (their threads race for one bucket each)
+    into a table that must grow: every key gets a row of its own (values assigned per key read
+    back at every position), the initial values are the host's, at widths under and over a warp."""
+    keys = random_keys(rng, 3000)
+    gpu, cpu = pair(dimension=dim, initializer="truncated_normal", init_capacity=16, seed=5)
+    batch = rng.choice(keys, 400_000)
+    with tf.device("/GPU:0"):
+        got = tf.gather(gpu, tf.constant(batch)).numpy()
+    with tf.device("/CPU:0"):
+        want = tf.gather(cpu, tf.constant(batch)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    distinct = np.unique(batch)
+    assert gpu.size.numpy()[0] == len(distinct)
+    values = rng.standard_normal((len(distinct), dim)).astype(np.float32)
+    with tf.device("/GPU:0"):
+        sok.assign(gpu, tf.constant(distinct), tf.constant(values))
+        back = tf.gather(gpu, tf.constant(batch)).numpy()
+    np.testing.assert_array_equal(back, values[np.searchsorted(distinct, batch)])
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_eviction_matches_the_python_model_on_the_gpu(rng, policy):
     pool = random_keys(rng, 3000)

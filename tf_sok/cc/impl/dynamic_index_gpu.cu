@@ -69,6 +69,49 @@ __global__ void InsertKernel(int64_t* tkeys, unsigned long long* tstate, int64_t
   }
 }
 
+// Inserts the keys of the positions the probe left without a row (slot < 0), one thread per
+// position: the first thread to claim a free bucket for a key (buckets are taken in probe order,
+// so all of a key's threads meet at that bucket) takes the next row -- free rows first, as
+// AssignRowsKernel -- and lists key and row at new_keys / new_rows[*count]; the key's other
+// threads wait for the claimed bucket's row. Every position's row is written.
+__global__ void ClaimKernel(int64_t* tkeys, unsigned long long* tstate, int64_t mask, const int64_t* keys, int64_t n,
+                            int64_t* slot, const int64_t* free_rows, int64_t free_count, int64_t next_free,
+                            int64_t* new_keys, int64_t* new_rows, unsigned long long* count) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n || slot[i] >= 0) return;
+  const int64_t key = keys[i];
+  int64_t p = Home(key, mask);
+  while (true) {
+    const long long s = static_cast<long long>(*reinterpret_cast<volatile unsigned long long*>(&tstate[p]));
+    if (s == kClaimed) {   // another thread is writing this bucket: its key is known in a moment
+      __nanosleep(20);
+      continue;
+    }
+    if (s >= 0) {
+      __threadfence();   // the key read below is the one written before the row was published
+      if (*reinterpret_cast<volatile int64_t*>(&tkeys[p]) == key) {
+        slot[i] = s;
+        return;
+      }
+      p = (p + 1) & mask;
+      continue;
+    }
+    // empty or tombstone: the first free bucket on the key's probe path
+    if (atomicCAS(&tstate[p], static_cast<unsigned long long>(s), static_cast<unsigned long long>(kClaimed)) !=
+        static_cast<unsigned long long>(s))
+      continue;  // lost the bucket: look at it again
+    const int64_t j = static_cast<int64_t>(atomicAdd(count, 1ull));
+    const int64_t row = j < free_count ? free_rows[free_count - 1 - j] : next_free + (j - free_count);
+    tkeys[p] = key;
+    new_keys[j] = key;
+    new_rows[j] = row;
+    slot[i] = row;
+    __threadfence();
+    atomicExch(&tstate[p], static_cast<unsigned long long>(row));
+    return;
+  }
+}
+
 __global__ void SetStateKernel(int64_t* tstate, const int64_t* where, const int64_t* value, int64_t constant,
                                int64_t n) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -197,12 +240,17 @@ __global__ void NewRowsKernel(const int64_t* keys, const int64_t* rows, int64_t 
   touched[r] = call;
 }
 
+// 2^lanes_log2 consecutive threads per new row (up to a warp): the key's bits once per thread,
+// then the row's columns, consecutive threads writing consecutive floats
 __global__ void InitialRowsAtKernel(int kind, float a, float b, int64_t seed, const int64_t* keys,
-                                    const int64_t* rows, int64_t n, int64_t width, float* base) {
+                                    const int64_t* rows, int64_t n, int64_t width, int lanes_log2, float* base) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= n * width) return;
-  const int64_t j = i / width, c = i - j * width;
-  base[rows[j] * width + c] = InitialValue(kind, a, b, InitialKeyBits(seed, keys[j]), c);
+  const int64_t j = i >> lanes_log2;
+  if (j >= n) return;
+  const int lanes = 1 << lanes_log2;
+  const uint64_t bits = InitialKeyBits(seed, keys[j]);
+  float* row = base + rows[j] * width;
+  for (int64_t c = i & (lanes - 1); c < width; c += lanes) row[c] = InitialValue(kind, a, b, bits, c);
 }
 
 // one thread per float (or float4, when rows are whole float4s) of the moved rows; the store side is
@@ -501,7 +549,7 @@ std::string GpuDynamicIndex::Finish(const GpuDevice& d, GpuFindPending* p, int64
                                     bool admit_all, float insert_ratio, const std::function<void(int)>& mark) {
   auto* count = gpu::Alloc<int64_t>(d, 1);
   if (!count) return "ran out of GPU memory";
-  std::string error = FinishDistinct(d, p, missing, out, count);
+  std::string error = FinishDistinct(d, p, missing, out, count, admit_all ? 1.0f : insert_ratio);
   if (!error.empty()) return error;
   if (mark) mark(2);
   const int64_t distinct = p->n > 0 && missing > 0 ? ReadCount(d, count, &error) : 0;
@@ -545,9 +593,11 @@ std::string GpuDynamicIndex::Probe(const GpuDevice& d, const int64_t* keys, int6
   return "";
 }
 
-// 2. the distinct missing keys (sorted), their count left at *count
+// 2. the distinct missing keys, their count left at *count: sorted; or, when every one of them is
+// let in without evicting (no admission, room for all), inserted right away in first-come order
+// with their rows (p->direct)
 std::string GpuDynamicIndex::FinishDistinct(const GpuDevice& d, GpuFindPending* p, int64_t mp, GpuFindResult* out,
-                                            int64_t* count) {
+                                            int64_t* count, float insert_ratio) {
   cudaStream_t s = StreamOf(d);
   p->mp = mp;
   out->missing_positions = mp;
@@ -555,6 +605,20 @@ std::string GpuDynamicIndex::FinishDistinct(const GpuDevice& d, GpuFindPending* 
   if (!p->missing) return "ran out of GPU memory";
   if (mp == 0) {
     cudaMemsetAsync(count, 0, sizeof(int64_t), s);
+    return "";
+  }
+  p->direct = config_.min_frequency <= 1 && insert_ratio >= 1.0f && (!config_.bounded() || live_ + mp <= config_.max_keys);
+  if (p->direct) {   // room and rows for every missing position: at least as many as new keys
+    std::string error = Room(d, &keys_, live_, mp);
+    if (error.empty()) error = EnsureRows(d, next_free_ + std::max<int64_t>(0, mp - free_count_));
+    if (!error.empty()) return error;
+    out->new_slots = gpu::Alloc<int64_t>(d, mp);
+    if (!out->new_slots) return "ran out of GPU memory";
+    cudaMemsetAsync(count, 0, sizeof(int64_t), s);
+    ClaimKernel<<<Blocks(p->n), kThreads, 0, s>>>(keys_.keys, reinterpret_cast<unsigned long long*>(keys_.state),
+                                                  keys_.buckets - 1, p->keys, p->n, out->slots, free_, free_count_,
+                                                  next_free_, p->missing, out->new_slots,
+                                                  reinterpret_cast<unsigned long long*>(count));
     return "";
   }
   auto* sorted = gpu::Alloc<int64_t>(d, mp);
@@ -682,7 +746,7 @@ std::string GpuDynamicIndex::FinishCommit(const GpuDevice& d, GpuFindPending* p,
   out->num_evicted = k;
   out->evicted_keys = gpu::Alloc<int64_t>(d, k);
   out->evicted_slots = gpu::Alloc<int64_t>(d, k);
-  out->new_slots = gpu::Alloc<int64_t>(d, a);
+  if (!p->direct) out->new_slots = gpu::Alloc<int64_t>(d, a);
   out->new_keys = admitted;
   if (!out->evicted_keys || !out->evicted_slots || !out->new_slots) return "ran out of GPU memory";
   if (k > 0) {
@@ -691,9 +755,11 @@ std::string GpuDynamicIndex::FinishCommit(const GpuDevice& d, GpuFindPending* p,
     free_count_ += k;
     live_ -= k;
   }
-  AssignRowsKernel<<<Blocks(a), kThreads, 0, s>>>(free_, free_count_, next_free_, a, out->new_slots);
-  InsertKernel<<<Blocks(a), kThreads, 0, s>>>(keys_.keys, reinterpret_cast<unsigned long long*>(keys_.state),
-                                              keys_.buckets - 1, admitted, out->new_slots, a);
+  if (!p->direct) {   // (direct: keys in and rows taken already)
+    AssignRowsKernel<<<Blocks(a), kThreads, 0, s>>>(free_, free_count_, next_free_, a, out->new_slots);
+    InsertKernel<<<Blocks(a), kThreads, 0, s>>>(keys_.keys, reinterpret_cast<unsigned long long*>(keys_.state),
+                                                keys_.buckets - 1, admitted, out->new_slots, a);
+  }
   NewRowsKernel<<<Blocks(a), kThreads, 0, s>>>(admitted, out->new_slots, a, slot_key_, live_row_, generation_, score_,
                                                touched_, lfu ? 1 : clock_, call);
   keys_.used += a;
@@ -723,7 +789,7 @@ std::string GpuDynamicIndex::FinishCommit(const GpuDevice& d, GpuFindPending* p,
     candidates_live_ += f - a;
   }
   // 6. the missing positions' rows, now that their keys are in (keys not admitted: row 0)
-  if (mp > 0)
+  if (mp > 0 && !p->direct)
     RefindKernel<<<Blocks(n), kThreads, 0, s>>>(keys_.keys, keys_.state, keys_.buckets - 1, keys, n, slot, 0);
   out->rows = rows_;
   // no wait: the call's scratch is stream-ordered memory (reused only by work queued after this)
@@ -860,8 +926,11 @@ std::string GpuDynamicIndex::TouchedSince(const GpuDevice& d, int64_t unix_ns, s
 
 void GpuInitialRowsAt(const GpuDevice& d, int kind, float a, float b, int64_t seed, const int64_t* keys,
                       const int64_t* rows, int64_t n, int64_t width, float* base) {
-  if (n * width > 0)
-    InitialRowsAtKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(kind, a, b, seed, keys, rows, n, width, base);
+  if (n * width <= 0) return;
+  int lanes_log2 = 0;
+  while (lanes_log2 < 5 && (int64_t{1} << lanes_log2) < width) ++lanes_log2;
+  InitialRowsAtKernel<<<Blocks(n << lanes_log2), kThreads, 0, StreamOf(d)>>>(kind, a, b, seed, keys, rows, n, width,
+                                                                            lanes_log2, base);
 }
 
 void GpuStoreWrite(const GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,

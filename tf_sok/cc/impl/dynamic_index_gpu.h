@@ -59,6 +59,7 @@ struct GpuFindPending {
   int64_t a = 0, waiting_count = 0;
   int64_t k = 0;                  // keys to evict (before a cache's bound by the evictable rows)
   int64_t* evictable = nullptr;   // rows this call did not touch, compacted
+  bool direct = false;            // the missing keys were inserted as they were told apart (no sort)
 };
 
 class GpuDynamicIndex {
@@ -82,12 +83,13 @@ class GpuDynamicIndex {
   std::string Finish(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
                      bool admit_all = false, float insert_ratio = 1.0f, const std::function<void(int)>& mark = {});
   // Finish in three parts, for many indices at once: FinishDistinct, given the missing count, leaves
-  // the count of distinct missing keys at *count; FinishRoom, given that, admits keys and, when the
+  // the count of distinct missing keys at *count (and inserts them there when all of them are let in
+  // without evicting: no admission, `insert_ratio` 1 and room for every one); FinishRoom, given that, admits keys and, when the
   // call must evict (*evicts), leaves the count of evictable rows at *count; FinishCommit, given that
   // (or 0), evicts, inserts and writes the rows of the call's positions. No waits, except
   // admission's.
   std::string FinishDistinct(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
-                             int64_t* count);
+                             int64_t* count, float insert_ratio = 1.0f);
   std::string FinishRoom(const GpuDevice& d, GpuFindPending* p, int64_t distinct, bool admit_all,
                          float insert_ratio, int64_t* count, bool* evicts);
   std::string FinishCommit(const GpuDevice& d, GpuFindPending* p, int64_t evictable, GpuFindResult* out);

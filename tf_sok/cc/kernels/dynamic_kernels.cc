@@ -748,7 +748,8 @@ class FindManyOp : public tf::OpKernel {
     clock.Mark(1);
     bool any = false;
     for (int i = 0; i < n; ++i) {
-      const std::string error = res[i]->gpu->FinishDistinct(d, &pending[i], missing[i], &found[i], counts + i);
+      const std::string error = res[i]->gpu->FinishDistinct(d, &pending[i], missing[i], &found[i], counts + i,
+                                                                insert_ratio_);
       OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
       any |= missing[i] > 0;
     }
