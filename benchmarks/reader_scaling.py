@@ -113,18 +113,21 @@ def main():
                                                           deterministic=False).prefetch(tf.data.AUTOTUNE)
         print(f"  blocks in memory -> tf.data batches, {t:2d} pieces: {graph_rows_per_second(ds, steps):12,.0f} rows/s",
               flush=True)
+    best_threads = 0.0   # the baseline: what read_parquet gives without worker processes
     for t in sorted({1, 4, 8, cores}) if "threads" in parts else []:
         for det in (True, False):
             ds = sd.read_parquet(d, a.batch, parallel_files=t, id_dtype=tf.int32, deterministic=det)
-            print(f"  read_parquet, {t:2d} pieces, deterministic={det}: "
-                  f"{graph_rows_per_second(ds, steps):12,.0f} rows/s", flush=True)
+            rate = graph_rows_per_second(ds, steps)
+            best_threads = max(best_threads, rate)
+            print(f"  read_parquet, {t:2d} pieces, deterministic={det}: {rate:12,.0f} rows/s", flush=True)
     for w in sorted({2, max(2, cores // 2), max(2, 3 * cores // 4), cores}) if "workers" in parts else []:
         ds = sd.read_parquet(d, a.batch, parallel_files=cores, id_dtype=tf.int32, deterministic=False, workers=w)
         busy = CpuUse(w)
         rate = graph_rows_per_second(ds, steps, on_timed=busy.start)
         main, workers = busy.cores()
+        vs = f", {rate / best_threads:.2f}x the best with threads" if best_threads else ""
         print(f"  read_parquet, {cores} pieces built by {w:2d} worker processes: {rate:12,.0f} rows/s "
-              f"(cores busy: main process {main:.1f}, workers {workers:.1f})", flush=True)
+              f"(cores busy: main process {main:.1f}, workers {workers:.1f}{vs})", flush=True)
 
 
 if __name__ == "__main__":
