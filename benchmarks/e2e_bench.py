@@ -125,12 +125,14 @@ def embedding_section(a, schema):
 class Rate(keras.callbacks.Callback):
     """Samples/s over the executions after the first (which traces)."""
 
-    def __init__(self, batch):
+    def __init__(self, batch, on_first=None):
         super().__init__()
-        self.batch, self.marks = batch, []
+        self.batch, self.marks, self.on_first = batch, [], on_first
 
     def on_train_batch_end(self, step, logs=None):
         self.marks.append((time.perf_counter(), step + 1))
+        if len(self.marks) == 1 and self.on_first:
+            self.on_first()
 
     def rate(self):
         (t0, s0), (t1, s1) = self.marks[0], self.marks[-1]
@@ -142,8 +144,9 @@ def fit_steps(a, spe: int) -> int:
     return steps - steps % spe
 
 
-def fit_rate(model, ds, a, spe: int) -> float:
-    rate = Rate(a.batch)
+def fit_rate(model, ds, a, spe: int, busy=None) -> float:
+    """samples/s of `fit` over the executions after the first; busy (a CpuUse): started with them."""
+    rate = Rate(a.batch, on_first=busy.start if busy else None)
     model.fit(ds, epochs=1, steps_per_epoch=fit_steps(a, spe), callbacks=[rate], verbose=0)
     return rate.rate()
 
@@ -155,6 +158,7 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
     import dlrm
     import pyarrow.parquet as pq
     from criteo_common import default_optimizer
+    from reader_scaling import CpuUse
 
     base, *options = name.split("-")   # e.g. DCNv2-bf16-xla
     if "bf16" in options:  # Keras' mixed policy for the dense part
@@ -186,12 +190,19 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
                                            id_dtype=ids))}
     row, text = {}, f"  {name:14s} spe {spe:2d}:"
     for src, ds in sources.items():
+        # cores kept busy while the Parquet run is timed: the training process, the reader's workers
+        busy = CpuUse(a.reader_workers) if src == "Parquet" and a.reader_workers else None
         try:
-            row[src] = r = fit_rate(model, ds, a, spe)
+            row[src] = r = fit_rate(model, ds, a, spe, busy)
         except Exception as e:  # noqa: BLE001 (report and go on: one variant must not stop the run)
             text += f" | {src}: failed ({type(e).__name__}: {str(e)[:200]})"
             continue
-        text += f" | {src} {r:11,.0f}" + (f" ({r / row['cached']:.2f} of cached)" if src != "cached" else "")
+        text += f" | {src} {r:11,.0f}" + (f" ({r / row['cached']:.2f} of cached" if src != "cached" else "")
+        if busy:
+            main, workers = busy.cores()
+            row["Parquet_cores_busy"] = {"training_process": main, "reader_workers": workers}
+            text += f"; cores busy: training process {main:.1f}, reader processes {workers:.1f}"
+        text += ")" if src != "cached" else ""
     print(text, flush=True)
     return row
 
