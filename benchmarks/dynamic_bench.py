@@ -59,14 +59,14 @@ def index_section(a, device):
     res = {}
     for dim in (64, 128):
         for load in (0.5, 0.75):
-            # the inserts (one warm-up call and two timed ones of BATCHES // 2 batches) raise the load
-            # by at most 0.12
-            capacity = int(3 * (BATCHES // 2) * a.keys / 0.12)
+            # the inserts (one warm-up call and two timed ones of BATCHES batches, as the finds') raise
+            # the load by at most 0.12
+            capacity = int(3 * BATCHES * a.keys / 0.12)
             held = int(capacity * load)
             with tf.device(device):
                 table = sok.DynamicVariable(dim, initializer="uniform", init_capacity=capacity,
                                             max_capacity=capacity, name=f"bench{dim}")
-            keys = rng.integers(-2**63, 2**63 - 1, held + a.keys * (3 * (BATCHES // 2) + 1), dtype=np.int64,
+            keys = rng.integers(-2**63, 2**63 - 1, held + a.keys * (3 * BATCHES + 1), dtype=np.int64,
                                 endpoint=True)
             keys = np.unique(keys)
             rng.shuffle(keys)
@@ -77,9 +77,8 @@ def index_section(a, device):
                     filled += a.keys
                 drawn = rng.permutation(held)[:3 * BATCHES * a.keys].reshape(3, BATCHES, a.keys)
                 present = [[tf.constant(keys[d]) for d in call] for call in drawn]
-                half = BATCHES // 2
-                fresh = iter([[tf.constant(keys[held + (c * half + i) * a.keys:held + (c * half + i + 1) * a.keys])
-                               for i in range(half)] for c in range(3)])
+                new = keys[held:held + 3 * BATCHES * a.keys].reshape(3, BATCHES, a.keys)
+                fresh = iter([[tf.constant(k) for k in call] for call in new])
                 # find as HierarchicalKV's: held keys' values read, nothing inserted
                 find = tf.function(lambda ks: [table.sparse_read_rows(table.rows_for(k, insert=False)) for k in ks])
                 # the training path: find-or-insert (waits for the missing-key count), then the values
@@ -88,7 +87,7 @@ def index_section(a, device):
                 it = iter(present * (a.iters + 4))
                 t_find = timed(lambda: sync(find(next(it))[-1]), a.iters) / BATCHES
                 t_upsert = timed(lambda: sync(upsert(next(it))[-1]), a.iters) / BATCHES
-                t_insert = timed(lambda: sync(insert(next(fresh))[-1]), 2, warmup=1) / half
+                t_insert = timed(lambda: sync(insert(next(fresh))[-1]), 2, warmup=1) / BATCHES
             row = {"find_keys_per_s": a.keys / t_find, "find_or_insert_keys_per_s": a.keys / t_upsert,
                    "insert_keys_per_s": a.keys / t_insert}
             res[f"dim{dim}/load{load}"] = row
