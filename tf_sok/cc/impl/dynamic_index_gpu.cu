@@ -607,7 +607,8 @@ std::string GpuDynamicIndex::FinishDistinct(const GpuDevice& d, GpuFindPending* 
     cudaMemsetAsync(count, 0, sizeof(int64_t), s);
     return "";
   }
-  p->direct = config_.min_frequency <= 1 && insert_ratio >= 1.0f && (!config_.bounded() || live_ + mp <= config_.max_keys);
+  p->direct = config_.min_frequency <= 1 && insert_ratio >= 1.0f &&
+              (!config_.bounded() || live_ + mp <= config_.max_keys);
   if (p->direct) {   // room and rows for every missing position: at least as many as new keys
     std::string error = Room(d, &keys_, live_, mp);
     if (error.empty()) error = EnsureRows(d, next_free_ + std::max<int64_t>(0, mp - free_count_));

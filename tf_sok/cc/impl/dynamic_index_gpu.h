@@ -82,12 +82,12 @@ class GpuDynamicIndex {
                     int64_t* count);
   std::string Finish(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
                      bool admit_all = false, float insert_ratio = 1.0f, const std::function<void(int)>& mark = {});
-  // Finish in three parts, for many indices at once: FinishDistinct, given the missing count, leaves
-  // the count of distinct missing keys at *count (and inserts them there when all of them are let in
-  // without evicting: no admission, `insert_ratio` 1 and room for every one); FinishRoom, given that, admits keys and, when the
-  // call must evict (*evicts), leaves the count of evictable rows at *count; FinishCommit, given that
-  // (or 0), evicts, inserts and writes the rows of the call's positions. No waits, except
-  // admission's.
+  // Finish in three parts, for many indices at once: FinishDistinct, given the missing count,
+  // leaves the count of distinct missing keys at *count (and inserts them there when all of them
+  // are let in without evicting: no admission, `insert_ratio` 1, room for every one); FinishRoom,
+  // given that, admits keys and, when the call must evict (*evicts), leaves the count of evictable
+  // rows at *count; FinishCommit, given that (or 0), evicts, inserts and writes the rows of the
+  // call's positions. No waits, except admission's and growth's.
   std::string FinishDistinct(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
                              int64_t* count, float insert_ratio = 1.0f);
   std::string FinishRoom(const GpuDevice& d, GpuFindPending* p, int64_t distinct, bool admit_all,
