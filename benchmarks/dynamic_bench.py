@@ -19,6 +19,7 @@
     densifies IndexedSlices gradients), the same tables and ids.
 """
 import argparse
+import gc
 import json
 import os
 import sys
@@ -96,6 +97,7 @@ def index_section(a, device):
                   f"{row['find_or_insert_keys_per_s'] / 1e9:6.3f} G-keys/s ({t_upsert * 1e3:6.3f} ms); "
                   f"insert {row['insert_keys_per_s'] / 1e9:6.3f} G-keys/s ({t_insert * 1e3:6.3f} ms)")
             del table, find, upsert, insert
+            gc.collect()   # the table's memory back before the next one's (tf.functions hold cycles)
     return res
 
 

@@ -151,12 +151,35 @@ def fit_rate(model, ds, a, spe: int, busy=None) -> float:
     return rate.rate()
 
 
+def fit_sources(a, schema, cfg, files: str, steps: int) -> dict:
+    """The fit's batches as the examples feed them (int32 ids as the tables are capped, prefetched to
+    the GPU): "cached" (4 synthetic batches repeated), live "synthetic" (the pool) and live "Parquet"
+    (the files in `files`, if any, listed as often as `steps` batches need: the steps read in the steady
+    state of one long epoch, as over a day of data, not across epoch restarts)."""
+    import pyarrow.parquet as pq
+
+    ids = tf.int32 if max(schema.vocab_sizes) < 2**31 else tf.int64
+    gpu = "/gpu:0" if tf.config.list_physical_devices("GPU") else None
+
+    def fed(ds):
+        return sd.to_device(ds, gpu) if gpu else ds
+
+    synthetic = sd.for_keras(sd.synthetic(10**9, a.batch, cfg), id_dtype=ids)
+    names = sorted(glob.glob(os.path.join(files, "*.parquet")))
+    rows = sum(pq.ParquetFile(n).metadata.num_rows for n in names)
+    passes = -(-steps * a.batch // max(1, rows)) + 1
+    out = {"cached": fed(synthetic.take(4).cache().repeat()), "synthetic": fed(synthetic)}
+    if names:
+        out["Parquet"] = fed(sd.for_keras(sd.read_parquet(names * passes, a.batch, drop_remainder=True, id_dtype=ids,
+                                                          workers=a.reader_workers).repeat(), id_dtype=ids))
+    return out
+
+
 def fit_one(a, d, schema, name: str, spe: int) -> dict:
     """One model compiled once, fit on the cached batches then on each live pipeline (a
     process per model and setting: TensorFlow keeps a model's memory until it exits)."""
     import dcnv2
     import dlrm
-    import pyarrow.parquet as pq
     from criteo_common import default_optimizer
     from reader_scaling import CpuUse
 
@@ -171,23 +194,7 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
         model, opt = dcnv2.DCNv2(schema, a.dcnv2_dim, jit_dense=jit), dcnv2.optimizer(0.005)()
         cfg, files = sd.SyntheticConfig.dcnv2(schema), os.path.join(d, "dcnv2")
     model.compile(optimizer=opt, loss="binary_crossentropy", steps_per_execution=spe)
-    # as the examples feed fit: int32 ids (the tables are capped), batches prefetched to the GPU
-    ids = tf.int32 if max(schema.vocab_sizes) < 2**31 else tf.int64
-    gpu = "/gpu:0" if tf.config.list_physical_devices("GPU") else None
-
-    def fed(ds):
-        return sd.to_device(ds, gpu) if gpu else ds
-
-    synthetic = sd.for_keras(sd.synthetic(10**9, a.batch, cfg), id_dtype=ids)
-    # the test files listed as often as one epoch needs to cover the whole fit: the timed steps read
-    # in the steady state of a long epoch (as over a day of data), not across epoch restarts
-    names = sorted(glob.glob(os.path.join(files, "*.parquet")))
-    rows = sum(pq.ParquetFile(n).metadata.num_rows for n in names)
-    passes = -(-fit_steps(a, spe) * a.batch // max(1, rows)) + 1
-    sources = {"cached": fed(synthetic.take(4).cache().repeat()), "synthetic": fed(synthetic),
-               "Parquet": fed(sd.for_keras(sd.read_parquet(names * passes, a.batch, drop_remainder=True,
-                                                           id_dtype=ids, workers=a.reader_workers).repeat(),
-                                           id_dtype=ids))}
+    sources = fit_sources(a, schema, cfg, files, fit_steps(a, spe))
     row, text = {}, f"  {name:14s} spe {spe:2d}:"
     for src, ds in sources.items():
         # cores kept busy while the Parquet run is timed: the training process, the reader's workers

@@ -1,12 +1,16 @@
 """Where a model.fit step of the DLRM (or DCNv2) example spends its time: TensorFlow's profiler over a few
-executions of cached batches, read back from its trace (no TensorBoard needed).
+executions, read back from its trace (no TensorBoard needed).
 
-Prints, per step: wall time, the time the GPU is busy (union of its kernels and copies), and so
-the time it waits for the host; the kernels taking most GPU time, grouped as tf_sok's or
-TensorFlow's/Keras'; and the same model's dense part alone (its embeddings replaced by a cached
-input of the same shape), which is what Keras and TensorFlow cost without tf_sok.
+Prints, per step: wall time, the time the GPU is busy (union of its kernels and copies; the copies
+alone), and so the time it waits for the host; the kernels taking most GPU time, grouped as tf_sok's
+or TensorFlow's/Keras'; the host threads kept busiest; and the same model's dense part alone (its
+embeddings replaced by a cached input of the same shape), which is what Keras and TensorFlow cost
+without tf_sok. The batches are fed as `e2e_bench.py` feeds fit (int32 ids, prefetched to the GPU):
+`--source cached` (4 batches repeated), `synthetic` (the live pool) or `parquet` (files written
+first, read by `--reader-workers` processes).
 
-    python benchmarks/fit_profile.py [--model dlrm|dcnv2] [--mixed bf16] [--batch 65536] [--spe 10] [--executions 3]
+    python benchmarks/fit_profile.py [--model dlrm|dcnv2] [--mixed bf16] [--jit-dense] [--batch 65536] [--spe 10]
+        [--executions 3] [--source cached|synthetic|parquet] [--files 16] [--reader-workers 8] [--no-twin]
 """
 import argparse
 import collections
@@ -23,25 +27,47 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import tf_sok as sok  # noqa: E402
 import tf_sok.data as sd  # noqa: E402
+from e2e_bench import fit_sources  # noqa: E402
 
 OURS = ("TfSok", "tf_sok", "impl::gpu")   # kernel / op names of tf_sok
 
 
-def busy_intervals(plane):
-    """[(start_ps, end_ps)] of every event on a device plane's lines, merged."""
-    spans = []
-    for line in plane.lines:
-        base = line.timestamp_ns * 1000
-        for ev in line.events:
-            spans.append((base + ev.offset_ps, base + ev.offset_ps + ev.duration_ps))
-    spans.sort()
+def merge(spans):
+    """[start, end] intervals merged where they overlap."""
     merged = []
-    for s, e in spans:
+    for s, e in sorted(spans):
         if merged and s <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], e)
         else:
             merged.append([s, e])
     return merged
+
+
+def busy_intervals(plane, lines=None):
+    """[(start_ps, end_ps)] of every event on a plane's lines (or the given ones), merged."""
+    return merge((line.timestamp_ns * 1000 + ev.offset_ps, line.timestamp_ns * 1000 + ev.offset_ps + ev.duration_ps)
+                 for line in (plane.lines if lines is None else lines) for ev in line.events)
+
+
+def host_threads(space, steps, top: int = 8):
+    """The host threads kept busiest (union of their events), ms per step."""
+    host = [p for p in space.planes if p.name.startswith("/host:CPU")]
+    if not host:
+        return
+    rows = sorted(((sum(e - s for s, e in busy_intervals(None, [line])) / 1e9 / steps, line.name)
+                   for line in host[0].lines if line.events), reverse=True)
+    print("  host threads busiest (ms per step): " +
+          ", ".join(f"{name[:40]} {ms:.1f}" for ms, name in rows[:top]))
+    names = {k: v.name for k, v in host[0].event_metadata.items()}
+    ops, counts = collections.Counter(), collections.Counter()
+    for line in host[0].lines:
+        if line.name.startswith("tf_Compute") or line.name.startswith("tf_data"):
+            for ev in line.events:
+                ops[names.get(ev.metadata_id, "?")] += ev.duration_ps
+                counts[names.get(ev.metadata_id, "?")] += 1
+    print(f"  host events on TensorFlow's threads (ms per step, count per step; nested events overlap):")
+    for name, ps in ops.most_common(2 * top):
+        print(f"    {ps / 1e9 / steps:7.3f} ms {counts[name] / steps:6.1f}x  {name[:100]}")
 
 
 def read_trace(logdir):
@@ -59,6 +85,7 @@ def summarize(space, steps, wall_s):
     print(f"  wall {wall_s / steps * 1e3:8.2f} ms per step profiled")
     if not gpu:
         print("  (no GPU plane in the trace: CPU only)")
+        host_threads(space, steps)
         return
     plane = gpu[0]
     merged = busy_intervals(plane)
@@ -66,6 +93,10 @@ def summarize(space, steps, wall_s):
     print(f"  GPU busy {busy:8.2f} ms per step ({busy / (wall_s / steps * 1e3):.0%} of wall); "
           f"waiting for the host {wall_s / steps * 1e3 - busy:.2f} ms")
     names = {k: v.name for k, v in plane.event_metadata.items()}
+    copies = [(line.timestamp_ns * 1000 + ev.offset_ps, ev.duration_ps) for line in plane.lines for ev in line.events
+              if "memcpy" in names.get(ev.metadata_id, "").lower()]
+    copy_busy = sum(e - s for s, e in merge((s, s + d) for s, d in copies)) / 1e9 / steps
+    print(f"  of which copies {copy_busy:.2f} ms per step ({len(copies) / steps:.0f} copy events)")
     total = collections.Counter()
     for line in plane.lines:
         for ev in line.events:
@@ -75,6 +106,7 @@ def summarize(space, steps, wall_s):
           f"others {(sum(total.values()) - ours) / 1e9 / steps:.2f} ms; the largest:")
     for name, ps in total.most_common(12):
         print(f"    {ps / 1e9 / steps:7.3f} ms  {name[:110]}")
+    host_threads(space, steps)
 
 
 def profiled_fit(model, ds, spe, executions):
@@ -120,6 +152,10 @@ def main():
     p.add_argument("--spe", type=int, default=10)
     p.add_argument("--executions", type=int, default=3)
     p.add_argument("--jit-dense", action="store_true", help="the dense part compiled by XLA")
+    p.add_argument("--source", choices=["cached", "synthetic", "parquet"], default="cached")
+    p.add_argument("--files", type=int, default=16, help="--source parquet: files of 2 batches written first")
+    p.add_argument("--reader-workers", type=int, default=None, help="--source parquet: read_parquet(workers=)")
+    p.add_argument("--no-twin", action="store_true", help="leave out the dense part alone")
     a = p.parse_args()
     if a.mixed == "bf16":
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
@@ -131,12 +167,20 @@ def main():
         model, opt, cfg = dcnv2.DCNv2(schema, a.dim, jit_dense=a.jit_dense), dcnv2.optimizer(0.005)(), \
             sd.SyntheticConfig.dcnv2
     model.compile(optimizer=opt, loss="binary_crossentropy", steps_per_execution=a.spe)
-    ds = sd.for_keras(sd.synthetic(10**9, a.batch, cfg(schema=schema))).take(4).cache().repeat()
+    files = tempfile.mkdtemp(prefix="fit_profile_data_")
+    if a.source == "parquet":
+        for k in range(a.files):
+            sd.write_parquet(sd.raw_batches(2 * a.batch, a.batch, cfg(schema=schema), seed=10 + k),
+                             os.path.join(files, f"part-{k}.parquet"), schema)
+    ds = fit_sources(a, schema, cfg(schema=schema), files, (2 + 2 * a.executions) * a.spe)[
+        {"cached": "cached", "synthetic": "synthetic", "parquet": "Parquet"}[a.source]]
     print(f"fit_profile: {a.model}, 26 tables of dim {a.dim} (at most {a.max_vocab:,} rows), batch {a.batch}, "
           f"steps_per_execution {a.spe}, {a.executions} executions profiled, policy {a.mixed}"
-          f"{', dense part compiled by XLA' if a.jit_dense else ''}")
+          f"{', dense part compiled by XLA' if a.jit_dense else ''}, {a.source} batches")
     print("1. the whole model")
     summarize(*profiled_fit(model, ds, a.spe, a.executions))
+    if a.no_twin:
+        return
 
     twin = DenseTwin(model, tf.random.uniform([a.batch, len(schema.categorical_names), a.dim], -0.05, 0.05))
     twin.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy", steps_per_execution=a.spe,

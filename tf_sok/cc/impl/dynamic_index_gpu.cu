@@ -2,6 +2,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include <cooperative_groups.h>
+
 #include "tf_sok/cc/impl/dynamic_index_gpu.h"
 #include "tf_sok/cc/impl/gpu_util.cuh"
 
@@ -100,7 +102,11 @@ __global__ void ClaimKernel(int64_t* tkeys, unsigned long long* tstate, int64_t 
     if (atomicCAS(&tstate[p], static_cast<unsigned long long>(s), static_cast<unsigned long long>(kClaimed)) !=
         static_cast<unsigned long long>(s))
       continue;  // lost the bucket: look at it again
-    const int64_t j = static_cast<int64_t>(atomicAdd(count, 1ull));
+    // the threads of a warp that claim together take their rows with one atomic
+    const cooperative_groups::coalesced_group group = cooperative_groups::coalesced_threads();
+    unsigned long long first = 0;
+    if (group.thread_rank() == 0) first = atomicAdd(count, static_cast<unsigned long long>(group.size()));
+    const int64_t j = static_cast<int64_t>(group.shfl(first, 0)) + group.thread_rank();
     const int64_t row = j < free_count ? free_rows[free_count - 1 - j] : next_free + (j - free_count);
     tkeys[p] = key;
     new_keys[j] = key;
