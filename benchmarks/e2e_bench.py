@@ -53,10 +53,16 @@ def graph_rows_per_second(ds, steps: int, on_timed=None) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def make_files(d: str, a, schema, tfrecord: bool = True):
-    """A Criteo TSV file, its Parquet and TFRecord conversions, and DCNv2 multi-hot Parquet files."""
+def make_files(d: str, a, schema, tfrecord: bool = True, one_hot: bool = True):
+    """A Criteo TSV file, its Parquet and TFRecord conversions (one_hot), and DCNv2 multi-hot Parquet
+    files."""
     rows = a.file_rows
     tsv = os.path.join(d, "day.tsv")
+    conv = None
+    if not one_hot:
+        os.makedirs(os.path.join(d, "dcnv2"))
+        write_dcnv2(d, a, schema, rows)
+        return tsv, conv
     sd.write_criteo_tsv(tsv, rows, sd.SyntheticConfig(schema=schema), seed=1)
     t0 = time.perf_counter()
     per_file = -(-rows // a.files)
@@ -65,11 +71,15 @@ def make_files(d: str, a, schema, tfrecord: bool = True):
     if tfrecord:
         convert([tsv], os.path.join(d, "tfrecord"), "tfrecord", schema, rows_per_file=per_file)
     os.makedirs(os.path.join(d, "dcnv2"))
+    write_dcnv2(d, a, schema, rows)
+    return tsv, conv
+
+
+def write_dcnv2(d: str, a, schema, rows: int):
     cfg = sd.SyntheticConfig.dcnv2(schema)
     for k in range(a.files):
         sd.write_parquet(sd.raw_batches(rows // a.files, a.batch, cfg, seed=10 + k),
                          os.path.join(d, "dcnv2", f"part-{k}.parquet"), schema)
-    return tsv, conv
 
 
 def readers_section(a, d, schema, tsv, conv_rate):
@@ -276,7 +286,9 @@ def main():
           f"{len(os.sched_getaffinity(0))} cores, tables capped at {a.max_vocab:,} rows")
     res = {}
     with tempfile.TemporaryDirectory() as d:
-        tsv, conv = make_files(d, a, schema, tfrecord="readers" in a.sections)
+        # the one-hot files only where a section reads them (the readers, the small DLRM's fit)
+        one_hot = "readers" in a.sections or not a.fit_runs or any(r.startswith("DLRM") for r in a.fit_runs)
+        tsv, conv = make_files(d, a, schema, tfrecord="readers" in a.sections, one_hot=one_hot)
         if "readers" in a.sections:
             res["readers"] = readers_section(a, d, schema, tsv, conv)
         if "embedding" in a.sections:

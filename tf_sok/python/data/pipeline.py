@@ -39,10 +39,35 @@ def for_keras(dataset: tf.data.Dataset, device: str = None, buffer_size: int = 2
     return to_device(ds, device, buffer_size) if device else ds
 
 
-def to_device(dataset: tf.data.Dataset, device: str, buffer_size: int = 2) -> tf.data.Dataset:
+def to_device(dataset: tf.data.Dataset, device: str, buffer_size: int = 2, pinned: bool = True) -> tf.data.Dataset:
     """`dataset` with its batches copied to `device` `buffer_size` ahead (tf.data's
-    prefetch_to_device; ragged ids included): the last transformation of a pipeline."""
+    prefetch_to_device; ragged ids included): the last transformation of a pipeline.
+
+    pinned (for a GPU): each batch is first copied, by tf.data's threads, into page-locked host
+    memory (`pinned_copy`), so that the copy to the GPU is one asynchronous DMA; from pageable
+    memory the CUDA driver stages it, holding one of TensorFlow's threads per tensor meanwhile —
+    threads the training step needs to launch its work (measured on an H200: DCNv2's batches of
+    65,536 rows kept seven of them busy 13 ms per step)."""
+    if pinned and tf.DeviceSpec.from_string(device).device_type == "GPU":
+        dataset = dataset.map(pinned_copy, num_parallel_calls=tf.data.AUTOTUNE)
     return dataset.apply(tf.data.experimental.prefetch_to_device(device, buffer_size))
+
+
+def pinned_copy(*element):
+    """The element (any nest of tensors, ragged or sparse ones included) with its number and bool
+    tensors copied into page-locked host memory (TensorFlow's GPU host allocator; plain host
+    memory where no GPU is present). Other tensors (strings, variants) are kept as they are."""
+    from tf_sok.python.ops.loader import ops
+
+    structure = element[0] if len(element) == 1 else element
+    flat = tf.nest.flatten(structure, expand_composites=True)
+    where = [i for i, t in enumerate(flat) if t.dtype.is_numpy_compatible and t.dtype != tf.string]
+    if where:
+        with tf.device("/cpu:0"):
+            copies = ops().tf_sok_pinned_copy([flat[i] for i in where])
+        for i, c in zip(where, copies):
+            flat[i] = c
+    return tf.nest.pack_sequence_as(structure, flat, expand_composites=True)
 
 
 def check_policy(on_error: str) -> str:
