@@ -171,14 +171,17 @@ def fit_sources(a, schema, cfg, files: str, steps: int) -> dict:
     ids = tf.int32 if max(schema.vocab_sizes) < 2**31 else tf.int64
     gpu = "/gpu:0" if tf.config.list_physical_devices("GPU") else None
 
-    def fed(ds):
-        return sd.to_device(ds, gpu) if gpu else ds
+    def fed(ds, pinned=True):
+        return sd.to_device(ds, gpu, pinned=pinned) if gpu else ds
 
     synthetic = sd.for_keras(sd.synthetic(10**9, a.batch, cfg), id_dtype=ids)
     names = sorted(glob.glob(os.path.join(files, "*.parquet")))
     rows = sum(pq.ParquetFile(n).metadata.num_rows for n in names)
     passes = -(-steps * a.batch // max(1, rows)) + 1
-    out = {"cached": fed(synthetic.take(4).cache().repeat()), "synthetic": fed(synthetic)}
+    out = {"cached": fed(synthetic.take(4).cache().repeat())}
+    if getattr(a, "pageable", False):   # the copy to the GPU from pageable memory, as before pinned_copy
+        out["cached, pageable"] = fed(synthetic.take(4).cache().repeat(), pinned=False)
+    out["synthetic"] = fed(synthetic)
     if names:
         out["Parquet"] = fed(sd.for_keras(sd.read_parquet(names * passes, a.batch, drop_remainder=True, id_dtype=ids,
                                                           workers=a.reader_workers).repeat(), id_dtype=ids))
@@ -238,6 +241,8 @@ def fit_section(a, d):
             args += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
         if a.reader_workers:
             args += ["--reader-workers", str(a.reader_workers)]
+        if a.pageable:
+            args += ["--pageable"]
         p = subprocess.run(args, capture_output=True, text=True)
         lines = [l for l in p.stdout.splitlines() if l.startswith("  ") or l.startswith("{")]
         print("\n".join(l for l in lines if not l.startswith("{")) or p.stderr[-1500:], flush=True)
@@ -269,6 +274,8 @@ def main():
                    help="the fit runs (default DLRM:1 DLRM:<spe> DCNv2:1 DCNv2:<spe> DCNv2-bf16:<spe>); a model "
                         "name may end in -bf16 (Keras mixed_bfloat16) and/or -xla (the dense part compiled by XLA)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--pageable", action="store_true",
+                   help="fit also on cached batches copied to the GPU from pageable memory (to_device(pinned=False))")
     p.add_argument("--reader-workers", type=int, default=None,
                    help="the live Parquet pipeline's blocks built by this many processes (read_parquet(workers=))")
     p.add_argument("--fit-one", nargs=2, metavar=("MODEL", "SPE"), help=argparse.SUPPRESS)
