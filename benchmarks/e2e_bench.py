@@ -174,7 +174,7 @@ def fit_sources(a, schema, cfg, files: str, steps: int) -> dict:
     def fed(ds, pinned=True):
         return sd.to_device(ds, gpu, pinned=pinned) if gpu else ds
 
-    synthetic = sd.for_keras(sd.synthetic(10**9, a.batch, cfg), id_dtype=ids)
+    synthetic = sd.for_keras(sd.synthetic(10**9, a.batch, cfg, id_dtype=ids), id_dtype=ids)
     names = sorted(glob.glob(os.path.join(files, "*.parquet")))
     rows = sum(pq.ParquetFile(n).metadata.num_rows for n in names)
     passes = -(-steps * a.batch // max(1, rows)) + 1

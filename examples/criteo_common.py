@@ -136,9 +136,9 @@ def datasets(a, synthetic_config=None, launch=None):
         schema = sd.CriteoSchema.capped(a.max_vocab or SYNTHETIC_VOCAB)
         cfg = (synthetic_config or sd.SyntheticConfig)(schema=schema)
         eval_rows = max(1, int(a.steps * a.holdout)) * a.batch_size
-        train = sd.synthetic(a.steps * a.batch_size, a.batch_size, cfg, seed=1 + 10 * rank)
-        test = sd.synthetic(eval_rows, a.batch_size, cfg, seed=2 + 10 * rank)
         ids = id_dtype(schema)
+        train = sd.synthetic(a.steps * a.batch_size, a.batch_size, cfg, seed=1 + 10 * rank, id_dtype=ids)
+        test = sd.synthetic(eval_rows, a.batch_size, cfg, seed=2 + 10 * rank, id_dtype=ids)
         return launch.feed(sd.for_keras(train, id_dtype=ids)), launch.feed(sd.for_keras(test, id_dtype=ids)), schema
     fmt = _format(a)
     if fmt == "tsv":

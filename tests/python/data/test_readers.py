@@ -417,3 +417,22 @@ def test_pinned_copy_keeps_every_tensor_of_a_batch(rng):
             assert w.dtype == h.dtype and w.shape == h.shape
             np.testing.assert_array_equal(h.numpy(), w.numpy())
         assert got[0]["ids"].to_list() == batch[0]["ids"].to_list()
+
+
+def test_synthetic_int32_ids_are_the_int64_ones_converted_once():
+    cfg = sd.SyntheticConfig.dcnv2(sd.CriteoSchema.capped(50_000))
+    wide = list(sd.synthetic(3 * 256 + 7, 256, cfg, seed=9, pool_rows=2 * 256))
+    narrow = list(sd.synthetic(3 * 256 + 7, 256, cfg, seed=9, pool_rows=2 * 256, id_dtype=tf.int32))
+    assert len(wide) == len(narrow) == 4
+    for (wd, wc, wy), (nd, nc, ny) in zip(wide, narrow):
+        np.testing.assert_array_equal(nd.numpy(), wd.numpy())
+        np.testing.assert_array_equal(ny.numpy(), wy.numpy())
+        for n in cfg.schema.categorical_names:
+            assert nc[n].values.dtype == tf.int32 and wc[n].values.dtype == tf.int64
+            np.testing.assert_array_equal(nc[n].values.numpy(), wc[n].values.numpy())
+            np.testing.assert_array_equal(nc[n].row_splits.numpy(), wc[n].row_splits.numpy())
+    with pytest.raises(ValueError, match="under 2\\*\\*31, the largest is 3000000000"):
+        sd.synthetic(64, 64, sd.SyntheticConfig(schema=sd.CriteoSchema(vocab_sizes=(3_000_000_000,) * 26)),
+                     id_dtype=tf.int32)
+    with pytest.raises(ValueError, match="tf.int32 or tf.int64"):
+        sd.synthetic(64, 64, cfg, id_dtype=tf.int16)

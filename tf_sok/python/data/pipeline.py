@@ -22,21 +22,25 @@ def for_keras(dataset: tf.data.Dataset, device: str = None, buffer_size: int = 2
     """({"dense": ..., "C1": ..., ...}, label) batches, as `model.fit` takes them.
 
     device (e.g. "/gpu:0"): the batches are copied there `buffer_size` batches ahead
-    (`to_device`), so the host-to-device copy overlaps the step; it must then be the
-    dataset's last transformation. id_dtype=tf.int32: the ids travel as int32 (half the
+    (`to_device`, from page-locked memory), so the host-to-device copy overlaps the step; it
+    must then be the dataset's last transformation. id_dtype=tf.int32: the ids travel as int32 (half the
     bytes to copy; for tables under 2**31 rows — the lookup takes int32 ids as they are).
     """
     if id_dtype is not None and tf.as_dtype(id_dtype) not in (tf.int32, tf.int64):
         raise ValueError(f"for_keras: id_dtype must be tf.int32 or tf.int64, got {id_dtype}")
 
+    # to a GPU: the copy into page-locked memory in the same map (one pass over the batch's tensors)
+    pin = bool(device) and tf.DeviceSpec.from_string(device).device_type == "GPU"
+
     def arrange(d, c, y):
         if id_dtype is not None:
             c = {k: v.with_values(tf.cast(v.values, id_dtype)) if isinstance(v, tf.RaggedTensor)
                  else tf.cast(v, id_dtype) for k, v in c.items()}
-        return {"dense": d, **c}, y
+        out = {"dense": d, **c}, y
+        return pinned_copy(*out) if pin else out
 
-    ds = dataset.map(arrange, num_parallel_calls=tf.data.AUTOTUNE if id_dtype is not None else None)
-    return to_device(ds, device, buffer_size) if device else ds
+    ds = dataset.map(arrange, num_parallel_calls=tf.data.AUTOTUNE if id_dtype is not None or pin else None)
+    return to_device(ds, device, buffer_size, pinned=False) if device else ds
 
 
 def to_device(dataset: tf.data.Dataset, device: str, buffer_size: int = 2, pinned: bool = True) -> tf.data.Dataset:

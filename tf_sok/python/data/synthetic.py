@@ -68,7 +68,7 @@ POOL_ROWS = 1 << 18  # rows generated once and cycled by `synthetic` (rounded up
 
 
 def synthetic(num_rows: int, batch_size: int, config: SyntheticConfig = SyntheticConfig(),
-              seed: int = 0, pool_rows: int = POOL_ROWS) -> tf.data.Dataset:
+              seed: int = 0, pool_rows: int = POOL_ROWS, id_dtype=tf.int64) -> tf.data.Dataset:
     """A tf.data pipeline of synthetic Criteo-shaped batches (same structure as the readers).
 
     A pool of `pool_rows` rows (rounded up to whole batches; all `num_rows` when
@@ -76,7 +76,8 @@ def synthetic(num_rows: int, batch_size: int, config: SyntheticConfig = Syntheti
     so the pipeline costs a few TensorFlow ops per batch and never limits a GPU.
     Every row follows the same hidden model, so a pool generated with another
     seed is a held-out set. The last batch is shorter when `batch_size` does
-    not divide `num_rows`.
+    not divide `num_rows`. `id_dtype=tf.int32`: the pool's ids are int32 (converted once, not per
+    batch; every vocabulary must be under 2**31), as `for_keras(..., id_dtype=tf.int32)` takes them.
 
     Example:
         >>> ds = sok.data.synthetic(1_000_000, 4096, sok.data.SyntheticConfig.dcnv2())
@@ -84,10 +85,16 @@ def synthetic(num_rows: int, batch_size: int, config: SyntheticConfig = Syntheti
     if num_rows < 1 or batch_size < 1 or pool_rows < 1:
         raise ValueError(f"synthetic: num_rows, batch_size and pool_rows must be positive, got "
                          f"{num_rows}, {batch_size}, {pool_rows}")
+    id_dtype = tf.as_dtype(id_dtype)
+    if id_dtype not in (tf.int32, tf.int64):
+        raise ValueError(f"synthetic: id_dtype must be tf.int32 or tf.int64, got {id_dtype}")
+    if id_dtype == tf.int32 and max(config.schema.vocab_sizes) >= 2**31:
+        raise ValueError(f"synthetic: id_dtype=tf.int32 needs every vocabulary under 2**31, the largest is "
+                         f"{max(config.schema.vocab_sizes)}")
     pool_batches = -(-min(num_rows, pool_rows) // batch_size)
     pool = min(num_rows, pool_batches * batch_size)
     dense, cats, label = next(raw_batches(pool, pool, config, seed))
-    block = finish_block(tf.constant(dense), {n: (r.values, r.row_splits) for n, r in cats.items()},
+    block = finish_block(tf.constant(dense), {n: (tf.cast(r.values, id_dtype), r.row_splits) for n, r in cats.items()},
                          tf.constant(label))
     count = -(-num_rows // batch_size)
 
