@@ -70,6 +70,32 @@ def host_threads(space, steps, top: int = 8):
         print(f"    {ps / 1e9 / steps:7.3f} ms {counts[name] / steps:6.1f}x  {name[:100]}")
 
 
+def idle_gaps(plane, steps, top: int = 10, least_us: float = 100.0):
+    """The GPU's idle gaps (no stream busy) of at least `least_us`, grouped by the work that ended
+    each one: its TensorFlow op where the trace names it (stat "tf_op"), else its kernel's name."""
+    names = {k: v.name for k, v in plane.event_metadata.items()}
+    stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+
+    def op_of(ev):
+        for st in ev.stats:
+            if stat_names.get(st.metadata_id) == "tf_op":
+                return st.str_value or stat_names.get(st.ref_value, "") or names.get(ev.metadata_id, "?")
+        return names.get(ev.metadata_id, "?")
+    events = sorted((line.timestamp_ns * 1000 + ev.offset_ps, ev.duration_ps, i, ev)
+                    for line in plane.lines for i, ev in enumerate(line.events))
+    gap_ps, count, end = collections.Counter(), collections.Counter(), None
+    for start, dur, _, ev in events:
+        if end is not None and start - end >= least_us * 1e6:
+            gap_ps[op_of(ev)] += start - end
+            count[op_of(ev)] += 1
+        end = start + dur if end is None else max(end, start + dur)
+    print(f"  GPU idle in gaps of {least_us:.0f} us or more: {sum(gap_ps.values()) / 1e9 / steps:.2f} ms per step; "
+          f"the work that ended them (ms per step, gaps per step):")
+    for name, ps in gap_ps.most_common(top):
+        print(f"    {ps / 1e9 / steps:7.3f} ms {count[name] / steps:5.1f}x  {name[:100]}")
+    return gap_ps
+
+
 def read_trace(logdir):
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
@@ -97,6 +123,7 @@ def summarize(space, steps, wall_s):
               if "memcpy" in names.get(ev.metadata_id, "").lower()]
     copy_busy = sum(e - s for s, e in merge((s, s + d) for s, d in copies)) / 1e9 / steps
     print(f"  of which copies {copy_busy:.2f} ms per step ({len(copies) / steps:.0f} copy events)")
+    idle_gaps(plane, steps)
     total = collections.Counter()
     for line in plane.lines:
         for ev in line.events:
