@@ -24,6 +24,23 @@ def test_prefetch_to_device_gives_the_same_batches_on_the_gpu():
         np.testing.assert_array_equal(gy.numpy(), hy.numpy())
 
 
+def test_batches_from_page_locked_memory_equal_those_from_pageable_memory():
+    """to_device copies each batch into page-locked memory first (pinned=True, the default) or
+    hands TensorFlow the pageable batch: the same tensors reach the GPU either way."""
+    cfg = sd.SyntheticConfig.dcnv2(sd.CriteoSchema.capped(5_000))
+    src = sd.for_keras(sd.synthetic(4 * 1024 + 300, 1024, cfg, seed=11, id_dtype=tf.int32), id_dtype=tf.int32)
+    pinned = list(sd.to_device(src, "/gpu:0"))
+    pageable = list(sd.to_device(src, "/gpu:0", pinned=False))
+    host = list(src)
+    assert len(pinned) == len(pageable) == len(host) == 5
+    for a, b, h in zip(pinned, pageable, host):
+        for x, y, z in zip(tf.nest.flatten(a, expand_composites=True), tf.nest.flatten(b, expand_composites=True),
+                           tf.nest.flatten(h, expand_composites=True)):
+            assert "GPU" in x.device and "GPU" in y.device and x.dtype == z.dtype
+            np.testing.assert_array_equal(x.numpy(), z.numpy())
+            np.testing.assert_array_equal(y.numpy(), z.numpy())
+
+
 def test_fit_from_batches_prefetched_to_the_gpu_trains():
     schema = sd.CriteoSchema.capped(2_000)
     names = list(schema.categorical_names)
