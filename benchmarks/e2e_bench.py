@@ -167,8 +167,9 @@ def fit_sources(a, schema, cfg, files: str, steps: int) -> dict:
     (the files in `files`, if any, listed as often as `steps` batches need: the steps read in the steady
     state of one long epoch, as over a day of data, not across epoch restarts)."""
     import pyarrow.parquet as pq
+    from criteo_common import id_dtype
 
-    ids = tf.int32 if max(schema.vocab_sizes) < 2**31 else tf.int64
+    ids = id_dtype(schema)
     gpu = "/gpu:0" if tf.config.list_physical_devices("GPU") else None
 
     def fed(ds, pinned=True):

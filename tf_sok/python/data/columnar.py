@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sok.python.data.blocks import aligned_empty, batched_blocks, block_signature
-from tf_sok.python.data.pipeline import finish
+from tf_sok.python.data.pipeline import checked_id_dtype, finish
 from tf_sok.python.data.schema import METADATA_KEY, NUM_DENSE, CriteoSchema, schema_file_of, write_schema_file
 
 BLOCK_ROWS = 1 << 18  # rows per block a Parquet reader turns into batches at once (rounded to whole batches)
@@ -294,12 +294,7 @@ def read_parquet(path_or_files, batch_size: int, schema: Optional[CriteoSchema] 
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"read_parquet: workers must be a positive number of processes, got {workers!r}")
     schema = _resolve_schema(files, "parquet", schema)
-    id_dtype = tf.as_dtype(id_dtype)
-    if id_dtype not in (tf.int32, tf.int64):
-        raise ValueError(f"read_parquet: id_dtype must be tf.int32 or tf.int64, got {id_dtype}")
-    if id_dtype == tf.int32 and max(schema.vocab_sizes) >= 2**31:
-        raise ValueError(f"read_parquet: id_dtype=tf.int32 needs every vocabulary under 2**31, the largest is "
-                         f"{max(schema.vocab_sizes)}")
+    id_dtype = checked_id_dtype("read_parquet", id_dtype, schema.vocab_sizes)
     rows = max(1, block_rows // batch_size) * batch_size
     sig = block_signature(schema, id_dtype)
     parallel = parallel_files or max(1, os.cpu_count() or 1)

@@ -13,6 +13,22 @@ class ReadStats:
     skipped: tf.Variable = field(default_factory=lambda: tf.Variable(0, dtype=tf.int64, trainable=False))
 
 
+def checked_id_dtype(what: str, id_dtype, vocab_sizes=()):
+    """tf.int32 or tf.int64 as a tf.DType; ValueError naming `what` for another type, or for int32
+    when a vocabulary of `vocab_sizes` has 2**31 rows or more."""
+    id_dtype = tf.as_dtype(id_dtype)
+    if id_dtype not in (tf.int32, tf.int64):
+        raise ValueError(f"{what}: id_dtype must be tf.int32 or tf.int64, got {id_dtype}")
+    if id_dtype == tf.int32 and vocab_sizes and max(vocab_sizes) >= 2**31:
+        raise ValueError(f"{what}: id_dtype=tf.int32 needs every vocabulary under 2**31, the largest is "
+                         f"{max(vocab_sizes)}")
+    return id_dtype
+
+
+def _to_gpu(device) -> bool:
+    return bool(device) and tf.DeviceSpec.from_string(device).device_type == "GPU"
+
+
 def finish(dense_raw, cats, label):
     dense = tf.math.log1p(tf.maximum(tf.cast(dense_raw, tf.float32), 0.0))
     return dense, cats, tf.reshape(tf.cast(label, tf.float32), [-1, 1])
@@ -26,11 +42,11 @@ def for_keras(dataset: tf.data.Dataset, device: str = None, buffer_size: int = 2
     must then be the dataset's last transformation. id_dtype=tf.int32: the ids travel as int32 (half the
     bytes to copy; for tables under 2**31 rows — the lookup takes int32 ids as they are).
     """
-    if id_dtype is not None and tf.as_dtype(id_dtype) not in (tf.int32, tf.int64):
-        raise ValueError(f"for_keras: id_dtype must be tf.int32 or tf.int64, got {id_dtype}")
+    if id_dtype is not None:
+        id_dtype = checked_id_dtype("for_keras", id_dtype)
 
     # to a GPU: the copy into page-locked memory in the same map (one pass over the batch's tensors)
-    pin = bool(device) and tf.DeviceSpec.from_string(device).device_type == "GPU"
+    pin = _to_gpu(device)
 
     def arrange(d, c, y):
         if id_dtype is not None:
@@ -52,7 +68,7 @@ def to_device(dataset: tf.data.Dataset, device: str, buffer_size: int = 2, pinne
     memory the CUDA driver stages it, holding one of TensorFlow's threads per tensor meanwhile —
     threads the training step needs to launch its work (measured on an H200: DCNv2's batches of
     65,536 rows kept seven of them busy 13 ms per step)."""
-    if pinned and tf.DeviceSpec.from_string(device).device_type == "GPU":
+    if pinned and _to_gpu(device):
         # fused by tf.data with a map just before it (for_keras'): the ragged ids are decoded and
         # encoded again at each map's boundary (fused: 1.07x the rows/s of the two maps apart,
         # DCNv2 batches on 2 cores)

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sok.python.data.blocks import finish_block, slice_rows
+from tf_sok.python.data.pipeline import checked_id_dtype
 from tf_sok.python.data.schema import DCNV2_HOTNESS, NUM_CATEGORICAL, NUM_DENSE, CriteoSchema
 
 
@@ -85,12 +86,7 @@ def synthetic(num_rows: int, batch_size: int, config: SyntheticConfig = Syntheti
     if num_rows < 1 or batch_size < 1 or pool_rows < 1:
         raise ValueError(f"synthetic: num_rows, batch_size and pool_rows must be positive, got "
                          f"{num_rows}, {batch_size}, {pool_rows}")
-    id_dtype = tf.as_dtype(id_dtype)
-    if id_dtype not in (tf.int32, tf.int64):
-        raise ValueError(f"synthetic: id_dtype must be tf.int32 or tf.int64, got {id_dtype}")
-    if id_dtype == tf.int32 and max(config.schema.vocab_sizes) >= 2**31:
-        raise ValueError(f"synthetic: id_dtype=tf.int32 needs every vocabulary under 2**31, the largest is "
-                         f"{max(config.schema.vocab_sizes)}")
+    id_dtype = checked_id_dtype("synthetic", id_dtype, config.schema.vocab_sizes)
     pool_batches = -(-min(num_rows, pool_rows) // batch_size)
     pool = min(num_rows, pool_batches * batch_size)
     dense, cats, label = next(raw_batches(pool, pool, config, seed))
