@@ -96,10 +96,15 @@ def idle_gaps(plane, steps, top: int = 10, least_us: float = 100.0):
     return gap_ps
 
 
-def read_trace(logdir):
+def read_trace(logdir, keep=None):
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     path = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True))[-1]
+    if keep:   # the raw trace, gzipped, for reading elsewhere
+        import gzip
+        import shutil
+        with open(path, "rb") as src, gzip.open(keep, "wb") as dst:
+            shutil.copyfileobj(src, dst)
     space = xplane_pb2.XSpace()
     with open(path, "rb") as f:
         space.ParseFromString(f.read())
@@ -122,7 +127,10 @@ def summarize(space, steps, wall_s):
     copies = [(line.timestamp_ns * 1000 + ev.offset_ps, ev.duration_ps) for line in plane.lines for ev in line.events
               if "memcpy" in names.get(ev.metadata_id, "").lower()]
     copy_busy = sum(e - s for s, e in merge((s, s + d) for s, d in copies)) / 1e9 / steps
-    print(f"  of which copies {copy_busy:.2f} ms per step ({len(copies) / steps:.0f} copy events)")
+    to_host = sum(1 for line in plane.lines for ev in line.events
+                  if "dtoh" in names.get(ev.metadata_id, "").lower())
+    print(f"  of which copies {copy_busy:.2f} ms per step ({len(copies) / steps:.0f} copy events, "
+          f"{to_host / steps:.1f} of them to the host)")
     idle_gaps(plane, steps)
     total = collections.Counter()
     for line in plane.lines:
@@ -136,7 +144,7 @@ def summarize(space, steps, wall_s):
     host_threads(space, steps)
 
 
-def profiled_fit(model, ds, spe, executions):
+def profiled_fit(model, ds, spe, executions, keep=None):
     model.fit(ds, epochs=1, steps_per_epoch=2 * spe, verbose=0)          # trace + warm up
     logdir = tempfile.mkdtemp(prefix="fit_profile_")
     steps = executions * spe
@@ -148,7 +156,7 @@ def profiled_fit(model, ds, spe, executions):
     model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0)
     wall = time.perf_counter() - t0
     tf.profiler.experimental.stop()
-    return read_trace(logdir), steps, wall
+    return read_trace(logdir, keep), steps, wall
 
 
 class DenseTwin(keras.Model):
@@ -183,6 +191,7 @@ def main():
     p.add_argument("--files", type=int, default=16, help="--source parquet: files of 2 batches written first")
     p.add_argument("--reader-workers", type=int, default=None, help="--source parquet: read_parquet(workers=)")
     p.add_argument("--no-twin", action="store_true", help="leave out the dense part alone")
+    p.add_argument("--keep-trace", metavar="FILE.xplane.pb.gz", help="also write the whole model's trace here")
     a = p.parse_args()
     if a.mixed == "bf16":
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
@@ -205,7 +214,7 @@ def main():
           f"steps_per_execution {a.spe}, {a.executions} executions profiled, policy {a.mixed}"
           f"{', dense part compiled by XLA' if a.jit_dense else ''}, {a.source} batches")
     print("1. the whole model")
-    summarize(*profiled_fit(model, ds, a.spe, a.executions))
+    summarize(*profiled_fit(model, ds, a.spe, a.executions, a.keep_trace))
     if a.no_twin:
         return
 

@@ -163,6 +163,34 @@ def test_optimizer_gpu_equals_cpu(rng, case):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_update_reads_a_learning_rate_computed_on_the_gpu_when_it_runs(rng):
+    """The rate is an input in device memory (no copy to the host, which would wait for the device):
+    a rate computed on the GPU from a variable changed between steps of one tf.function drives each
+    update with its own value, as plain SGD in NumPy computes it."""
+    rows, dim = 5_000, 24
+    table = rng.standard_normal((rows, dim)).astype(np.float32)
+    rates = rng.uniform(0.01, 0.5, 3).astype(np.float32)
+    steps = [(rng.choice(rows, 700, replace=False), rng.standard_normal((700, dim)).astype(np.float32))
+             for _ in rates]
+    with tf.device("/GPU:0"):
+        var = sok.Variable(table, name="t")
+        base = tf.Variable(1.0)
+        scale = tf.Variable(0.0)
+        opt = sok.optimizers.SGD(learning_rate=1.0)
+
+        @tf.function
+        def train(idx, g, rate):
+            scale.assign(rate)                      # the rate of this step, written on the device
+            opt.apply_gradients([(tf.IndexedSlices(g, idx, [rows, dim]), var)], lr_scale=base * scale)
+
+        want = table.astype(np.float64)
+        for r, (idx, g) in zip(rates, steps):
+            train(tf.constant(idx), tf.constant(g), tf.constant(r))
+            want[idx] -= np.float64(r) * g
+        assert "GPU" in var.device
+    np.testing.assert_allclose(var.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_ids_on_gpu_raise_clear_errors_and_leave_tables(rng):
     table_np = rng.standard_normal((100, 8)).astype(np.float32)
     with tf.device("/GPU:0"):

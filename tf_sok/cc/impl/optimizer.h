@@ -22,6 +22,9 @@ enum class Algorithm : int32_t {
 struct Hyper {
   Algorithm algorithm = Algorithm::kSgd;
   float lr = 0.01f;
+  // Where set, the rate is read from here when the update runs (on a GPU: device memory, so a rate
+  // computed on the device needs no copy to the host, which would wait for the device) instead of lr.
+  const float* lr_at = nullptr;
   float beta1 = 0.9f, beta2 = 0.999f;  // adam
   float epsilon = 1e-7f;               // adagrad, adam, rmsprop
   float momentum = 0.0f;               // momentum, rmsprop

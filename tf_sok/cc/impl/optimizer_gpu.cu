@@ -89,6 +89,7 @@ __global__ void UpdateKernel(Hyper h, const Chunk<Id> c, Groups g, int group, co
   const long long k = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / group;
   const int lane = threadIdx.x % group;
   if (err->kind != 0) return;
+  if (h.lr_at != nullptr) h.lr = *h.lr_at;
   int t;
   long long row;
   int begin = 0, end = 1;

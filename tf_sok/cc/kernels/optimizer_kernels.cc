@@ -132,7 +132,11 @@ class SparseApplyOp : public tf::OpKernel {
       u.step = steps_ ? vars[T + num_slot_vars_ + t]->tensor()->flat<float>().data() : nullptr;
     }
     impl::Hyper h = h_;
-    h.lr = lr.scalar<float>()();
+    if (std::is_same<Device, impl::CpuDevice>::value) {
+      h.lr = lr.scalar<float>()();
+    } else {   // the rate stays in device memory: read by the update kernel
+      h.lr_at = lr.flat<float>().data();
+    }
     impl::Error e = impl::FusedSparseApply<Device, Id>()(d, h, updates, indices_unique_, !checked_);
     if (e.ok()) return;
     const std::string what = e.group >= 0 && e.group < T ? What(e.group) : What(-1);
@@ -168,8 +172,7 @@ class SparseApplyOp : public tf::OpKernel {
 #define TF_SOK_REGISTER_APPLY(DEV, DEVICE, ID)                                           \
   REGISTER_KERNEL_BUILDER(Name("TfSokSparseApply")                                        \
                               .Device(DEV)                                                \
-                              .TypeConstraint<ID>("Tid")                                  \
-                              .HostMemory("learning_rate"),                               \
+                              .TypeConstraint<ID>("Tid"),                                 \
                           SparseApplyOp<DEVICE, ID>);
 
 TF_SOK_REGISTER_APPLY(tf::DEVICE_CPU, impl::CpuDevice, int32_t)
