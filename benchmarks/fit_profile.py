@@ -11,6 +11,8 @@ first, read by `--reader-workers` processes).
 
     python benchmarks/fit_profile.py [--model dlrm|dcnv2] [--mixed bf16] [--jit-dense] [--batch 65536] [--spe 10]
         [--executions 3] [--source cached|synthetic|parquet] [--files 16] [--reader-workers 8] [--no-twin]
+        [--keep-trace FILE.xplane.pb.gz]
+    python benchmarks/fit_profile.py --from-trace FILE.xplane.pb.gz --executions 2 [--spe 10]
 """
 import argparse
 import collections
@@ -70,9 +72,9 @@ def host_threads(space, steps, top: int = 8):
         print(f"    {ps / 1e9 / steps:7.3f} ms {counts[name] / steps:6.1f}x  {name[:100]}")
 
 
-def idle_gaps(plane, steps, top: int = 10, least_us: float = 100.0):
-    """The GPU's idle gaps (no stream busy) of at least `least_us`, grouped by the work that ended
-    each one: its TensorFlow op where the trace names it (stat "tf_op"), else its kernel's name."""
+def op_namer(plane):
+    """A function naming a GPU event by its TensorFlow op where the trace says (stat "tf_op"),
+    else by its kernel's or copy's name."""
     names = {k: v.name for k, v in plane.event_metadata.items()}
     stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
 
@@ -81,6 +83,25 @@ def idle_gaps(plane, steps, top: int = 10, least_us: float = 100.0):
             if stat_names.get(st.metadata_id) == "tf_op":
                 return st.str_value or stat_names.get(st.ref_value, "") or names.get(ev.metadata_id, "?")
         return names.get(ev.metadata_id, "?")
+    return op_of
+
+
+def copies_to_host(plane, steps):
+    """The copies from the GPU to the host by the op they feed: each makes the host wait for the
+    work queued before it."""
+    names = {k: v.name for k, v in plane.event_metadata.items()}
+    op_of = op_namer(plane)
+    count = collections.Counter(op_of(ev) for line in plane.lines for ev in line.events
+                                if "d2h" in names.get(ev.metadata_id, "").lower())
+    print(f"  copies to the host: {sum(count.values()) / steps:.1f} per step")
+    for name, n in count.most_common(8):
+        print(f"    {n / steps:5.1f}x  {name[-110:]}")
+
+
+def idle_gaps(plane, steps, top: int = 10, least_us: float = 100.0):
+    """The GPU's idle gaps (no stream busy) of at least `least_us`, grouped by the work that ended
+    each one: its TensorFlow op where the trace names it (stat "tf_op"), else its kernel's name."""
+    op_of = op_namer(plane)
     events = sorted((line.timestamp_ns * 1000 + ev.offset_ps, ev.duration_ps, i, ev)
                     for line in plane.lines for i, ev in enumerate(line.events))
     gap_ps, count, end = collections.Counter(), collections.Counter(), None
@@ -94,6 +115,20 @@ def idle_gaps(plane, steps, top: int = 10, least_us: float = 100.0):
     for name, ps in gap_ps.most_common(top):
         print(f"    {ps / 1e9 / steps:7.3f} ms {count[name] / steps:5.1f}x  {name[:100]}")
     return gap_ps
+
+
+def read_kept_trace(path):
+    """A trace written by --keep-trace, and its wall time: the span of the GPU's events."""
+    import gzip
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with gzip.open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    spans = [(line.timestamp_ns * 1000 + ev.offset_ps, line.timestamp_ns * 1000 + ev.offset_ps + ev.duration_ps)
+             for p in space.planes if p.name.startswith("/device:GPU") for line in p.lines for ev in line.events]
+    return space, (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e12 if spans else 0.0
 
 
 def read_trace(logdir, keep=None):
@@ -127,10 +162,8 @@ def summarize(space, steps, wall_s):
     copies = [(line.timestamp_ns * 1000 + ev.offset_ps, ev.duration_ps) for line in plane.lines for ev in line.events
               if "memcpy" in names.get(ev.metadata_id, "").lower()]
     copy_busy = sum(e - s for s, e in merge((s, s + d) for s, d in copies)) / 1e9 / steps
-    to_host = sum(1 for line in plane.lines for ev in line.events
-                  if "dtoh" in names.get(ev.metadata_id, "").lower())
-    print(f"  of which copies {copy_busy:.2f} ms per step ({len(copies) / steps:.0f} copy events, "
-          f"{to_host / steps:.1f} of them to the host)")
+    print(f"  of which copies {copy_busy:.2f} ms per step ({len(copies) / steps:.0f} copy events)")
+    copies_to_host(plane, steps)
     idle_gaps(plane, steps)
     total = collections.Counter()
     for line in plane.lines:
@@ -192,7 +225,15 @@ def main():
     p.add_argument("--reader-workers", type=int, default=None, help="--source parquet: read_parquet(workers=)")
     p.add_argument("--no-twin", action="store_true", help="leave out the dense part alone")
     p.add_argument("--keep-trace", metavar="FILE.xplane.pb.gz", help="also write the whole model's trace here")
+    p.add_argument("--from-trace", metavar="FILE.xplane.pb.gz",
+                   help="only summarize a trace written by --keep-trace (its steps: --executions x --spe; wall: "
+                        "the span of its GPU events)")
     a = p.parse_args()
+    if a.from_trace:
+        space, wall = read_kept_trace(a.from_trace)
+        print(f"fit_profile: {a.from_trace}, {a.executions * a.spe} steps")
+        summarize(space, a.executions * a.spe, wall)
+        return
     if a.mixed == "bf16":
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
     sok.init()
