@@ -240,8 +240,7 @@ def fit_section(a, d):
         args = [sys.executable, os.path.abspath(__file__), "--fit-one", name, str(spe), "--data-dir", d]
         for k in ("batch", "dim", "dcnv2_dim", "max_vocab", "steps"):
             args += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
-        if a.reader_workers:
-            args += ["--reader-workers", str(a.reader_workers)]
+        args += ["--reader-workers", str(a.reader_workers or 0)]
         if a.pageable:
             args += ["--pageable"]
         p = subprocess.run(args, capture_output=True, text=True)
@@ -277,11 +276,15 @@ def main():
     p.add_argument("--json", help="write the results here")
     p.add_argument("--pageable", action="store_true",
                    help="fit also on cached batches copied to the GPU from pageable memory (to_device(pinned=False))")
-    p.add_argument("--reader-workers", type=int, default=None,
-                   help="the live Parquet pipeline's blocks built by this many processes (read_parquet(workers=))")
+    p.add_argument("--reader-workers", default="auto",
+                   help="the live Parquet pipeline's blocks built by this many processes (read_parquet(workers=)); "
+                        "0: threads of the training process; auto: as the examples (all cores but 4 on a GPU "
+                        "machine of 8 or more)")
     p.add_argument("--fit-one", nargs=2, metavar=("MODEL", "SPE"), help=argparse.SUPPRESS)
     p.add_argument("--data-dir", help=argparse.SUPPRESS)
     a = p.parse_args()
+    from criteo_common import reader_workers
+    a.reader_workers = reader_workers(a)   # None: threads
     if a.fit_one:
         sok.init()
         schema = sd.CriteoSchema.capped(a.max_vocab)
