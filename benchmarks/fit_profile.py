@@ -11,7 +11,7 @@ first, read by `--reader-workers` processes).
 
     python benchmarks/fit_profile.py [--model dlrm|dcnv2] [--mixed bf16] [--jit-dense] [--batch 65536] [--spe 10]
         [--executions 3] [--source cached|synthetic|parquet] [--files 16] [--reader-workers 8] [--no-twin]
-        [--keep-trace FILE.xplane.pb.gz]
+        [--keep-trace FILE.xplane.pb.gz] [--warmup-steps 200]
     python benchmarks/fit_profile.py --from-trace FILE.xplane.pb.gz --executions 2 [--spe 10]
 """
 import argparse
@@ -177,10 +177,41 @@ def summarize(space, steps, wall_s):
     host_threads(space, steps)
 
 
-def profiled_fit(model, ds, spe, executions, keep=None):
-    model.fit(ds, epochs=1, steps_per_epoch=2 * spe, verbose=0)          # trace + warm up
-    logdir = tempfile.mkdtemp(prefix="fit_profile_")
+class ProfileWindow(keras.callbacks.Callback):
+    """Starts TensorFlow's profiler at step `first` of a fit call and stops it `steps` steps later
+    (at execution boundaries): a live source keeps its iterator, so the profile sees its steady
+    state and not a reader starting again."""
+
+    def __init__(self, logdir, first, steps):
+        super().__init__()
+        self.logdir, self.first, self.last = logdir, first, first + steps
+        self.t0 = self.wall = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.first:
+            tf.profiler.experimental.start(self.logdir)
+            self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.t0 is not None and self.wall is None and batch + 1 >= self.last:
+            self.wall = time.perf_counter() - self.t0
+            tf.profiler.experimental.stop()
+
+
+def profiled_fit(model, ds, spe, executions, keep=None, warmup_steps=None):
+    """(trace, steps, wall): `executions` executions of spe steps profiled, after a warm-up fit
+    call and an unprofiled one (each call a new iterator over `ds`); or, with `warmup_steps`
+    (a multiple of spe), in one fit call after that many steps of it."""
     steps = executions * spe
+    logdir = tempfile.mkdtemp(prefix="fit_profile_")
+    if warmup_steps is not None:
+        window = ProfileWindow(logdir, warmup_steps, steps)
+        t0 = time.perf_counter()
+        model.fit(ds, epochs=1, steps_per_epoch=warmup_steps + steps, verbose=0, callbacks=[window])
+        print(f"  one fit call of {warmup_steps + steps} steps, {(time.perf_counter() - t0):.1f} s; "
+              f"the last {steps} profiled")
+        return read_trace(logdir, keep), steps, window.wall
+    model.fit(ds, epochs=1, steps_per_epoch=2 * spe, verbose=0)          # trace + warm up
     t0 = time.perf_counter()
     model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0)
     print(f"  wall {(time.perf_counter() - t0) / steps * 1e3:8.2f} ms per step without the profiler")
@@ -225,6 +256,9 @@ def main():
     p.add_argument("--reader-workers", type=int, default=None, help="--source parquet: read_parquet(workers=)")
     p.add_argument("--no-twin", action="store_true", help="leave out the dense part alone")
     p.add_argument("--keep-trace", metavar="FILE.xplane.pb.gz", help="also write the whole model's trace here")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="profile inside one fit call after this many of its steps (a live source in its steady "
+                        "state; a multiple of --spe); default: fresh fit calls")
     p.add_argument("--from-trace", metavar="FILE.xplane.pb.gz",
                    help="only summarize a trace written by --keep-trace (its steps: --executions x --spe; wall: "
                         "the span of its GPU events)")
@@ -249,13 +283,15 @@ def main():
         for k in range(a.files):
             sd.write_parquet(sd.raw_batches(2 * a.batch, a.batch, cfg(schema=schema), seed=10 + k),
                              os.path.join(files, f"part-{k}.parquet"), schema)
-    ds = fit_sources(a, schema, cfg(schema=schema), files, (2 + 2 * a.executions) * a.spe)[
+    ds = fit_sources(a, schema, cfg(schema=schema), files, (2 + 2 * a.executions) * a.spe + (a.warmup_steps or 0))[
         {"cached": "cached", "synthetic": "synthetic", "parquet": "Parquet"}[a.source]]
     print(f"fit_profile: {a.model}, 26 tables of dim {a.dim} (at most {a.max_vocab:,} rows), batch {a.batch}, "
           f"steps_per_execution {a.spe}, {a.executions} executions profiled, policy {a.mixed}"
           f"{', dense part compiled by XLA' if a.jit_dense else ''}, {a.source} batches")
     print("1. the whole model")
-    summarize(*profiled_fit(model, ds, a.spe, a.executions, a.keep_trace))
+    if a.warmup_steps is not None and (a.warmup_steps <= 0 or a.warmup_steps % a.spe):
+        raise SystemExit(f"--warmup-steps: a positive multiple of --spe {a.spe}, got {a.warmup_steps}")
+    summarize(*profiled_fit(model, ds, a.spe, a.executions, a.keep_trace, a.warmup_steps))
     if a.no_twin:
         return
 
