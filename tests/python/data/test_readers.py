@@ -245,8 +245,13 @@ def test_parquet_matches_python_reference_over_files_and_row_groups(tmp_path, rn
     assert_same(got, want)
     rows = [len(p[2]) for p in parts]         # whole batches, then each file's remainder
     assert [int(b[2].shape[0]) for b in ds] == sum(([batch] * (n // batch) + [n % batch][:n % batch] for n in rows), [])
-    dropped = [int(b[2].shape[0]) for b in sd.read_parquet(str(tmp_path), batch, SCHEMA, drop_remainder=True)]
-    assert dropped == [batch] * sum(n // batch for n in rows)
+    dropped = sd.read_parquet(str(tmp_path), batch, SCHEMA, drop_remainder=True)
+    assert [int(b[2].shape[0]) for b in dropped] == [batch] * sum(n // batch for n in rows)
+    # whole batches only: the batch size is in the static shapes (TensorFlow folds it in a step)
+    dense_spec, cat_specs, label_spec = dropped.element_spec
+    assert dense_spec.shape[0] == label_spec.shape[0] == batch
+    assert all(cat_specs[n].shape[0] == batch for n in SCHEMA.categorical_names)
+    assert ds.element_spec[0].shape[0] is None
     # several files at once, not in order: the same rows
     unordered = collect(sd.read_parquet(str(tmp_path), batch, SCHEMA, parallel_files=3, deterministic=False))
     assert_same(in_row_order(unordered), in_row_order(got))
@@ -330,6 +335,14 @@ def test_synthetic_pool_is_cycled_and_a_small_run_is_all_distinct():
     assert whole[1]["C7"] == raw[1]["C7"].to_list()
     with pytest.raises(ValueError, match="positive"):
         sd.synthetic(0, 64, cfg)
+    # the batch size is static where every batch is whole, and the rows are the same
+    assert sd.synthetic(10 * 64 + 5, 64, cfg).element_spec[0].shape[0] is None
+    fixed = sd.synthetic(300, 60, cfg, seed=4)
+    assert fixed.element_spec[0].shape[0] == fixed.element_spec[2].shape[0] == 60
+    assert fixed.element_spec[1]["C7"].shape[0] == 60
+    again = collect(fixed)
+    np.testing.assert_array_equal(again[0], whole[0])
+    assert again[1]["C7"] == whole[1]["C7"]
 
 
 @pytest.mark.parametrize("shape,dtype", [([0], np.int32), ([1], np.int64), ([777], np.int32), ((513, 13), np.int64),

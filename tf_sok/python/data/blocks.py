@@ -5,7 +5,7 @@ label [n] float32), built by vectorised code (pyarrow, NumPy) once per block;
 `block_batches` turns it into batches of `batch_size` rows by slicing (no
 per-row work, ragged ids stay values + row_splits).
 """
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -40,24 +40,32 @@ def finish_block(dense_raw, cats: Dict[str, Tuple[tf.Tensor, tf.Tensor]], label)
     return dense, cats, label
 
 
-def slice_rows(block, start, end):
-    """Rows [start, end) of a finished block as one batch (ids as RaggedTensors)."""
+def slice_rows(block, start, end, rows: Optional[int] = None):
+    """Rows [start, end) of a finished block as one batch (ids as RaggedTensors). `rows`: the batch's
+    row count where every batch of the pipeline has it: the batch's shapes are then static, so that
+    TensorFlow folds the batch-size arithmetic of a training step (a loss' gradient, Keras' loss
+    tracker) instead of copying shapes back from the GPU, each copy a wait for the device."""
     dense, cats, label = block
+
+    def fixed(t, batch_dims):
+        return t if rows is None else tf.ensure_shape(t, [rows + batch_dims - 1] + t.shape[1:].as_list())
     out = {}
     for name, (values, splits) in cats.items():
         first, last = splits[start], splits[end]
-        out[name] = tf.RaggedTensor.from_row_splits(values[first:last], splits[start:end + 1] - first,
+        out[name] = tf.RaggedTensor.from_row_splits(values[first:last], fixed(splits[start:end + 1] - first, 2),
                                                     validate=False)
-    return dense[start:end], out, label[start:end]
+    return fixed(dense[start:end], 1), out, fixed(label[start:end], 1)
 
 
 def block_batches(block, batch_size: int, drop_remainder: bool = False) -> tf.data.Dataset:
-    """The batches of one raw block, in order (the last one shorter unless dropped)."""
+    """The batches of one raw block, in order (the last one shorter unless dropped; with
+    `drop_remainder`, every batch has `batch_size` rows in its static shape)."""
     block = finish_block(*block)
     n = tf.shape(block[2], out_type=tf.int64)[0]
     count = n // batch_size if drop_remainder else (n + batch_size - 1) // batch_size
     return tf.data.Dataset.range(count).map(
-        lambda i: slice_rows(block, i * batch_size, tf.minimum((i + 1) * batch_size, n)))
+        lambda i: slice_rows(block, i * batch_size, tf.minimum((i + 1) * batch_size, n),
+                             batch_size if drop_remainder else None))
 
 
 def batched_blocks(blocks: tf.data.Dataset, batch_size: int, drop_remainder: bool = False) -> tf.data.Dataset:

@@ -77,7 +77,8 @@ def synthetic(num_rows: int, batch_size: int, config: SyntheticConfig = Syntheti
     so the pipeline costs a few TensorFlow ops per batch and never limits a GPU.
     Every row follows the same hidden model, so a pool generated with another
     seed is a held-out set. The last batch is shorter when `batch_size` does
-    not divide `num_rows`. `id_dtype=tf.int32`: the pool's ids are int32 (converted once, not per
+    not divide `num_rows`; when it does, every batch has `batch_size` rows in its static shape
+    (TensorFlow then folds a step's batch-size arithmetic). `id_dtype=tf.int32`: the pool's ids are int32 (converted once, not per
     batch; every vocabulary must be under 2**31), as `for_keras(..., id_dtype=tf.int32)` takes them.
 
     Example:
@@ -93,11 +94,12 @@ def synthetic(num_rows: int, batch_size: int, config: SyntheticConfig = Syntheti
     block = finish_block(tf.constant(dense), {n: (tf.cast(r.values, id_dtype), r.row_splits) for n, r in cats.items()},
                          tf.constant(label))
     count = -(-num_rows // batch_size)
+    full = batch_size if num_rows % batch_size == 0 else None   # every batch whole: static shapes
 
     def one(i):
         start = (i % pool_batches) * batch_size
         rows = tf.minimum(tf.cast(batch_size, tf.int64), num_rows - i * batch_size)
-        return slice_rows(block, start, tf.minimum(start + rows, pool))
+        return slice_rows(block, start, tf.minimum(start + rows, pool), full)
     return tf.data.Dataset.range(count).map(one, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
 
 
