@@ -79,7 +79,11 @@ class DCNv2(keras.Model):
         self.top.build((None, width))
 
     def _dense_part(self, dense, embs):
-        x0 = tf.concat([self.bottom(dense)] + [tf.cast(e, self.compute_dtype) for e in embs], axis=1)
+        # [bottom, emb_1, ...] side by side, stacked then reshaped rather than concatenated: under XLA the
+        # gradient of a concatenation takes its axis from the forward function at compile time, a copy
+        # from the GPU every step; a stack's gradient does not
+        parts = [self.bottom(dense)] + [tf.cast(e, self.compute_dtype) for e in embs]
+        x0 = tf.reshape(tf.stack(parts, axis=1), [-1, len(parts) * self.dim])
         h = x0
         for layer in self.cross:
             h = layer(x0, h)
