@@ -64,6 +64,19 @@ def jit_dense(a) -> bool:
     return a.jit_dense == "on"
 
 
+def side_by_side(parts):
+    """tf.concat(parts, axis=-1) whose gradient splits by the parts' static widths. TensorFlow's own
+    gradient takes the axis tensor from the forward pass: under XLA (`jit_dense`) the forward
+    function returns it to the backward one, which needs it at compile time, so it is copied from
+    the GPU every step, and the host waits for the device there."""
+    widths = [int(p.shape[-1]) for p in parts]
+
+    @tf.custom_gradient
+    def joined(*xs):
+        return tf.concat(xs, axis=-1), lambda g: tf.split(g, widths, axis=-1)
+    return joined(*parts)
+
+
 def _format(a) -> str:
     if a.format:
         return a.format

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 import tf_sok as sok
 import tf_sok.data as sd
-from criteo_common import jit_dense, parse_args, run
+from criteo_common import jit_dense, parse_args, run, side_by_side
 
 
 class LowRankCross(keras.layers.Layer):
@@ -79,11 +79,7 @@ class DCNv2(keras.Model):
         self.top.build((None, width))
 
     def _dense_part(self, dense, embs):
-        # [bottom, emb_1, ...] side by side, stacked then reshaped rather than concatenated: under XLA the
-        # gradient of a concatenation takes its axis from the forward function at compile time, a copy
-        # from the GPU every step; a stack's gradient does not
-        parts = [self.bottom(dense)] + [tf.cast(e, self.compute_dtype) for e in embs]
-        x0 = tf.reshape(tf.stack(parts, axis=1), [-1, len(parts) * self.dim])
+        x0 = side_by_side([self.bottom(dense)] + [tf.cast(e, self.compute_dtype) for e in embs])
         h = x0
         for layer in self.cross:
             h = layer(x0, h)

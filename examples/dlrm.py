@@ -10,7 +10,7 @@ import keras
 import tensorflow as tf
 
 import tf_sok as sok
-from criteo_common import jit_dense, parse_args, run
+from criteo_common import jit_dense, parse_args, run, side_by_side
 
 
 class DLRM(keras.Model):
@@ -44,8 +44,8 @@ class DLRM(keras.Model):
     def _dense_part(self, dense, embs):
         """Bottom MLP over the dense features, interaction with the embeddings, top MLP."""
         b = self.bottom(dense)
-        stack = tf.concat([b[:, None, :], tf.stack(embs, axis=1)], axis=1)
-        return self.top(tf.concat([b, self.interaction(stack)], axis=1))
+        stack = tf.stack([b] + list(embs), axis=1)
+        return self.top(side_by_side([b, self.interaction(stack)]))
 
     def call(self, x):
         emb = self.embeddings({k: x[k] for k in self.names})

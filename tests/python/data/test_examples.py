@@ -112,3 +112,30 @@ def test_dense_part_under_xla_trains_as_the_plain_model(example):
         np.testing.assert_allclose(lx, lp, rtol=1e-4)
     for a, b in zip(xla.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_side_by_side_is_tensorflows_concatenation_with_its_gradient(rng, jit):
+    """The examples' concatenation (its gradient split by static widths, so no axis tensor goes
+    from the forward to the backward XLA function) computes tf.concat and its gradient."""
+    import numpy as np
+    import tensorflow as tf
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from criteo_common import side_by_side
+
+    widths = [int(w) for w in rng.integers(1, 9, int(rng.integers(2, 6)))]
+    parts = [tf.constant(rng.standard_normal((7, w)).astype(np.float32)) for w in widths]
+    upstream = tf.constant(rng.standard_normal((7, sum(widths))).astype(np.float32))
+
+    def both(xs):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(xs)
+            ours, theirs = side_by_side(xs), tf.concat(xs, axis=-1)
+            lo, lt = tf.reduce_sum(ours * upstream), tf.reduce_sum(theirs * upstream)
+        return ours, theirs, tape.gradient(lo, xs), tape.gradient(lt, xs)
+    ours, theirs, g_ours, g_theirs = tf.function(both, jit_compile=True)(parts) if jit else both(parts)
+    np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+    for a, b, w in zip(g_ours, g_theirs, widths):
+        assert a.shape == (7, w)
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
