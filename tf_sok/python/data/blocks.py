@@ -47,14 +47,14 @@ def slice_rows(block, start, end, rows: Optional[int] = None):
     tracker) instead of copying shapes back from the GPU, each copy a wait for the device."""
     dense, cats, label = block
 
-    def fixed(t, batch_dims):
-        return t if rows is None else tf.ensure_shape(t, [rows + batch_dims - 1] + t.shape[1:].as_list())
+    def fixed(t, extra=0):   # the leading dimension: rows (+ extra)
+        return t if rows is None else tf.ensure_shape(t, [rows + extra] + t.shape[1:].as_list())
     out = {}
     for name, (values, splits) in cats.items():
         first, last = splits[start], splits[end]
-        out[name] = tf.RaggedTensor.from_row_splits(values[first:last], fixed(splits[start:end + 1] - first, 2),
+        out[name] = tf.RaggedTensor.from_row_splits(values[first:last], fixed(splits[start:end + 1] - first, 1),
                                                     validate=False)
-    return fixed(dense[start:end], 1), out, fixed(label[start:end], 1)
+    return fixed(dense[start:end]), out, fixed(label[start:end])
 
 
 def block_batches(block, batch_size: int, drop_remainder: bool = False) -> tf.data.Dataset:
