@@ -175,7 +175,7 @@ def fit_sources(a, schema, cfg, files: str, steps: int) -> dict:
     def fed(ds, pinned=True):
         return sd.to_device(ds, gpu, pinned=pinned) if gpu else ds
 
-    synthetic = sd.for_keras(sd.synthetic(10**9, a.batch, cfg, id_dtype=ids), id_dtype=ids)
+    synthetic = sd.for_keras(sd.synthetic(10**9 // a.batch * a.batch, a.batch, cfg, id_dtype=ids), id_dtype=ids)
     names = sorted(glob.glob(os.path.join(files, "*.parquet")))
     rows = sum(pq.ParquetFile(n).metadata.num_rows for n in names)
     passes = -(-steps * a.batch // max(1, rows)) + 1
@@ -197,7 +197,7 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
     from criteo_common import default_optimizer
     from reader_scaling import CpuUse
 
-    base, *options = name.split("-")   # e.g. DCNv2-bf16-xla
+    base, *options = name.split("-")   # e.g. DCNv2-bf16-xla (-kerasloop: Keras' own multi-step loop)
     if "bf16" in options:  # Keras' mixed policy for the dense part
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
     jit = "xla" in options  # the dense part compiled by XLA
@@ -208,6 +208,8 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
         model, opt = dcnv2.DCNv2(schema, a.dcnv2_dim, jit_dense=jit), dcnv2.optimizer(0.005)()
         cfg, files = sd.SyntheticConfig.dcnv2(schema), os.path.join(d, "dcnv2")
     model.compile(optimizer=opt, loss="binary_crossentropy", steps_per_execution=spe)
+    if "kerasloop" not in options:   # as the examples run fit
+        sok.keras.loop_on_host(model)
     sources = fit_sources(a, schema, cfg, files, fit_steps(a, spe))
     row, text = {}, f"  {name:14s} spe {spe:2d}:"
     for src, ds in sources.items():
@@ -272,7 +274,8 @@ def main():
                    choices=["readers", "embedding", "fit"])
     p.add_argument("--fit-runs", nargs="+", metavar="MODEL:SPE",
                    help="the fit runs (default DLRM:1 DLRM:<spe> DCNv2:1 DCNv2:<spe> DCNv2-bf16:<spe>); a model "
-                        "name may end in -bf16 (Keras mixed_bfloat16) and/or -xla (the dense part compiled by XLA)")
+                        "name may end in -bf16 (Keras mixed_bfloat16), -xla (the dense part compiled by XLA), -kerasloop (Keras' own "
+                        "multi-step loop instead of sok.keras.loop_on_host)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--pageable", action="store_true",
                    help="fit also on cached batches copied to the GPU from pageable memory (to_device(pinned=False))")

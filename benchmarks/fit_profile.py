@@ -254,6 +254,7 @@ def main():
     p.add_argument("--source", choices=["cached", "synthetic", "parquet"], default="cached")
     p.add_argument("--files", type=int, default=16, help="--source parquet: files of 2 batches written first")
     p.add_argument("--reader-workers", type=int, default=None, help="--source parquet: read_parquet(workers=)")
+    p.add_argument("--keras-loop", action="store_true", help="Keras' own multi-step loop, not sok.keras.loop_on_host")
     p.add_argument("--no-twin", action="store_true", help="leave out the dense part alone")
     p.add_argument("--keep-trace", metavar="FILE.xplane.pb.gz", help="also write the whole model's trace here")
     p.add_argument("--warmup-steps", type=int, default=None,
@@ -278,6 +279,8 @@ def main():
         model, opt, cfg = dcnv2.DCNv2(schema, a.dim, jit_dense=a.jit_dense), dcnv2.optimizer(0.005)(), \
             sd.SyntheticConfig.dcnv2
     model.compile(optimizer=opt, loss="binary_crossentropy", steps_per_execution=a.spe)
+    if not a.keras_loop:   # as the examples run fit
+        sok.keras.loop_on_host(model)
     files = tempfile.mkdtemp(prefix="fit_profile_data_")
     if a.source == "parquet":
         for k in range(a.files):

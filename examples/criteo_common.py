@@ -280,6 +280,7 @@ def run(name, build_model, a, optimizer=default_optimizer, synthetic_config=None
         per_epoch -= per_epoch % spe          # Keras runs whole executions: an epoch is a multiple of them
         model.compile(optimizer=optimizer(), loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc")],
                       steps_per_execution=spe)
+        sok.keras.loop_on_host(model)   # the multi-step loop's control on the host: no wait for the GPU per step
     first = launch.rank == 0
     out = a.out or os.path.join("out", name)
     os.makedirs(out, exist_ok=True)

@@ -407,6 +407,11 @@ def test_parquet_blocks_built_in_worker_processes_equal_the_reference(tmp_path, 
         collect(sd.read_parquet(str(tmp_path / "bad" / "y.parquet"), 8, SCHEMA, workers=2))
     with pytest.raises(ValueError, match="workers must be a positive number of processes, got 0"):
         sd.read_parquet(str(tmp_path), 8, SCHEMA, workers=0)
+    # the workers yield the cores to the training process
+    from tf_sok.python.data import block_workers
+    pids = {f.result() for f in [block_workers._pool(2).submit(block_workers._ready) for _ in range(8)]}
+    assert pids and all(os.getpriority(os.PRIO_PROCESS, pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + block_workers.WORKER_NICENESS)
+                        for pid in pids)
 
 
 def test_pinned_copy_keeps_every_tensor_of_a_batch(rng):

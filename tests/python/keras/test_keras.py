@@ -207,3 +207,35 @@ def test_dot_interaction_matches_numpy_and_tensorflows_gather_gradient(rng, self
     np.testing.assert_allclose(tape.gradient(loss, x).numpy(), tape.gradient(ref_loss, x).numpy(), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match=r"expects \[batch, n, dim\]"):
         layer(tf.zeros([3, 4]))
+
+
+@pytest.mark.parametrize("batches", [25, 30])   # the data ends inside an execution / at its end
+def test_loop_on_host_trains_as_keras_own_loop(rng, batches):
+    """sok.keras.loop_on_host: the same steps as Keras' steps_per_execution loop (same tables, dense
+    weights and per-epoch losses), including the last, shorter execution of an epoch."""
+    vocab, dim, n, batch = 300, 4, batches * 16, 16
+    lens = rng.integers(1, 4, n)
+    ids = rng.integers(0, vocab, int(lens.sum()))
+    y = rng.standard_normal((n, 1)).astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices((tf.RaggedTensor.from_row_lengths(ids, lens), y)).batch(batch)
+
+    def build():
+        model = embedding_then_dense(sok.layers.Embedding(vocab, dim, combiner="mean"), keras.layers.Dense(1))
+        model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.Adam(0.01),
+                                                    sparse=sok.optimizers.Adagrad(0.1)),
+                      loss="mse", steps_per_execution=10)
+        model(tf.RaggedTensor.from_row_lengths(ids[:lens[0]], lens[:1]))
+        return model
+
+    keras_loop, host_loop = build(), build()
+    host_loop.set_weights(keras_loop.get_weights())
+    before = keras_loop.get_weights()
+    assert sok.keras.loop_on_host(host_loop) is host_loop
+    h_keras = keras_loop.fit(ds, epochs=2, verbose=0)
+    h_host = host_loop.fit(ds, epochs=2, verbose=0)
+    assert "_host_loop_function" in host_loop.train_function.__qualname__   # not Keras' own loop
+    assert host_loop.optimizer.iterations.numpy() == keras_loop.optimizer.iterations.numpy() == 2 * batches
+    np.testing.assert_allclose(h_host.history["loss"], h_keras.history["loss"], rtol=1e-5)
+    for a, b, c in zip(host_loop.get_weights(), keras_loop.get_weights(), before):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert not np.array_equal(a, c)   # every weight trained

@@ -28,6 +28,18 @@ _pools = {}
 _lock = threading.Lock()
 
 
+# The workers yield the cores to the training process: its threads launch the step's GPU work, and
+# a launch that waits for a core leaves the GPU idle.
+WORKER_NICENESS = 10
+
+
+def _lower_priority():
+    try:
+        os.nice(WORKER_NICENESS)
+    except OSError:  # pragma: no cover (a system without priorities: run as is)
+        pass
+
+
 def _ready() -> int:
     return os.getpid()
 
@@ -57,7 +69,8 @@ def _pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
         if workers not in _pools:
             _remove_stale_blocks()
             pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers,
-                                                          mp_context=multiprocessing.get_context("spawn"))
+                                                          mp_context=multiprocessing.get_context("spawn"),
+                                                          initializer=_lower_priority)
             with _main_not_reimported():
                 started = [pool.submit(_ready) for _ in range(workers)]   # one process per task while none idles
                 concurrent.futures.wait(started)
