@@ -31,17 +31,21 @@ def test_batches_from_page_locked_memory_equal_those_from_pageable_memory():
     src = sd.for_keras(sd.synthetic(4 * 1024 + 300, 1024, cfg, seed=11, id_dtype=tf.int32), id_dtype=tf.int32)
     pinned = list(sd.to_device(src, "/gpu:0"))
     pageable = list(sd.to_device(src, "/gpu:0", pinned=False))
+    pairs = list(sd.to_device(src, "/gpu:0", ragged_pairs=True))   # ragged ids as plain (values, row_splits)
     host = list(src)
-    assert len(pinned) == len(pageable) == len(host) == 5
-    for a, b, h in zip(pinned, pageable, host):
-        for x, y, z in zip(tf.nest.flatten(a, expand_composites=True), tf.nest.flatten(b, expand_composites=True),
-                           tf.nest.flatten(h, expand_composites=True)):
-            assert "GPU" in x.device and "GPU" in y.device and x.dtype == z.dtype
+    assert len(pinned) == len(pageable) == len(pairs) == len(host) == 5
+    for a, b, c, h in zip(pinned, pageable, pairs, host):
+        assert all(isinstance(c[0][n], tuple) for n in c[0] if n != "dense")
+        for x, y, p, z in zip(tf.nest.flatten(a, expand_composites=True), tf.nest.flatten(b, expand_composites=True),
+                              tf.nest.flatten(c), tf.nest.flatten(h, expand_composites=True)):
+            assert "GPU" in x.device and "GPU" in y.device and "GPU" in p.device and x.dtype == z.dtype == p.dtype
             np.testing.assert_array_equal(x.numpy(), z.numpy())
             np.testing.assert_array_equal(y.numpy(), z.numpy())
+            np.testing.assert_array_equal(p.numpy(), z.numpy())
 
 
-def test_fit_from_batches_prefetched_to_the_gpu_trains():
+@pytest.mark.parametrize("pairs", [False, True])   # True: ragged ids as pairs, the loop on the host (the examples')
+def test_fit_from_batches_prefetched_to_the_gpu_trains(pairs):
     schema = sd.CriteoSchema.capped(2_000)
     names = list(schema.categorical_names)
 
@@ -60,6 +64,9 @@ def test_fit_from_batches_prefetched_to_the_gpu_trains():
     model = M()
     model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.Adam(1e-2), sparse=sok.optimizers.Adam(0.05)),
                   loss="binary_crossentropy", steps_per_execution=5)
-    ds = sd.for_keras(sd.synthetic(60 * 1024, 1024, sd.SyntheticConfig(schema=schema), seed=1), device="/gpu:0")
+    ds = sd.for_keras(sd.synthetic(60 * 1024, 1024, sd.SyntheticConfig(schema=schema), seed=1), device="/gpu:0",
+                      ragged_pairs=pairs)
+    if pairs:
+        sok.keras.loop_on_host(model)
     h = model.fit(ds, epochs=3, steps_per_epoch=20, verbose=0)
     assert h.history["loss"][-1] < h.history["loss"][0] - 0.01, h.history

@@ -49,6 +49,15 @@ def _sparse_to_ragged(sp: tf.SparseTensor, what: str):
     return tf.RaggedTensor.from_value_rowids(tf.gather(sp.values, order), rows, nrows=nrows, validate=False), order
 
 
+def ragged_pair(x):
+    """A feature given as the (values, row_splits) pair of its ragged ids — two 1-D tensors, as
+    `sd.for_keras(..., ragged_pairs=True)` yields them — as a RaggedTensor (its row splits are
+    checked by the lookup); any other input as it is."""
+    if isinstance(x, tuple) and len(x) == 2 and all(isinstance(t, tf.Tensor) and t.shape.rank == 1 for t in x):
+        return tf.RaggedTensor.from_row_splits(x[0], x[1], validate=False)
+    return x
+
+
 def _as_ragged(x, what: str) -> tf.RaggedTensor:
     if isinstance(x, tf.RaggedTensor):
         rt = x
@@ -105,8 +114,8 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
     Args:
       params: a table variable, or a list with one table per feature (the same
         table may serve several features).
-      sp_ids: per feature a `tf.RaggedTensor` [batch, (ids)], `tf.SparseTensor`
-        or dense [batch, hotness] int32/int64 ids.
+      sp_ids: per feature a `tf.RaggedTensor` [batch, (ids)], its `(values, row_splits)` pair of
+        1-D tensors, a `tf.SparseTensor` or dense [batch, hotness] int32/int64 ids.
       sp_weights: None, or per feature weights of the same structure as its ids.
       combiners: "sum" | "mean" | "sqrtn", one per feature or one for all
         (default "mean", as `tf.nn.embedding_lookup_sparse`); in a list, None makes
@@ -139,6 +148,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
         >>> out = sok.lookup_sparse([table], [ids], combiners=["sum"])
     """
     ids_list, as_list = _listify(sp_ids)
+    ids_list = [ragged_pair(x) for x in ids_list]
     F = len(ids_list)
     if F == 0:
         return []
@@ -157,7 +167,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
     names = list(feature_names) if feature_names is not None else [f"feature{i}" for i in range(F)]
     if len(names) != F or not all(isinstance(n, str) for n in names):
         raise ValueError(f"lookup_sparse: {len(names)} feature_names for {F} features; give one string per feature")
-    weights_list = [None] * F if sp_weights is None else _listify(sp_weights)[0]
+    weights_list = [None] * F if sp_weights is None else [ragged_pair(w) for w in _listify(sp_weights)[0]]
     if len(weights_list) != F:
         raise ValueError(f"lookup_sparse: {len(weights_list)} weights for {F} features")
 

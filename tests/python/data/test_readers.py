@@ -437,6 +437,27 @@ def test_pinned_copy_keeps_every_tensor_of_a_batch(rng):
         assert got[0]["ids"].to_list() == batch[0]["ids"].to_list()
 
 
+def test_ragged_pairs_carry_the_ragged_ids_as_plain_tensors(rng):
+    """for_keras / to_device(ragged_pairs=True): each ragged feature becomes its (values,
+    row_splits) pair, equal to the RaggedTensor's components; other tensors unchanged."""
+    cfg = sd.SyntheticConfig.dcnv2(sd.CriteoSchema.capped(5_000))
+    batch = int(rng.integers(50, 300))
+    src = sd.synthetic(3 * batch, batch, cfg, seed=int(rng.integers(1000)), id_dtype=tf.int32)
+    want = list(sd.for_keras(src, id_dtype=tf.int32))
+    for got in (list(sd.for_keras(src, id_dtype=tf.int32, ragged_pairs=True)),
+                list(sd.to_device(sd.for_keras(src, id_dtype=tf.int32), "/cpu:0", ragged_pairs=True))):
+        assert len(got) == len(want) == 3
+        for (gx, gy), (wx, wy) in zip(got, want):
+            assert sorted(gx) == sorted(wx)
+            np.testing.assert_array_equal(gx["dense"].numpy(), wx["dense"].numpy())
+            np.testing.assert_array_equal(gy.numpy(), wy.numpy())
+            for n in cfg.schema.categorical_names:
+                values, splits = gx[n]
+                assert isinstance(values, tf.Tensor) and isinstance(splits, tf.Tensor)
+                np.testing.assert_array_equal(values.numpy(), wx[n].values.numpy())
+                np.testing.assert_array_equal(splits.numpy(), wx[n].row_splits.numpy())
+
+
 def test_synthetic_int32_ids_are_the_int64_ones_converted_once():
     cfg = sd.SyntheticConfig.dcnv2(sd.CriteoSchema.capped(50_000))
     wide = list(sd.synthetic(3 * 256 + 7, 256, cfg, seed=9, pool_rows=2 * 256))

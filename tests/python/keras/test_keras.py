@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sok as sok
+import tf_sok.data as sd
 from examples import dlrm_synthetic as demo
 from tests.helpers import embedding_then_dense, np_lookup, random_ragged, to_ragged
 
@@ -239,3 +240,41 @@ def test_loop_on_host_trains_as_keras_own_loop(rng, batches):
     for a, b, c in zip(host_loop.get_weights(), keras_loop.get_weights(), before):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
         assert not np.array_equal(a, c)   # every weight trained
+
+
+def test_ragged_pairs_look_up_and_train_as_their_ragged_tensors(rng):
+    """A feature given as its (values, row_splits) pair: lookup_sparse's outputs and gradients,
+    and a model.fit, equal those of the RaggedTensor; row splits that do not fit the values raise
+    the lookup's error naming the feature."""
+    vocab, dim, n = 200, 5, 96
+    lens = rng.integers(0, 5, n)
+    ids = rng.integers(0, vocab, int(lens.sum()))
+    rt = tf.RaggedTensor.from_row_lengths(ids, lens)
+    table = sok.Variable(rng.standard_normal((vocab, dim)).astype(np.float32))
+    with tf.GradientTape(persistent=True) as tape:
+        a = sok.lookup_sparse([table], [rt], combiners=["sum"])[0]
+        b = sok.lookup_sparse([table], [(rt.values, rt.row_splits)], combiners=["sum"])[0]
+        la, lb = tf.reduce_sum(a * a), tf.reduce_sum(b * b)
+    np.testing.assert_allclose(b.numpy(), np_lookup(table.numpy(), lens, ids, None, "sum"), rtol=1e-5, atol=1e-5)
+    ga, gb = tape.gradient(la, table), tape.gradient(lb, table)
+    np.testing.assert_allclose(tf.convert_to_tensor(gb).numpy(), tf.convert_to_tensor(ga).numpy(), rtol=1e-6)
+    bad = tf.constant(np.r_[0, lens.cumsum()[:-1], lens.sum() + 3], tf.int64)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="row_splits of feature 'clicks'"):
+        sok.lookup_sparse([table], [(rt.values, bad)], feature_names=["clicks"])
+
+    y = rng.standard_normal((n, 1)).astype(np.float32)
+
+    def fit(pairs):
+        model = embedding_then_dense(sok.layers.Embedding(vocab, dim, combiner="mean", name="emb"),
+                                     keras.layers.Dense(1, kernel_initializer="ones"))
+        model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.SGD(0.05),
+                                                    sparse=sok.optimizers.Adagrad(0.1)), loss="mse")
+        ds = sd.for_keras(tf.data.Dataset.from_tensor_slices((tf.zeros([n, 1]), {"C1": rt}, y)).batch(32),
+                          ragged_pairs=pairs).map(lambda x, t: (x["C1"], t))
+        model(next(iter(ds))[0])
+        model.emb.table.assign(table)
+        model.fit(ds, epochs=2, verbose=0)
+        return model.get_weights()
+
+    for p, r in zip(fit(True), fit(False)):
+        np.testing.assert_allclose(p, r, rtol=1e-6, atol=1e-7)

@@ -34,13 +34,15 @@ def finish(dense_raw, cats, label):
     return dense, cats, tf.reshape(tf.cast(label, tf.float32), [-1, 1])
 
 
-def for_keras(dataset: tf.data.Dataset, device: str = None, buffer_size: int = 2, id_dtype=None) -> tf.data.Dataset:
+def for_keras(dataset: tf.data.Dataset, device: str = None, buffer_size: int = 2, id_dtype=None,
+              ragged_pairs: bool = False) -> tf.data.Dataset:
     """({"dense": ..., "C1": ..., ...}, label) batches, as `model.fit` takes them.
 
     device (e.g. "/gpu:0"): the batches are copied there `buffer_size` batches ahead
     (`to_device`, from page-locked memory), so the host-to-device copy overlaps the step; it
     must then be the dataset's last transformation. id_dtype=tf.int32: the ids travel as int32 (half the
     bytes to copy; for tables under 2**31 rows — the lookup takes int32 ids as they are).
+    ragged_pairs: each ragged feature as its (values, row_splits) pair (see `to_device`).
     """
     if id_dtype is not None:
         id_dtype = checked_id_dtype("for_keras", id_dtype)
@@ -53,29 +55,55 @@ def for_keras(dataset: tf.data.Dataset, device: str = None, buffer_size: int = 2
             c = {k: v.with_values(tf.cast(v.values, id_dtype)) if isinstance(v, tf.RaggedTensor)
                  else tf.cast(v, id_dtype) for k, v in c.items()}
         out = {"dense": d, **c}, y
-        return pinned_copy(*out) if pin else out
+        out = pinned_copy(*out) if pin else out
+        return as_ragged_pairs(out) if ragged_pairs else out
 
-    ds = dataset.map(arrange, num_parallel_calls=tf.data.AUTOTUNE if id_dtype is not None or pin else None)
+    ds = dataset.map(arrange, num_parallel_calls=tf.data.AUTOTUNE if id_dtype is not None or pin or ragged_pairs
+                     else None)
     return to_device(ds, device, buffer_size, pinned=False) if device else ds
 
 
-def to_device(dataset: tf.data.Dataset, device: str, buffer_size: int = 2, pinned: bool = True) -> tf.data.Dataset:
+def to_device(dataset: tf.data.Dataset, device: str, buffer_size: int = 2, pinned: bool = True,
+              ragged_pairs: bool = False) -> tf.data.Dataset:
     """`dataset` with its batches copied to `device` `buffer_size` ahead (tf.data's
-    prefetch_to_device; ragged ids included): the last transformation of a pipeline.
+    prefetch_to_device): the last transformation of a pipeline.
 
     pinned (for a GPU): each batch is first copied, by tf.data's threads, into page-locked host
     memory (`pinned_copy`), so that the copy to the GPU is one asynchronous DMA; from pageable
     memory the CUDA driver stages it, holding one of TensorFlow's threads per tensor meanwhile —
     threads the training step needs to launch its work (measured on an H200: DCNv2's batches of
-    65,536 rows kept seven of them busy 13 ms per step)."""
-    if pinned and _to_gpu(device):
+    65,536 rows kept seven of them busy 13 ms per step).
+
+    ragged_pairs: each ragged tensor (ragged rank 1) travels as its (values, row_splits) pair of
+    plain tensors, which tf_sok's layers and `lookup_sparse` take as that ragged feature. A
+    RaggedTensor itself crosses tf.data's boundaries as a variant that TensorFlow decodes and encodes
+    again on the host each time, and its components stay in host memory through
+    `prefetch_to_device`: the step then copies them to the GPU itself. As plain tensors they are
+    on the device before the step starts."""
+    pin = pinned and _to_gpu(device)
+
+    def prepare(*element):
+        element = element[0] if len(element) == 1 else element
+        element = as_ragged_pairs(element) if ragged_pairs else element
+        return pinned_copy(element) if pin else element
+
+    if pin or ragged_pairs:
         # fused by tf.data with a map just before it (for_keras'): the ragged ids are decoded and
         # encoded again at each map's boundary (fused: 1.07x the rows/s of the two maps apart,
         # DCNv2 batches on 2 cores)
         options = tf.data.Options()
         options.experimental_optimization.map_fusion = True
-        dataset = dataset.map(pinned_copy, num_parallel_calls=tf.data.AUTOTUNE).with_options(options)
+        dataset = dataset.map(prepare, num_parallel_calls=tf.data.AUTOTUNE).with_options(options)
     return dataset.apply(tf.data.experimental.prefetch_to_device(device, buffer_size))
+
+
+def as_ragged_pairs(element):
+    """The element with each ragged tensor of ragged rank 1 as its (values, row_splits) pair."""
+    def pair(t):
+        if isinstance(t, tf.RaggedTensor) and t.ragged_rank == 1:
+            return t.values, t.row_splits
+        return t
+    return tf.nest.map_structure(pair, element)
 
 
 def pinned_copy(*element):

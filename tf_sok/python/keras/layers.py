@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tf_sok.python import context as context_lib
 from tf_sok.python.config import TableConfig, check_combiner
-from tf_sok.python.lookup import lookup_sparse
+from tf_sok.python.lookup import lookup_sparse, ragged_pair
 from tf_sok.python.serving import serving_lookup, serving_tables_of
 from tf_sok.python.variable import attach_meta, make_initializer, make_shards, table_meta
 
@@ -129,7 +129,8 @@ def _add_table(layer: keras.layers.Layer, cfg: TableConfig):
 
 @keras.saving.register_keras_serializable(package="tf_sok")
 class Embedding(_TableLayer):
-    """One table, one feature: ragged/sparse/dense ids -> [batch, dim].
+    """One table, one feature: ragged/sparse/dense ids (or a ragged feature's (values, row_splits)
+    pair) -> [batch, dim].
 
     Example:
         >>> emb = sok.layers.Embedding(10_000, 16, combiner="mean")
@@ -151,6 +152,7 @@ class Embedding(_TableLayer):
         self.table = _add_table(self, self.config)
 
     def call(self, ids, weights=None):
+        ids, weights = ragged_pair(ids), ragged_pair(weights)
         serving = serving_tables_of(self)
         if serving is not None:   # being exported (sok.export_saved_model): stock TensorFlow ops
             return serving_lookup(serving[self.config.name], ids, weights, self.combiner, self.compute_dtype)
@@ -183,7 +185,7 @@ class EmbeddingCollection(_TableLayer):
       combiners: optional feature name -> combiner (default: the table's combiner); None makes
         the feature a sequence: its output is [batch, (ids), dim] ragged (TorchRec's
         EmbeddingCollection; the pooled features are its EmbeddingBagCollection).
-    call(inputs): a dict feature -> ids (ragged, sparse or dense), optionally
+    call(inputs): a dict feature -> ids (ragged, a (values, row_splits) pair, sparse or dense), optionally
     `weights=` a dict of the same structure; returns a dict feature -> [batch, dim].
 
     Example:
@@ -236,8 +238,8 @@ class EmbeddingCollection(_TableLayer):
         missing = [f for f in self.feature_names if f not in inputs]
         if missing:
             raise ValueError(f"EmbeddingCollection: inputs lack features {missing}")
-        ids = [inputs[f] for f in self.feature_names]
-        w = None if weights is None else [weights.get(f) for f in self.feature_names]
+        ids = [ragged_pair(inputs[f]) for f in self.feature_names]
+        w = None if weights is None else [ragged_pair(weights.get(f)) for f in self.feature_names]
         serving = serving_tables_of(self)
         if serving is not None:   # being exported (sok.export_saved_model): stock TensorFlow ops
             return {f: serving_lookup(serving[self.feature_to_table[f]], x, None if w is None else w[i], c,
