@@ -104,6 +104,32 @@ def readers_section(a, d, schema, tsv, conv_rate):
                                                      id_dtype=tf.int32), steps)
         out[f"Parquet DCNv2 int32, {par} at once"] = rate
         print(f"  {'Parquet DCNv2 int32, ' + str(par) + ' at once':32s} {rate:12,.0f} rows/s")
+    out.update(feed_section(a, schema))
+    return out
+
+
+def feed_section(a, schema, steps: int = 60) -> dict:
+    """DCNv2 batches as fit takes them (for_keras, int32 ids) copied to the device by to_device, the
+    ids as RaggedTensors and as (values, row_splits) pairs: batches/s pulled and this process's CPU
+    time per batch (the threads that also launch a training step's work)."""
+    device = "/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0"
+    cfg = sd.SyntheticConfig.dcnv2(schema)
+    out = {}
+    for pairs in (False, True):
+        src = sd.for_keras(sd.synthetic(10**9 // a.batch * a.batch, a.batch, cfg, id_dtype=tf.int32),
+                           id_dtype=tf.int32)
+        it = iter(sd.to_device(src, device, ragged_pairs=pairs))
+        for _ in range(5):
+            next(it)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            next(it)
+        rate, cpu = steps * a.batch / (time.perf_counter() - t0), (time.process_time() - c0) / steps * 1e3
+        name = f"to {device}, ids as {'pairs' if pairs else 'RaggedTensors'}"
+        out[name] = {"rows_per_s": rate, "cpu_ms_per_batch": cpu}
+        print(f"  {name:32s} {rate:12,.0f} rows/s, {cpu:6.1f} ms of CPU per batch"
+              + (f" ({out[next(iter(out))]['cpu_ms_per_batch'] / cpu:.2f}x less than RaggedTensors)" if pairs else ""))
+        del it
     return out
 
 
