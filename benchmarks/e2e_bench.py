@@ -114,7 +114,7 @@ def feed_section(a, schema, steps: int = 60) -> dict:
     time per batch (the threads that also launch a training step's work)."""
     device = "/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0"
     cfg = sd.SyntheticConfig.dcnv2(schema)
-    out = {}
+    out, ragged_cpu = {}, None
     for pairs in (False, True):
         src = sd.for_keras(sd.synthetic(10**9 // a.batch * a.batch, a.batch, cfg, id_dtype=tf.int32),
                            id_dtype=tf.int32)
@@ -128,7 +128,8 @@ def feed_section(a, schema, steps: int = 60) -> dict:
         name = f"to {device}, ids as {'pairs' if pairs else 'RaggedTensors'}"
         out[name] = {"rows_per_s": rate, "cpu_ms_per_batch": cpu}
         print(f"  {name:32s} {rate:12,.0f} rows/s, {cpu:6.1f} ms of CPU per batch"
-              + (f" ({out[next(iter(out))]['cpu_ms_per_batch'] / cpu:.2f}x less than RaggedTensors)" if pairs else ""))
+              + (f" ({ragged_cpu / cpu:.2f}x less than RaggedTensors)" if pairs else ""))
+        ragged_cpu = cpu
         del it
     return out
 

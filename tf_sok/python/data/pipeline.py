@@ -54,9 +54,7 @@ def for_keras(dataset: tf.data.Dataset, device: str = None, buffer_size: int = 2
         if id_dtype is not None:
             c = {k: v.with_values(tf.cast(v.values, id_dtype)) if isinstance(v, tf.RaggedTensor)
                  else tf.cast(v, id_dtype) for k, v in c.items()}
-        out = {"dense": d, **c}, y
-        out = pinned_copy(*out) if pin else out
-        return as_ragged_pairs(out) if ragged_pairs else out
+        return _device_ready(({"dense": d, **c}, y), pin, ragged_pairs)
 
     ds = dataset.map(arrange, num_parallel_calls=tf.data.AUTOTUNE if id_dtype is not None or pin or ragged_pairs
                      else None)
@@ -82,19 +80,21 @@ def to_device(dataset: tf.data.Dataset, device: str, buffer_size: int = 2, pinne
     on the device before the step starts."""
     pin = pinned and _to_gpu(device)
 
-    def prepare(*element):
-        element = element[0] if len(element) == 1 else element
-        element = as_ragged_pairs(element) if ragged_pairs else element
-        return pinned_copy(element) if pin else element
-
     if pin or ragged_pairs:
         # fused by tf.data with a map just before it (for_keras'): the ragged ids are decoded and
         # encoded again at each map's boundary (fused: 1.07x the rows/s of the two maps apart,
         # DCNv2 batches on 2 cores)
         options = tf.data.Options()
         options.experimental_optimization.map_fusion = True
-        dataset = dataset.map(prepare, num_parallel_calls=tf.data.AUTOTUNE).with_options(options)
+        dataset = dataset.map(lambda *e: _device_ready(e[0] if len(e) == 1 else e, pin, ragged_pairs),
+                              num_parallel_calls=tf.data.AUTOTUNE).with_options(options)
     return dataset.apply(tf.data.experimental.prefetch_to_device(device, buffer_size))
+
+
+def _device_ready(element, pin: bool, ragged_pairs: bool):
+    """The element as it leaves for the device: ragged ids as pairs, copied into page-locked memory."""
+    element = as_ragged_pairs(element) if ragged_pairs else element
+    return pinned_copy(element) if pin else element
 
 
 def as_ragged_pairs(element):
