@@ -149,3 +149,39 @@ def test_gpu_static_table_with_a_host_tier_trains_as_the_plain_table(rng, case):
     with tf.device("/GPU:0"), pytest.raises(tf.errors.InvalidArgumentError,
                                             match=rf"id {rows} is outside \[0, {rows}\) of table"):
         sok.lookup_sparse(tables[0], tf.ragged.constant([[1, rows]], tf.int64), feature_names=["f"])
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_keys_touched_since_a_time_on_the_gpu_are_the_cpus(rng, policy):
+    """incremental_model_dump of a GPU hybrid table (the store's marks written by the write-back
+    kernel for evicted keys) gives the keys and values of the same table on the CPU, at every
+    time between steps, with a cache of 1 % of the keys."""
+    import time
+
+    pool = random_keys(rng, 5000)
+    batches, stamps = [], []
+    for _ in range(6):
+        lens = rng.integers(0, 4, 512)
+        keys = pool[rng.choice(len(pool), int(lens.sum()), p=_zipf(len(pool), 1.05))]
+        batches.append((lens, keys, rng.standard_normal((512, DIM)).astype(np.float32)))
+    tables = []
+    for device in ("/GPU:0", "/CPU:0"):
+        with tf.device(device):
+            tables.append(sok.DynamicVariable(DIM, initializer="normal", seed=2, name=f"touch_{policy}{device[1:4]}",
+                                              var_type="hybrid", max_hbm_for_vectors=_gib(50, [DIM]),
+                                              evict_strategy=policy))
+    opts = [sok.optimizers.SGD(learning_rate=0.05) for _ in tables]
+    for b in batches:
+        stamps.append(time.time())
+        time.sleep(0.003)
+        for t, o, device in zip(tables, opts, ("/GPU:0", "/CPU:0")):
+            _train(t, o, [b], device)
+        time.sleep(0.003)
+    assert sok.cache_stats(tables[0])["evicted"] > 0
+    for k, t in enumerate(stamps):
+        got_keys, got_values = sok.incremental_model_dump(tables[0], t)
+        want_keys, want_values = sok.incremental_model_dump(tables[1], t)
+        assert set(got_keys.tolist()) == set(want_keys.tolist()) == set().union(*[set(b[1].tolist()) for b in batches[k:]])
+        want = dict(zip(want_keys.tolist(), want_values))
+        for key, value in zip(got_keys.tolist(), got_values):
+            np.testing.assert_allclose(value, want[key], rtol=1e-4, atol=2e-5, err_msg=f"key {key}")

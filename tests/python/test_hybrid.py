@@ -196,6 +196,44 @@ def test_checkpoint_and_dump_round_trips(rng, tmp_path):
     _assert_same_tables(twin, hybrid, opt_t, opt_h)
 
 
+@pytest.mark.parametrize("budget_rows", [0, 3, 10**6])
+def test_incremental_model_dump_of_a_hybrid_table_equals_the_plain_tables(rng, budget_rows, tmp_path):
+    """sok.incremental_model_dump reads a hybrid table through its cache: for every time between
+    steps, the keys those steps used (also keys written back to host memory since) with the current
+    values, equal to the same table without a host tier; after a checkpoint restore, touches count
+    from the restore on."""
+    import time
+
+    cls, hp = OPTIMIZERS["adam"]
+    plain, hybrid, (opt_p, opt_h) = _tables(f"inc{budget_rows}", budget_rows, cls, hp)
+    pool = random_keys(rng, 60)
+    stamps, used = [], []
+    for lens, keys in _batches(rng, pool, 6, batch=8):
+        stamps.append(time.time())
+        time.sleep(0.003)
+        used.append(set(keys.tolist()))
+        for table, opt in ((plain, opt_p), (hybrid, opt_h)):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(sok.lookup_sparse(table, to_ragged(lens, keys), combiners="sum") ** 2)
+            opt.apply_gradients([(tape.gradient(loss, table), table)])
+        time.sleep(0.003)
+    for k, t in enumerate(stamps + [time.time() + 60]):
+        want_keys, want_values = sok.incremental_model_dump(plain, t)
+        got_keys, got_values = sok.incremental_model_dump(hybrid, t)
+        assert set(got_keys.tolist()) == set(want_keys.tolist()) == set().union(*used[k:]), k
+        want = dict(zip(want_keys.tolist(), want_values))
+        for key, value in zip(got_keys.tolist(), got_values):
+            np.testing.assert_allclose(value, want[key], rtol=1e-5, atol=1e-7, err_msg=f"key {key}")
+    if budget_rows == 3:
+        assert sok.cache_stats(hybrid)["evicted"] > 0      # keys touched, then written back, were found
+    path = tf.train.Checkpoint(table=hybrid, opt=opt_h).write(str(tmp_path / "ck"))
+    tf.train.Checkpoint(table=hybrid, opt=opt_h).read(path).assert_consumed()
+    assert len(sok.incremental_model_dump(hybrid, 0)[0]) == 0
+    later = rng.choice(pool, 5)
+    sok.lookup_sparse(hybrid, tf.constant(later[:, None]), combiners="sum")
+    assert set(sok.incremental_model_dump(hybrid, 0)[0].tolist()) == set(later.tolist())
+
+
 def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplog):
     pool = random_keys(rng, 200)
     picks = [pool[rng.choice(200, rng.integers(1, 4), p=_zipf(200))].tolist() for _ in range(128)]

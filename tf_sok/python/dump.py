@@ -850,9 +850,9 @@ def incremental_model_dump(dump_vars, time_threshold):
         keys, values = [], []
         for shard in expand_tables([v]):
             var = backing_variable(shard)
-            k, rows = var.touched_since(since)
+            k, x = var.touched_values_since(since)
             keys.append(k.numpy())
-            values.append(var.sparse_read_rows(rows).numpy())
+            values.append(x.numpy())
         k, x = np.concatenate(keys), np.concatenate(values).reshape(-1, meta.dim)
         if not ranks.alone:
             k = ranks.gather_keys(k)

@@ -425,10 +425,23 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         """(keys, rows) this rank holds that a find with insert (a training lookup, an assignment)
         touched at or after `unix_ns` (ns since the epoch), since the table was made or restored."""
         if self._hybrid:
-            raise ValueError(f"sok.DynamicVariable {self.table.name!r} is hybrid: the keys touched since a time are "
-                             f"not tracked past its cache; dump it whole (sok.dump) instead")
+            raise ValueError(f"sok.DynamicVariable {self.table.name!r} is hybrid: the rows of its keys are partly "
+                             f"in host memory; use touched_values_since()")
         with tf.device(self._index_device):
             return ops().tf_sok_dynamic_touched_since(self._index.resource_handle, tf.constant(int(unix_ns), tf.int64))
+
+    def touched_values_since(self, unix_ns: int):
+        """(keys, values [n, dim]) of the keys this rank holds that a find with insert touched at or
+        after `unix_ns` (ns since the epoch), since the table was made or restored. A hybrid table's
+        come from its host tier (its cached rows written back first; they stay cached): the keys
+        cached now and those written back after such a touch."""
+        since = tf.constant(int(unix_ns), tf.int64)
+        if not self._hybrid:
+            keys, rows = self.touched_since(unix_ns)
+            return keys, self._base_gather(rows)
+        with tf.device(self._index_device):
+            keys, rows, _ = ops().tf_sok_dynamic_store_touched_since(self._index.resource_handle, since)
+        return keys, rows[:, :self._dimension]
 
     def remove_keys(self, keys=None):
         """Takes `keys` (those held; None: every key) out of the table; their rows become free. Eager only."""

@@ -183,6 +183,7 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
   for (int64_t s : victims) {
     ch->evicted_keys.push_back(slot_key_[s]);
     ch->evicted_slots.push_back(s);
+    ch->evicted_touched.push_back(touched_[s]);
     slot_of_key_.Erase(slot_key_[s]);
     live_row_[s] = 0;
     --live_;

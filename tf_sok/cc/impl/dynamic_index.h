@@ -44,6 +44,7 @@ struct DynamicIndexConfig {
 struct FindChanges {
   std::vector<int64_t> new_slots, new_keys;          // rows that received a key (to initialise)
   std::vector<int64_t> evicted_keys, evicted_slots;  // keys removed to make room, and their rows
+  std::vector<int64_t> evicted_touched;              // the call that last touched each of them
   int64_t rows = 0;                                  // the row count the arrays must have now
   int64_t missing_positions = 0;                     // positions whose key was not held (cache statistics)
 };
@@ -118,6 +119,10 @@ class DynamicIndex {
   // The keys held (and their rows) that a find with insert touched at or after `unix_ns`
   // (nanoseconds since the epoch), since this index was made or last imported.
   void TouchedSince(int64_t unix_ns, std::vector<int64_t>* keys, std::vector<int64_t>* rows) const;
+  // The number of the last find with insert, and the first one that ran at or after `unix_ns`
+  // (past the last when none did), numbered since this index was made or last imported.
+  int64_t calls() const { return call_; }
+  int64_t FirstCallAtOrAfter(int64_t unix_ns) const { return call_times_.FirstAtOrAfter(unix_ns); }
 
  private:
   void EnsureRows(int64_t needed);

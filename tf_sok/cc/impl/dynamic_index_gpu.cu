@@ -212,8 +212,9 @@ __global__ void ScoreFoundKernel(const int64_t* slot, int64_t n, int64_t* touche
 
 // victims leave: their buckets become tombstones, their rows free (pushed after free[free_count])
 __global__ void EvictKernel(const int64_t* victims, int64_t n, const int64_t* tkeys, int64_t* tstate, int64_t mask,
-                            const int64_t* slot_key, uint8_t* live, int64_t* free_rows, int64_t free_count,
-                            int64_t* evicted_keys, int64_t* evicted_slots) {
+                            const int64_t* slot_key, const int64_t* touched, uint8_t* live, int64_t* free_rows,
+                            int64_t free_count, int64_t* evicted_keys, int64_t* evicted_slots,
+                            int64_t* evicted_touched) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const int64_t r = victims[i], key = slot_key[r];
@@ -224,6 +225,7 @@ __global__ void EvictKernel(const int64_t* victims, int64_t n, const int64_t* tk
   free_rows[free_count + i] = r;
   evicted_keys[i] = key;
   evicted_slots[i] = r;
+  evicted_touched[i] = touched[r] < 0 ? -touched[r] : touched[r];   // LFU marks a scored row -call
 }
 
 // new key j gets the row free[free_count - 1 - j] while there are free rows, then next_free + ...
@@ -302,6 +304,12 @@ __global__ void StoreFreshKernel(int64_t width, const uint8_t* fresh, const int6
   if (fresh[j])
     cache[cache_rows[j] * width + c] =
         init_kind >= 0 ? InitialValue(init_kind, a, b, InitialKeyBits(seed, keys[j]), c) : fill;
+}
+
+__global__ void StoreMarksKernel(const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
+                                 int64_t n, int64_t* marks) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) marks[store_row_of[cache_rows[i]]] = calls[i];
 }
 
 __global__ void Scatter64Kernel(const int64_t* at, const int64_t* values, int64_t n, int64_t* out) {
@@ -753,12 +761,15 @@ std::string GpuDynamicIndex::FinishCommit(const GpuDevice& d, GpuFindPending* p,
   out->num_evicted = k;
   out->evicted_keys = gpu::Alloc<int64_t>(d, k);
   out->evicted_slots = gpu::Alloc<int64_t>(d, k);
+  out->evicted_touched = gpu::Alloc<int64_t>(d, k);
   if (!p->direct) out->new_slots = gpu::Alloc<int64_t>(d, a);
   out->new_keys = admitted;
-  if (!out->evicted_keys || !out->evicted_slots || !out->new_slots) return "ran out of GPU memory";
+  if (!out->evicted_keys || !out->evicted_slots || !out->evicted_touched || !out->new_slots)
+    return "ran out of GPU memory";
   if (k > 0) {
     EvictKernel<<<Blocks(k), kThreads, 0, s>>>(victims, k, keys_.keys, keys_.state, keys_.buckets - 1, slot_key_,
-                                               live_row_, free_, free_count_, out->evicted_keys, out->evicted_slots);
+                                               touched_, live_row_, free_, free_count_, out->evicted_keys,
+                                               out->evicted_slots, out->evicted_touched);
     free_count_ += k;
     live_ -= k;
   }
@@ -973,6 +984,11 @@ void GpuStoreMove(const GpuDevice& d, const float* evicted, const int64_t* evict
   if (n_in * width > 0)
     StoreFreshKernel<<<Blocks(n_in * width), kThreads, 0, StreamOf(d)>>>(width, fresh, keys, cache_rows, n_in,
                                                                           init_kind, a, b, seed, fill, cache);
+}
+
+void GpuStoreMarks(const GpuDevice& d, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
+                   int64_t n, int64_t* marks) {
+  if (n > 0) StoreMarksKernel<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(cache_rows, calls, store_row_of, n, marks);
 }
 
 void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, int64_t n, int64_t* out) {

@@ -39,6 +39,7 @@ struct GpuFindResult {
   int64_t* new_keys = nullptr;       // [num_new]
   int64_t* evicted_keys = nullptr;   // [num_evicted]
   int64_t* evicted_slots = nullptr;  // [num_evicted]
+  int64_t* evicted_touched = nullptr;  // [num_evicted]: the call that last touched each
   int64_t num_new = 0, num_evicted = 0, rows = 0;
   int64_t missing_positions = 0;     // positions whose key was not held (cache statistics)
 };
@@ -95,6 +96,9 @@ class GpuDynamicIndex {
   std::string FinishCommit(const GpuDevice& d, GpuFindPending* p, int64_t evictable, GpuFindResult* out);
   int64_t size() const { return live_; }
   int64_t rows() const { return rows_; }
+  // As DynamicIndex's: the last find with insert, the first at or after a time.
+  int64_t calls() const { return call_; }
+  int64_t FirstCallAtOrAfter(int64_t unix_ns) const { return call_times_.FirstAtOrAfter(unix_ns); }
   // A cache's bound (hybrid tables: the HBM budget over the bytes of a row of every array); the
   // next find evicts down to it.
   void set_max_keys(int64_t max_keys) { config_.max_keys = max_keys; }
@@ -145,6 +149,9 @@ std::unique_ptr<HostMemory> NewPinnedHostMemory();
 // the store in pinned memory, row lists in either (device-accessible) memory.
 void GpuStoreWrite(const GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
                    const int64_t* store_row_of, int64_t n, float* store);
+// StoreMarks (host_store.h) as a CUDA kernel (marks in the store's pinned memory)
+void GpuStoreMarks(const GpuDevice& d, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
+                   int64_t n, int64_t* marks);
 // out[at[j]] = values[j] for j < n (device memory)
 void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, int64_t n, int64_t* out);
 // Both directions in one launch: rows evicted[j] (gathered on the device) written to store rows

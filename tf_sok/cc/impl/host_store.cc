@@ -22,25 +22,34 @@ HostStore::HostStore(std::unique_ptr<HostMemory> memory) : memory_(std::move(mem
 
 HostStore::~HostStore() {
   for (Array& a : arrays_) memory_->Free(a.base);
+  if (marks_) memory_->Free(marks_);
 }
 
 std::string HostStore::Reserve(int64_t rows) {
   if (rows <= capacity_) return "";
   const int64_t capacity = std::max<int64_t>({rows, 2 * capacity_, 1024});
   std::vector<float*> fresh(arrays_.size(), nullptr);
-  for (size_t i = 0; i < arrays_.size(); ++i) {
+  auto* marks = static_cast<int64_t*>(memory_->Allocate(sizeof(int64_t) * capacity));
+  for (size_t i = 0; i < arrays_.size() && marks != nullptr; ++i) {
     fresh[i] = static_cast<float*>(memory_->Allocate(sizeof(float) * capacity * arrays_[i].width));
     if (fresh[i] == nullptr) {
       for (size_t j = 0; j < i; ++j) memory_->Free(fresh[j]);
-      return "ran out of host memory for its host tier (" + std::to_string(capacity) + " rows)";
+      memory_->Free(marks);
+      marks = nullptr;
     }
   }
+  if (marks == nullptr) return "ran out of host memory for its host tier (" + std::to_string(capacity) + " rows)";
   for (size_t i = 0; i < arrays_.size(); ++i) {
     Array& a = arrays_[i];
     std::memcpy(fresh[i], a.base, sizeof(float) * count_ * a.width);
     memory_->Free(a.base);
     a.base = fresh[i];
   }
+  if (marks_) {
+    std::memcpy(marks, marks_, sizeof(int64_t) * count_);
+    memory_->Free(marks_);
+  }
+  marks_ = marks;
   capacity_ = capacity;
   return "";
 }
@@ -77,6 +86,7 @@ std::string HostStore::AddAbsent(const int64_t* keys, int64_t n, int64_t* rows, 
     const int64_t r = count_++;
     row_of_key_.Put(keys[j], r);
     key_of_row_.push_back(keys[j]);
+    marks_[r] = 0;
     for (Array& a : arrays_) std::fill(a.base + r * a.width, a.base + (r + 1) * a.width, a.fill);
     rows[j] = r;
   }
@@ -103,7 +113,21 @@ std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector
   row_of_key_ = std::move(seen);
   key_of_row_.assign(keys, keys + n);
   count_ = n;
+  ClearMarks();
   return "";
+}
+
+void HostStore::SetMarks(const int64_t* rows, int64_t n, int64_t call) {
+  for (int64_t j = 0; j < n; ++j) marks_[rows[j]] = call;
+}
+
+void HostStore::ClearMarks() {
+  if (marks_) std::fill(marks_, marks_ + count_, int64_t{0});
+}
+
+void StoreMarks(const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of, int64_t n,
+                int64_t* marks) {
+  for (int64_t j = 0; j < n; ++j) marks[store_row_of[cache_rows[j]]] = calls[j];
 }
 
 void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, const int64_t* store_row_of, int64_t n,

@@ -50,6 +50,14 @@ class HostStore {
   int64_t size() const { return count_; }
   // The key of each row, rows [0, size()).
   const std::vector<int64_t>& keys() const { return key_of_row_; }
+  // Per row, the index call that last touched its key as of the key's last move between cache and
+  // store (the call that brought it in, or the last to touch it before it was written back): with
+  // the cache's own marks, the keys touched since a time. In the store's memory (device-mapped on
+  // GPU builds, where kernels write the marks of the rows they write back); 0 for rows added since.
+  int64_t* marks() { return marks_; }
+  const int64_t* marks() const { return marks_; }
+  void SetMarks(const int64_t* rows, int64_t n, int64_t call);
+  void ClearMarks();
 
   // rows[j]: the row of distinct keys[j], added (at the arrays' fills) when absent, in which case
   // fresh[j] = 1 (else 0). The arrays may move (grow); "" or an error (nothing added then).
@@ -75,6 +83,7 @@ class HostStore {
   KeyMap row_of_key_;
   std::vector<int64_t> key_of_row_;
   std::vector<Array> arrays_;
+  int64_t* marks_ = nullptr;
   int64_t count_ = 0, capacity_ = 0;
 };
 
@@ -82,6 +91,9 @@ class HostStore {
 // store[store_row_of[cache_rows[j]]] = cache[cache_rows[j]] (store_row_of: per cache row, its key's store row):
 void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, const int64_t* store_row_of, int64_t n,
                 float* store);
+// marks[store_row_of[cache_rows[j]]] = calls[j] (the marks of rows written back):
+void StoreMarks(const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of, int64_t n,
+                int64_t* marks);
 // cache[cache_rows[j]] = fresh[j] ? (init_kind >= 0 ? the initial value of keys[j] : fill) : store[store_rows[j]]:
 void StoreRead(const float* store, int64_t width, const int64_t* store_rows, const uint8_t* fresh,
                const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind, float a, float b,

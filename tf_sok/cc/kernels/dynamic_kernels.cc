@@ -211,6 +211,10 @@ void StoreWrite(const impl::CpuDevice&, const float* cache, int64_t width, const
                 const int64_t* store_row_of, int64_t n, float* store) {
   impl::StoreWrite(cache, width, cache_rows, store_row_of, n, store);
 }
+void StoreMarks(const impl::CpuDevice&, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
+                int64_t n, int64_t* marks) {
+  impl::StoreMarks(cache_rows, calls, store_row_of, n, marks);
+}
 // Evicted rows leave for the store: on the host written now (*out = nullptr); on a GPU gathered into
 // device memory (*out), to be written by StoreRead's launch while it reads the new rows in.
 absl::Status WriteBack(const impl::CpuDevice&, const float* cache, int64_t width, const int64_t* cache_rows,
@@ -233,6 +237,10 @@ void StoreRead(const impl::CpuDevice&, const IndexResource& r, const IndexResour
 void StoreWrite(const impl::GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
                 const int64_t* store_row_of, int64_t n, float* store) {
   impl::GpuStoreWrite(d, cache, width, cache_rows, store_row_of, n, store);
+}
+void StoreMarks(const impl::GpuDevice& d, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
+                int64_t n, int64_t* marks) {
+  impl::GpuStoreMarks(d, cache_rows, calls, store_row_of, n, marks);
 }
 absl::Status WriteBack(const impl::GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
                        const int64_t* store_row_of, int64_t n, float* store, float** out) {
@@ -294,6 +302,7 @@ struct Changes {
   int64_t num_new = 0;
   const int64_t* evicted_keys = nullptr;
   const int64_t* evicted_slots = nullptr;
+  const int64_t* evicted_touched = nullptr;
   int64_t num_evicted = 0;
 };
 
@@ -339,6 +348,7 @@ absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::CpuDevice& d, Index
   std::copy(c.new_keys, c.new_keys + n, reinterpret_cast<int64_t*>(staging));
   TF_RETURN_IF_ERROR(StoreRowsOnHost(ctx, res, reinterpret_cast<int64_t*>(staging), n, staging, &p->fresh_count));
   p->new_rows = reinterpret_cast<const int64_t*>(staging + 8 * n);
+  res->store->SetMarks(p->new_rows, n, res->host->calls());   // brought in (and touched) by this call
   p->fresh = staging + 16 * n;
   return absl::OkStatus();
 }
@@ -428,6 +438,7 @@ absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d
     uint8_t* fresh = p->staging + 16 * n;
     const std::string error = res[i]->store->AddAbsent(keys(i), n, rows(i), fresh);
     if (!error.empty()) return Failed(*res[i], ": ", error);
+    res[i]->store->SetMarks(rows(i), n, res[i]->gpu->calls());   // brought in (and touched) by this call
     p->fresh_count = std::count(fresh, fresh + n, uint8_t{1});
     cudaMemcpyAsync(p->on_device, p->staging + 8 * n, 9 * n, cudaMemcpyHostToDevice,   // rows, then fresh flags
                     static_cast<cudaStream_t>(d.stream));
@@ -501,6 +512,9 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
     else
       FillRows(d, base, width, c.new_slots, c.num_new, a.fill);
   }
+  // the evicted keys' store marks: the call that last touched each (before their cache rows go to new keys)
+  if (moves && c.num_evicted > 0)
+    StoreMarks(d, c.evicted_slots, c.evicted_touched, plan.store_row_of, c.num_evicted, res->store->marks());
   if (moves && c.num_new > 0) SetStoreRows(d, plan.store_row_of, c.new_slots, plan.new_rows, c.num_new);
   return absl::OkStatus();
 }
@@ -515,6 +529,7 @@ Changes HostChanges(const impl::FindChanges& ch, int64_t positions) {
   c.num_new = static_cast<int64_t>(ch.new_slots.size());
   c.evicted_keys = ch.evicted_keys.data();
   c.evicted_slots = ch.evicted_slots.data();
+  c.evicted_touched = ch.evicted_touched.data();
   c.num_evicted = static_cast<int64_t>(ch.evicted_slots.size());
   return c;
 }
@@ -530,6 +545,7 @@ Changes DeviceChanges(const impl::GpuFindResult& r, int64_t positions) {
   c.num_new = r.num_new;
   c.evicted_keys = r.evicted_keys;
   c.evicted_slots = r.evicted_slots;
+  c.evicted_touched = r.evicted_touched;
   c.num_evicted = r.num_evicted;
   return c;
 }
@@ -1021,7 +1037,10 @@ class ImportOp : public tf::OpKernel {
     snap.next_free = counters.flat<int64_t>()(2);
     tf::mutex_lock l(res->mu);
     OP_REQUIRES_OK(ctx, ImportIndex(ctx, res.get(), snap));
-    if (res->store) OP_REQUIRES_OK(ctx, RelinkCache(ctx, res.get()));
+    if (res->store) {
+      res->store->ClearMarks();   // touches count from the import on, as the index's own marks
+      OP_REQUIRES_OK(ctx, RelinkCache(ctx, res.get()));
+    }
   }
 };
 
@@ -1144,6 +1163,28 @@ class HostLinkBandwidthOp : public tf::OpKernel {
   bool gpu_ = false;
 };
 
+// A hybrid table's store rows `picked` (every row when null) as outputs keys [n], rows [n, sum of
+// the arrays' widths] and widths, after the cached rows were written back (Flush).
+absl::Status StoreRowsOut(tf::OpKernelContext* ctx, const impl::HostStore& store, const std::vector<int64_t>* picked) {
+  const int64_t n = picked ? static_cast<int64_t>(picked->size()) : store.size();
+  int64_t total = 0;
+  for (int i = 0; i < store.num_arrays(); ++i) total += store.width(i);
+  tf::Tensor *keys = nullptr, *rows = nullptr, *widths = nullptr;
+  TF_RETURN_IF_ERROR(ctx->allocate_output(0, tf::TensorShape({n}), &keys));
+  TF_RETURN_IF_ERROR(ctx->allocate_output(1, tf::TensorShape({n, total}), &rows));
+  TF_RETURN_IF_ERROR(ctx->allocate_output(2, tf::TensorShape({store.num_arrays()}), &widths));
+  auto row = [&](int64_t j) { return picked ? (*picked)[j] : j; };
+  for (int64_t j = 0; j < n; ++j) keys->flat<int64_t>()(j) = store.keys()[row(j)];
+  float* out = rows->flat<float>().data();
+  for (int i = 0, at = 0; i < store.num_arrays(); at += store.width(i), ++i) {
+    widths->flat<int64_t>()(i) = store.width(i);
+    const int64_t w = store.width(i);
+    const float* base = store.base(i);
+    for (int64_t j = 0; j < n; ++j) std::copy(base + row(j) * w, base + (row(j) + 1) * w, out + j * total + at);
+  }
+  return absl::OkStatus();
+}
+
 class StoreExportOp : public tf::OpKernel {
  public:
   using tf::OpKernel::OpKernel;
@@ -1153,22 +1194,49 @@ class StoreExportOp : public tf::OpKernel {
     OP_REQUIRES(ctx, res->store != nullptr, Failed(*res, ": ", "has no host tier (it is not a hybrid table)"));
     tf::mutex_lock l(res->mu);
     OP_REQUIRES_OK(ctx, Flush(ctx, res.get()));
-    const impl::HostStore& store = *res->store;
-    const int64_t n = store.size();
-    int64_t total = 0;
-    for (int i = 0; i < store.num_arrays(); ++i) total += store.width(i);
-    tf::Tensor *keys = nullptr, *rows = nullptr, *widths = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({n}), &keys));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({n, total}), &rows));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, tf::TensorShape({store.num_arrays()}), &widths));
-    std::copy(store.keys().begin(), store.keys().end(), keys->flat<int64_t>().data());
-    float* out = rows->flat<float>().data();
-    for (int i = 0, at = 0; i < store.num_arrays(); at += store.width(i), ++i) {
-      widths->flat<int64_t>()(i) = store.width(i);
-      const int64_t w = store.width(i);
-      const float* base = store.base(i);
-      for (int64_t r = 0; r < n; ++r) std::copy(base + r * w, base + (r + 1) * w, out + r * total + at);
+    OP_REQUIRES_OK(ctx, StoreRowsOut(ctx, *res->store, nullptr));
+  }
+};
+
+class StoreTouchedSinceOp : public tf::OpKernel {
+ public:
+  using tf::OpKernel::OpKernel;
+  void Compute(tf::OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<IndexResource> res;
+    OP_REQUIRES_OK(ctx, GetIndex(ctx, &res));
+    OP_REQUIRES(ctx, res->store != nullptr, Failed(*res, ": ", "has no host tier (it is not a hybrid table)"));
+    const tf::Tensor& since = ctx->input(1);
+    OP_REQUIRES(ctx, since.dims() == 0, Failed(*res, ": ", "since must be a scalar (ns since the epoch)"));
+    const int64_t unix_ns = since.scalar<int64_t>()();
+    tf::mutex_lock l(res->mu);
+    OP_REQUIRES_OK(ctx, Flush(ctx, res.get()));   // (on a GPU: waits, so the kernels' marks are in)
+    std::vector<int64_t> cached_keys, cache_rows;
+    int64_t first = 0;
+#if TF_SOK_WITH_CUDA
+    if (res->gpu) {
+      TensorScratch scratch(ctx);
+      const std::string error = res->gpu->TouchedSince(MakeDevice<impl::GpuDevice>(ctx, &scratch), unix_ns,
+                                                       &cached_keys, &cache_rows);
+      OP_REQUIRES(ctx, error.empty(), Failed(*res, ": reading its touched keys: ", error));
+      first = res->gpu->FirstCallAtOrAfter(unix_ns);
     }
+#endif
+    if (res->host) {
+      res->host->TouchedSince(unix_ns, &cached_keys, &cache_rows);
+      first = res->host->FirstCallAtOrAfter(unix_ns);
+    }
+    const impl::HostStore& store = *res->store;
+    std::vector<uint8_t> pick(store.size(), 0);
+    const int64_t* marks = store.marks();
+    for (int64_t r = 0; r < store.size(); ++r) pick[r] = marks[r] >= first;
+    std::vector<int64_t> rows(cached_keys.size());
+    store.Rows(cached_keys.data(), static_cast<int64_t>(cached_keys.size()), rows.data());
+    for (int64_t r : rows)
+      if (r >= 0) pick[r] = 1;
+    std::vector<int64_t> picked;
+    for (int64_t r = 0; r < store.size(); ++r)
+      if (pick[r]) picked.push_back(r);
+    OP_REQUIRES_OK(ctx, StoreRowsOut(ctx, store, &picked));
   }
 };
 
@@ -1233,6 +1301,7 @@ REGISTER_KERNEL_BUILDER(Name("TfSokDynamicExport").Device(tf::DEVICE_CPU), Expor
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicTouchedSince").Device(tf::DEVICE_CPU), TouchedSinceOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicImport").Device(tf::DEVICE_CPU), ImportOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicStoreExport").Device(tf::DEVICE_CPU), StoreExportOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicStoreTouchedSince").Device(tf::DEVICE_CPU), StoreTouchedSinceOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicCacheStats").Device(tf::DEVICE_CPU), CacheStatsOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokHostLinkBandwidth").Device(tf::DEVICE_CPU), HostLinkBandwidthOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicStoreImport").Device(tf::DEVICE_CPU), StoreImportOp);
@@ -1270,6 +1339,14 @@ REGISTER_KERNEL_BUILDER(Name("TfSokDynamicStoreExport")
                             .HostMemory("rows")
                             .HostMemory("widths"),
                         StoreExportOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicStoreTouchedSince")
+                            .Device(tf::DEVICE_GPU)
+                            .HostMemory("index")
+                            .HostMemory("since")
+                            .HostMemory("keys")
+                            .HostMemory("rows")
+                            .HostMemory("widths"),
+                        StoreTouchedSinceOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicCacheStats").Device(tf::DEVICE_GPU).HostMemory("index").HostMemory("stats"),
                         CacheStatsOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokHostLinkBandwidth").Device(tf::DEVICE_GPU).HostMemory("gbps"), HostLinkBandwidthOp);

@@ -183,6 +183,26 @@ REGISTER_OP("TfSokDynamicImport")
     .SetShapeFn(::tensorflow::shape_inference::NoOutputs)
     .Doc("Replaces the index's contents with an export's (checked: an inconsistent one changes nothing).");
 
+REGISTER_OP("TfSokDynamicStoreTouchedSince")
+    .Input("index: resource")
+    .Input("since: int64")
+    .Output("keys: int64")
+    .Output("rows: float")
+    .Output("widths: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Matrix(c->UnknownDim(), c->UnknownDim()));
+      c->set_output(2, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+TfSokDynamicStoreExport's outputs for the keys of a hybrid table that a find with
+insert touched at or after `since` (ns since the epoch), since the table was made
+or restored: those cached (the cache's marks) and those written back to the host
+store after such a touch (the store's marks).
+)doc");
+
 REGISTER_OP("TfSokDynamicStoreExport")
     .Input("index: resource")
     .Output("keys: int64")
