@@ -234,6 +234,20 @@ def test_incremental_model_dump_of_a_hybrid_table_equals_the_plain_tables(rng, b
     assert set(sok.incremental_model_dump(hybrid, 0)[0].tolist()) == set(later.tolist())
 
 
+def test_sparse_read_and_evict_on_a_hybrid_table_evicts_nothing(rng):
+    """The keys a hybrid table's cache writes back stay in the table: sok.sparse_read_and_evict gives
+    the embeddings of the table without a tier and no evicted keys, while the cache evicts."""
+    plain, hybrid, _ = _tables("sre", 2)
+    pool = random_keys(rng, 40)
+    for _ in range(5):
+        ids = tf.constant(rng.choice(pool, 6))
+        got, ev_keys, ev_values = sok.sparse_read_and_evict(hybrid, ids)
+        np.testing.assert_array_equal(got.numpy(), tf.gather(plain, ids).numpy())
+        assert ev_keys.shape == (0,) and ev_values.shape == (0, DIM)
+    assert sok.cache_stats(hybrid)["evicted"] > 0
+    assert hybrid.size.numpy()[0] == plain.size.numpy()[0]
+
+
 def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplog):
     pool = random_keys(rng, 200)
     picks = [pool[rng.choice(200, rng.integers(1, 4), p=_zipf(200))].tolist() for _ in range(128)]

@@ -645,7 +645,8 @@ class FindOp : public tf::OpKernel {
     const std::string error = res->host->Find(keys.flat<int64_t>().data(), keys.NumElements(), insert_,
                                               slots->flat<int64_t>().data(), &ch, admit_all_, insert_ratio_);
     OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
-    const int64_t evicted = with_evicted_ ? static_cast<int64_t>(ch.evicted_keys.size()) : 0;
+    // a hybrid table's cache writes the keys it evicts back to the host tier: none leaves the table
+    const int64_t evicted = with_evicted_ && !res->store ? static_cast<int64_t>(ch.evicted_keys.size()) : 0;
     tf::Tensor *ev_keys = nullptr, *ev_values = nullptr;
     OP_REQUIRES_OK(ctx, EvictedOutputs(ctx, *res, evicted, &ev_keys, &ev_values));
     std::copy(ch.evicted_keys.begin(), ch.evicted_keys.begin() + evicted, ev_keys->flat<int64_t>().data());
@@ -653,7 +654,7 @@ class FindOp : public tf::OpKernel {
     TensorScratch scratch(ctx);
     OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, MakeDevice<impl::CpuDevice>(ctx, &scratch), res.get(),
                                          HostChanges(ch, keys.NumElements()),
-                                         with_evicted_ ? ev_values->flat<float>().data() : nullptr));
+                                         evicted > 0 ? ev_values->flat<float>().data() : nullptr));
   }
 
  private:
@@ -673,7 +674,7 @@ class FindOp : public tf::OpKernel {
     if (keys.NumElements() > 0)
       cudaMemcpyAsync(slots->flat<int64_t>().data(), r.slots, 8 * keys.NumElements(), cudaMemcpyDeviceToDevice,
                       stream);
-    const int64_t evicted = with_evicted_ ? r.num_evicted : 0;
+    const int64_t evicted = with_evicted_ && !res->store ? r.num_evicted : 0;   // (as on the host)
     tf::Tensor *ev_keys = nullptr, *ev_values = nullptr;
     OP_REQUIRES_OK(ctx, EvictedOutputs(ctx, *res, evicted, &ev_keys, &ev_values));
     if (evicted > 0)
@@ -681,7 +682,7 @@ class FindOp : public tf::OpKernel {
     if (!insert_) return;
     // stream-ordered: the scratch these read is reused only by work queued after them
     OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res, DeviceChanges(r, keys.NumElements()),
-                                         with_evicted_ ? ev_values->flat<float>().data() : nullptr));
+                                         evicted > 0 ? ev_values->flat<float>().data() : nullptr));
     clock.Mark(7);
   }
 #endif
