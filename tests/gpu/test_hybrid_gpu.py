@@ -185,3 +185,33 @@ def test_keys_touched_since_a_time_on_the_gpu_are_the_cpus(rng, policy):
         want = dict(zip(want_keys.tolist(), want_values))
         for key, value in zip(got_keys.tolist(), got_values):
             np.testing.assert_allclose(value, want[key], rtol=1e-4, atol=2e-5, err_msg=f"key {key}")
+
+
+@pytest.mark.parametrize("budget_rows", [40, 10**6])
+def test_a_bounded_gpu_hybrid_table_evicts_as_the_cpu_table_without_a_tier(rng, budget_rows):
+    """max_capacity on a GPU hybrid table (the keys the cache writes back come to the host with their
+    last touching calls; the host tier drops the least recently used): per call the evicted keys and
+    values of the bounded LRU table without a tier on the CPU, and the same keys and values after."""
+    kw = dict(initializer="normal", seed=6, max_capacity=600, evict_strategy="lru")
+    with tf.device("/GPU:0"):
+        hybrid = sok.DynamicVariable(DIM, name=f"gb{budget_rows}", var_type="hybrid",
+                                     max_hbm_for_vectors=_gib(budget_rows, [DIM]), **kw)
+    with tf.device("/CPU:0"):
+        plain = sok.DynamicVariable(DIM, name=f"cb{budget_rows}", **kw)
+    pool = random_keys(rng, 6000)
+    evicted = 0
+    for step in range(8):
+        ids = tf.constant(pool[rng.choice(len(pool), 400, p=_zipf(len(pool), 1.05))])
+        with tf.device("/GPU:0"):
+            gh, kh, vh = sok.sparse_read_and_evict(hybrid, ids)
+        with tf.device("/CPU:0"):
+            gp, kp, vp = sok.sparse_read_and_evict(plain, ids)
+        np.testing.assert_allclose(gh.numpy(), gp.numpy(), rtol=1e-6, atol=1e-7)
+        assert sorted(kh.numpy().tolist()) == sorted(kp.numpy().tolist()), step
+        want = dict(zip(kp.numpy().tolist(), vp.numpy()))
+        for key, value in zip(kh.numpy().tolist(), vh.numpy()):
+            np.testing.assert_allclose(value, want[key], rtol=1e-6, atol=1e-7)
+        evicted += len(kp.numpy())
+        assert hybrid.size.numpy()[0] == plain.size.numpy()[0] <= 600
+    assert evicted > 0
+    _assert_same_tables(hybrid, plain)

@@ -248,6 +248,40 @@ def test_sparse_read_and_evict_on_a_hybrid_table_evicts_nothing(rng):
     assert hybrid.size.numpy()[0] == plain.size.numpy()[0]
 
 
+@pytest.mark.parametrize("budget_rows", [0, 1, 6, 10**6])
+def test_a_bounded_hybrid_table_evicts_as_the_bounded_table_without_a_tier(rng, budget_rows):
+    """max_capacity on a hybrid table: its host tier drops the keys not cached of least recent use,
+    which are the keys an LRU table without a tier evicts: the same evicted keys and values per call
+    (sok.sparse_read_and_evict), the same keys, values and Adam state after training steps between,
+    at most max_capacity keys; a dropped key that comes back starts at its initial value."""
+    cls, hp = OPTIMIZERS["adam"]
+    widths = [DIM] + _slot_widths(cls(learning_rate=0.05, **hp))
+    kw = dict(initializer="normal", seed=3, max_capacity=30, evict_strategy="lru")
+    plain = sok.DynamicVariable(DIM, name=f"bp{budget_rows}", **kw)
+    hybrid = sok.DynamicVariable(DIM, name=f"bh{budget_rows}", var_type="hybrid",
+                                 max_hbm_for_vectors=_gib(budget_rows, widths), **kw)
+    opt_p, opt_h = cls(learning_rate=0.05, **hp), cls(learning_rate=0.05, **hp)
+    pool = random_keys(rng, 90)
+    evicted_total = 0
+    for step in range(10):
+        ids = tf.constant(rng.choice(pool, rng.integers(1, 9)))
+        (gp, kp, vp), (gh, kh, vh) = (sok.sparse_read_and_evict(t, ids) for t in (plain, hybrid))
+        np.testing.assert_allclose(gh.numpy(), gp.numpy(), rtol=1e-5, atol=1e-7)
+        assert sorted(kh.numpy().tolist()) == sorted(kp.numpy().tolist()), step
+        want = dict(zip(kp.numpy().tolist(), vp.numpy()))
+        for key, value in zip(kh.numpy().tolist(), vh.numpy()):
+            np.testing.assert_allclose(value, want[key], rtol=1e-5, atol=1e-7)
+        evicted_total += len(kp.numpy())
+        lens, keys = _batches(rng, pool, 1, batch=6)[0]
+        for table, opt in ((plain, opt_p), (hybrid, opt_h)):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(sok.lookup_sparse(table, to_ragged(lens, keys), combiners="sum") ** 2)
+            opt.apply_gradients([(tape.gradient(loss, table), table)])
+        assert hybrid.size.numpy()[0] == plain.size.numpy()[0] <= 30
+    assert evicted_total > 0
+    _assert_same_tables(plain, hybrid, opt_p, opt_h)
+
+
 def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplog):
     pool = random_keys(rng, 200)
     picks = [pool[rng.choice(200, rng.integers(1, 4), p=_zipf(200))].tolist() for _ in range(128)]
@@ -279,8 +313,8 @@ def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplo
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="max_hbm_for_vectors needs var_type=\"hybrid\""):
         sok.DynamicVariable(DIM, var_type="hbm", max_hbm_for_vectors=1)
-    with pytest.raises(ValueError, match="max_capacity .* is not supported"):
-        sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=1, max_capacity=100)
+    with pytest.raises(ValueError, match="with max_capacity drops the least recently used keys .*='lfu' is not"):
+        sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=1, max_capacity=100, evict_strategy="lfu")
     with pytest.raises(ValueError, match="must be a number of GiB >= 0, got -1"):
         sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=-1)
     with pytest.raises(ValueError, match="admits every key .* got min_frequency=2"):

@@ -76,16 +76,30 @@ std::string HostStore::Insert(const int64_t* keys, int64_t n, int64_t* rows, uin
 }
 
 std::string HostStore::AddAbsent(const int64_t* keys, int64_t n, int64_t* rows, uint8_t* fresh) {
+  // rows the last Bound dropped are free now: the device is done with them (the caller waited)
+  free_rows_.insert(free_rows_.end(), freed_.begin(), freed_.end());
+  freed_.clear();
   int64_t added = 0;
   for (int64_t j = 0; j < n; ++j) added += rows[j] < 0;
-  const std::string error = Reserve(count_ + added);
+  const std::string error = Reserve(count_ + std::max<int64_t>(0, added - static_cast<int64_t>(free_rows_.size())));
   if (!error.empty()) return error;
   for (int64_t j = 0; j < n; ++j) {
     fresh[j] = rows[j] < 0;
     if (rows[j] >= 0) continue;
-    const int64_t r = count_++;
+    int64_t r;
+    if (!free_rows_.empty()) {
+      r = free_rows_.back();
+      free_rows_.pop_back();
+      key_of_row_[r] = keys[j];
+    } else {
+      r = count_++;
+      key_of_row_.push_back(keys[j]);
+      alive_.push_back(0);
+      cached_.push_back(0);
+    }
     row_of_key_.Put(keys[j], r);
-    key_of_row_.push_back(keys[j]);
+    alive_[r] = 1;
+    cached_[r] = 0;
     marks_[r] = 0;
     for (Array& a : arrays_) std::fill(a.base + r * a.width, a.base + (r + 1) * a.width, a.fill);
     rows[j] = r;
@@ -113,12 +127,68 @@ std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector
   row_of_key_ = std::move(seen);
   key_of_row_.assign(keys, keys + n);
   count_ = n;
+  alive_.assign(n, 1);
+  cached_.assign(n, 0);
+  cached_count_ = 0;
+  free_rows_.clear();
+  freed_.clear();
   ClearMarks();
+  Requeue();
   return "";
 }
 
-void HostStore::SetMarks(const int64_t* rows, int64_t n, int64_t call) {
-  for (int64_t j = 0; j < n; ++j) marks_[rows[j]] = call;
+void HostStore::Loaded(const int64_t* rows, int64_t n, int64_t call) {
+  for (int64_t j = 0; j < n; ++j) {
+    cached_count_ += !cached_[rows[j]];
+    cached_[rows[j]] = 1;
+    marks_[rows[j]] = call;
+  }
+}
+
+void HostStore::WrittenBack(const int64_t* keys, const int64_t* calls, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t r = row_of_key_.Get(keys[j], -1);
+    if (r < 0) continue;
+    cached_count_ -= cached_[r];
+    cached_[r] = 0;
+    marks_[r] = calls[j];
+    if (max_keys_ > 0) queue_.emplace(calls[j], keys[j], r);
+  }
+}
+
+void HostStore::SetCached(const int64_t* rows, int64_t n) {
+  std::fill(cached_.begin(), cached_.end(), uint8_t{0});
+  cached_count_ = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    cached_count_ += !cached_[rows[j]];
+    cached_[rows[j]] = 1;
+  }
+  Requeue();
+}
+
+void HostStore::Requeue() {
+  queue_ = decltype(queue_)();
+  if (max_keys_ <= 0) return;
+  for (int64_t r = 0; r < count_; ++r)
+    if (alive_[r] && !cached_[r]) queue_.emplace(marks_ ? marks_[r] : 0, key_of_row_[r], r);
+}
+
+std::string HostStore::Bound(std::vector<int64_t>* keys, std::vector<int64_t>* rows) {
+  if (max_keys_ <= 0) return "";
+  while (size() > max_keys_ && !queue_.empty()) {
+    const auto [mark, key, r] = queue_.top();
+    queue_.pop();
+    if (!alive_[r] || cached_[r] || key_of_row_[r] != key || marks_[r] != mark) continue;   // stale entry
+    row_of_key_.Erase(key);
+    alive_[r] = 0;
+    freed_.push_back(r);
+    keys->push_back(key);
+    rows->push_back(r);
+  }
+  if (static_cast<int64_t>(queue_.size()) > 2 * size() + 1024) Requeue();   // stale entries piled up
+  if (size() <= max_keys_) return "";
+  return "cannot hold this batch's keys: " + std::to_string(cached_count_) + " keys are cached for it and " +
+         "max_capacity is " + std::to_string(max_keys_);
 }
 
 void HostStore::ClearMarks() {

@@ -15,8 +15,11 @@
 #define TF_SOK_CC_IMPL_HOST_STORE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <queue>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tf_sok/cc/impl/dynamic_index.h"
@@ -47,8 +50,11 @@ class HostStore {
   int64_t width(int a) const { return arrays_[a].width; }
   float* base(int a) { return arrays_[a].base; }
   const float* base(int a) const { return arrays_[a].base; }
-  int64_t size() const { return count_; }
-  // The key of each row, rows [0, size()).
+  int64_t size() const { return count_ - static_cast<int64_t>(free_rows_.size() + freed_.size()); }
+  // Rows [0, rows_used()) hold a key each, except rows a bound dropped (alive(r) false).
+  int64_t rows_used() const { return count_; }
+  bool alive(int64_t r) const { return alive_[r] != 0; }
+  // The key of each row, rows [0, rows_used()).
   const std::vector<int64_t>& keys() const { return key_of_row_; }
   // Per row, the index call that last touched its key as of the key's last move between cache and
   // store (the call that brought it in, or the last to touch it before it was written back): with
@@ -56,8 +62,22 @@ class HostStore {
   // GPU builds, where kernels write the marks of the rows they write back); 0 for rows added since.
   int64_t* marks() { return marks_; }
   const int64_t* marks() const { return marks_; }
-  void SetMarks(const int64_t* rows, int64_t n, int64_t call);
   void ClearMarks();
+
+  // A bound on the keys held (0: none). The cache's keys are tracked: Loaded marks rows taken into
+  // the cache by a call, WrittenBack the keys it wrote back (with the call that last touched each);
+  // Bound then drops the keys not cached of lowest (last touching call, key) -- the order in which
+  // an LRU table evicts, as the cache wrote back its least recently used keys first -- until at most
+  // max_keys remain, and lists them (their rows keep their contents until the next Insert /
+  // AddAbsent reuses them). It returns "" or, when the keys cached exceed the bound, an error (the
+  // store then holds them all).
+  void set_max_keys(int64_t max_keys) { max_keys_ = max_keys; }
+  int64_t max_keys() const { return max_keys_; }
+  void Loaded(const int64_t* rows, int64_t n, int64_t call);
+  void WrittenBack(const int64_t* keys, const int64_t* calls, int64_t n);
+  // Every key's cached mark cleared, then `rows` marked cached (after the cache was replaced).
+  void SetCached(const int64_t* rows, int64_t n);
+  std::string Bound(std::vector<int64_t>* keys, std::vector<int64_t>* rows);
 
   // rows[j]: the row of distinct keys[j], added (at the arrays' fills) when absent, in which case
   // fresh[j] = 1 (else 0). The arrays may move (grow); "" or an error (nothing added then).
@@ -79,9 +99,17 @@ class HostStore {
     int64_t width = 0;
     float fill = 0;
   };
+  void Requeue();   // the queue rebuilt from the keys not cached
   std::unique_ptr<HostMemory> memory_;
   KeyMap row_of_key_;
   std::vector<int64_t> key_of_row_;
+  std::vector<uint8_t> alive_, cached_;
+  std::vector<int64_t> free_rows_, freed_;   // reusable rows; rows dropped by the last Bound
+  int64_t max_keys_ = 0, cached_count_ = 0;
+  // keys not cached as (mark, key, row), lowest first; entries whose row changed since are skipped
+  std::priority_queue<std::tuple<int64_t, int64_t, int64_t>, std::vector<std::tuple<int64_t, int64_t, int64_t>>,
+                      std::greater<>>
+      queue_;
   std::vector<Array> arrays_;
   int64_t* marks_ = nullptr;
   int64_t count_ = 0, capacity_ = 0;

@@ -113,7 +113,9 @@ class IndexResource : public tf::ResourceBase {
       const tf::Tensor* t = a.var->tensor();
       row_bytes += 4 * (t->dims() == 2 ? t->dim_size(1) : 1);
     }
-    const int64_t max_keys = row_bytes > 0 ? cache_bytes / row_bytes : 0;
+    int64_t max_keys = row_bytes > 0 ? cache_bytes / row_bytes : 0;
+    // no more than the table may hold: its bound drops keys the cache wrote back
+    if (store && store->max_keys() > 0) max_keys = std::min(max_keys, store->max_keys());
 #if TF_SOK_WITH_CUDA
     if (gpu) {
       gpu->set_max_keys(max_keys);
@@ -142,6 +144,10 @@ class IndexOp : public tf::OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("seed", &seed_));
     OP_REQUIRES_OK(c, c->GetAttr("cache_bytes", &cache_bytes_));
     config_.cache = cache_bytes_ >= 0;
+    if (config_.cache) {   // a hybrid table's max_keys bounds its host tier; the cache's bound is its budget
+      store_max_keys_ = config_.max_keys;
+      config_.max_keys = 0;
+    }
     config_.evict = evict == "lru" ? impl::Evict::kLru : evict == "lfu" ? impl::Evict::kLfu : impl::Evict::kNone;
     kind_ = init == "uniform" ? 0 : init == "normal" ? 1 : init == "truncated_normal" ? 2 : 3;
     if (shared_name_.empty()) shared_name_ = name();
@@ -158,12 +164,18 @@ class IndexOp : public tf::OpKernel {
         r->memory = std::make_unique<AllocatorMemory>(ctx->device()->GetAllocator(tf::AllocatorAttributes()));
         r->gpu = std::make_unique<impl::GpuDynamicIndex>(config_, r->memory.get());
         r->pinned = impl::NewPinnedHostMemory();
-        if (cache_bytes_ >= 0) r->store = std::make_unique<impl::HostStore>(impl::NewPinnedHostMemory());
+        if (cache_bytes_ >= 0) {
+          r->store = std::make_unique<impl::HostStore>(impl::NewPinnedHostMemory());
+          r->store->set_max_keys(store_max_keys_);
+        }
         *out = r;
         return absl::OkStatus();
       }
 #endif
-      if (cache_bytes_ >= 0) r->store = std::make_unique<impl::HostStore>(impl::NewPlainHostMemory());
+      if (cache_bytes_ >= 0) {
+        r->store = std::make_unique<impl::HostStore>(impl::NewPlainHostMemory());
+        r->store->set_max_keys(store_max_keys_);
+      }
       r->host = std::make_unique<impl::DynamicIndex>(config_);
       *out = r;
       return absl::OkStatus();
@@ -176,7 +188,7 @@ class IndexOp : public tf::OpKernel {
  private:
   std::string container_, shared_name_, table_;
   impl::DynamicIndexConfig config_;
-  int64_t dim_ = 0, seed_ = 0, cache_bytes_ = -1;
+  int64_t dim_ = 0, seed_ = 0, cache_bytes_ = -1, store_max_keys_ = 0;
   int kind_ = 0;
   float a_ = 0, b_ = 0;
 };
@@ -316,7 +328,30 @@ struct StorePlan {
   bool planned = false;
   uint8_t* staging = nullptr;     // on a GPU: [new keys | their store rows | fresh flags] on the host
   uint8_t* on_device = nullptr;   // [store rows | fresh flags] on the device
+  // a bounded host tier: the keys the cache wrote back and their last touching calls (on a GPU, in
+  // staging after the new keys' lists), and the keys the bound dropped from the table, with their rows
+  const int64_t* written_back = nullptr;
+  const int64_t* written_back_calls = nullptr;
+  int64_t num_written_back = 0;
+  std::vector<int64_t> dropped_keys, dropped_rows;
 };
+
+// Whether the store plan of a call needs the device's lists on the host (new keys; with a bound,
+// the keys written back too).
+bool PlanReadsBack(const IndexResource& r, const Changes& c) {
+  return c.num_new > 0 || (r.store->max_keys() > 0 && c.num_evicted > 0);
+}
+
+// After a call's new keys have store rows: they are cached, the keys written back are not, and the
+// bound drops the least recently used others.
+absl::Status TrackCache(IndexResource* res, const int64_t* new_rows, int64_t n, int64_t call, StorePlan* p) {
+  impl::HostStore& store = *res->store;
+  store.Loaded(new_rows, n, call);
+  if (store.max_keys() <= 0) return absl::OkStatus();
+  store.WrittenBack(p->written_back, p->written_back_calls, p->num_written_back);
+  const std::string error = store.Bound(&p->dropped_keys, &p->dropped_rows);
+  return error.empty() ? absl::OkStatus() : Failed(*res, " ", error);
+}
 
 // The store rows of distinct keys (inserted when absent) into staging [keys | rows | fresh flags].
 absl::Status StoreRowsOnHost(tf::OpKernelContext* ctx, IndexResource* res, const int64_t* keys, int64_t n,
@@ -343,14 +378,16 @@ absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::CpuDevice& d, Index
                        StorePlan* p) {
   TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, c.rows, &p->store_row_of));
   const int64_t n = c.num_new;
-  if (n == 0) return absl::OkStatus();
-  uint8_t* staging = res->Staging(17 * n);
+  p->written_back = c.evicted_keys;
+  p->written_back_calls = c.evicted_touched;
+  p->num_written_back = c.num_evicted;
+  if (!PlanReadsBack(*res, c)) return absl::OkStatus();
+  uint8_t* staging = res->Staging(17 * std::max<int64_t>(n, 1));
   std::copy(c.new_keys, c.new_keys + n, reinterpret_cast<int64_t*>(staging));
   TF_RETURN_IF_ERROR(StoreRowsOnHost(ctx, res, reinterpret_cast<int64_t*>(staging), n, staging, &p->fresh_count));
   p->new_rows = reinterpret_cast<const int64_t*>(staging + 8 * n);
-  res->store->SetMarks(p->new_rows, n, res->host->calls());   // brought in (and touched) by this call
   p->fresh = staging + 16 * n;
-  return absl::OkStatus();
+  return TrackCache(res, p->new_rows, n, res->host->calls(), p);
 }
 
 void SetStoreRows(const impl::CpuDevice&, int64_t* store_row_of, const int64_t* cache_rows, const int64_t* rows,
@@ -390,19 +427,30 @@ absl::Status StoreRowArray(tf::OpKernelContext*, const impl::GpuDevice& d, Index
   return absl::OkStatus();
 }
 
-// The new keys start back to the host; once they are there (the caller waits), FinishStorePlan has
-// the host store give their rows (looked up on the host's threads), which go to the device. Evicted
+// The new keys start back to the host (with a bound on the host tier, the keys written back and
+// their last touching calls too); once they are there (the caller waits), FinishStorePlan has the
+// host store give their rows (looked up on the host's threads), which go to the device. Evicted
 // rows need no lookup (store_row_of has them).
 absl::Status StartStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
                             const Changes& c, StorePlan* p) {
   TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, c.rows, &p->store_row_of));
-  const int64_t n = c.num_new;
-  if (n == 0) return absl::OkStatus();
-  p->staging = res->Staging(17 * n);
-  p->on_device = static_cast<uint8_t*>(d.scratch->Allocate(9 * n));
+  const int64_t n = c.num_new, k = res->store->max_keys() > 0 ? c.num_evicted : 0;
+  if (n == 0 && k == 0) return absl::OkStatus();
+  const int64_t at = (17 * n + 7) / 8 * 8;   // the written-back lists, 8-byte aligned
+  const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+  p->staging = res->Staging(at + 16 * k);
+  p->on_device = static_cast<uint8_t*>(d.scratch->Allocate(9 * std::max<int64_t>(n, 1)));
   if (!p->staging || !p->on_device)
     return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of memory");
-  cudaMemcpyAsync(p->staging, c.new_keys, 8 * n, cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(d.stream));
+  if (n > 0) cudaMemcpyAsync(p->staging, c.new_keys, 8 * n, cudaMemcpyDeviceToHost, stream);
+  if (k > 0) {
+    auto* lists = reinterpret_cast<int64_t*>(p->staging + at);
+    cudaMemcpyAsync(lists, c.evicted_keys, 8 * k, cudaMemcpyDeviceToHost, stream);
+    cudaMemcpyAsync(lists + k, c.evicted_touched, 8 * k, cudaMemcpyDeviceToHost, stream);
+    p->written_back = lists;
+    p->written_back_calls = lists + k;
+    p->num_written_back = k;
+  }
   return absl::OkStatus();
 }
 
@@ -415,7 +463,6 @@ absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d
   const size_t tables = res.size();
   std::vector<int64_t> start(tables + 1, 0);   // table i's keys: [start[i], start[i + 1]) of all
   for (size_t i = 0; i < tables; ++i) start[i + 1] = start[i] + ((*plans)[i].planned ? num_new[i] : 0);
-  if (start.back() == 0) return absl::OkStatus();
   auto keys = [&](size_t i) { return reinterpret_cast<int64_t*>((*plans)[i].staging); };
   auto rows = [&](size_t i) { return reinterpret_cast<int64_t*>((*plans)[i].staging + 8 * num_new[i]); };
   auto lookup = [&](int64_t begin, int64_t end) {
@@ -429,21 +476,23 @@ absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d
   const impl::CpuDevice host = MakeDevice<impl::CpuDevice>(ctx, &scratch);
   if (start.back() > 4096)
     host.parallel_for(start.back(), 200, lookup);
-  else
+  else if (start.back() > 0)
     lookup(0, start.back());
   for (size_t i = 0; i < tables; ++i) {
     StorePlan* p = &(*plans)[i];
     const int64_t n = num_new[i];
-    if (!p->planned || n == 0) continue;
-    uint8_t* fresh = p->staging + 16 * n;
-    const std::string error = res[i]->store->AddAbsent(keys(i), n, rows(i), fresh);
-    if (!error.empty()) return Failed(*res[i], ": ", error);
-    res[i]->store->SetMarks(rows(i), n, res[i]->gpu->calls());   // brought in (and touched) by this call
-    p->fresh_count = std::count(fresh, fresh + n, uint8_t{1});
-    cudaMemcpyAsync(p->on_device, p->staging + 8 * n, 9 * n, cudaMemcpyHostToDevice,   // rows, then fresh flags
-                    static_cast<cudaStream_t>(d.stream));
-    p->new_rows = reinterpret_cast<const int64_t*>(p->on_device);
-    p->fresh = p->on_device + 8 * n;
+    if (!p->planned) continue;
+    if (n > 0) {
+      uint8_t* fresh = p->staging + 16 * n;
+      const std::string error = res[i]->store->AddAbsent(keys(i), n, rows(i), fresh);
+      if (!error.empty()) return Failed(*res[i], ": ", error);
+      p->fresh_count = std::count(fresh, fresh + n, uint8_t{1});
+      cudaMemcpyAsync(p->on_device, p->staging + 8 * n, 9 * n, cudaMemcpyHostToDevice,   // rows, then fresh flags
+                      static_cast<cudaStream_t>(d.stream));
+      p->new_rows = reinterpret_cast<const int64_t*>(p->on_device);
+      p->fresh = p->on_device + 8 * n;
+    }
+    TF_RETURN_IF_ERROR(TrackCache(res[i], n > 0 ? rows(i) : nullptr, n, res[i]->gpu->calls(), p));
   }
   return absl::OkStatus();
 }
@@ -451,7 +500,7 @@ absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d
 absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res, const Changes& c,
                        StorePlan* p) {
   TF_RETURN_IF_ERROR(StartStorePlan(ctx, d, res, c, p));
-  if (c.num_new > 0) TF_RETURN_IF_ERROR(CudaWait(static_cast<cudaStream_t>(d.stream)));
+  if (PlanReadsBack(*res, c)) TF_RETURN_IF_ERROR(CudaWait(static_cast<cudaStream_t>(d.stream)));
   p->planned = true;
   std::vector<StorePlan> one = {*p};
   TF_RETURN_IF_ERROR(FinishStorePlans(ctx, d, {res}, {c.num_new}, &one));
@@ -471,7 +520,9 @@ void SetStoreRows(const impl::GpuDevice& d, int64_t* store_row_of, const int64_t
 // planned: the store plan when the caller made it (several tables' with one wait).
 template <typename Device>
 absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexResource* res, const Changes& c,
-                              float* evicted_values, StorePlan plan = StorePlan()) {
+                              float* evicted_values, StorePlan* given = nullptr) {
+  StorePlan local;
+  StorePlan& plan = given ? *given : local;
   const bool moves = res->store && (c.num_new > 0 || c.num_evicted > 0);
   if (res->store && !plan.planned) TF_RETURN_IF_ERROR(PlanStore(ctx, d, res, c, &plan));
   if (res->store) {
@@ -617,6 +668,35 @@ class StageClock {
 };
 #endif
 
+// A hybrid table's evicted outputs: the keys its host tier's bound dropped in the call (with_evicted:
+// else none) and their values, read from the tier's rows (after the call's moves into them).
+absl::Status DroppedOutputs(tf::OpKernelContext* ctx, const impl::CpuDevice&, const IndexResource& res,
+                            const StorePlan& plan, bool with_evicted) {
+  const int64_t n = with_evicted ? static_cast<int64_t>(plan.dropped_keys.size()) : 0;
+  tf::Tensor *keys = nullptr, *values = nullptr;
+  TF_RETURN_IF_ERROR(EvictedOutputs(ctx, res, n, &keys, &values));
+  std::copy(plan.dropped_keys.begin(), plan.dropped_keys.begin() + n, keys->flat<int64_t>().data());
+  impl::GatherRows(res.store->base(0), res.dim, plan.dropped_rows.data(), n, values->flat<float>().data());
+  return absl::OkStatus();
+}
+#if TF_SOK_WITH_CUDA
+absl::Status DroppedOutputs(tf::OpKernelContext* ctx, const impl::GpuDevice& d, const IndexResource& res,
+                            const StorePlan& plan, bool with_evicted) {
+  const int64_t n = with_evicted ? static_cast<int64_t>(plan.dropped_keys.size()) : 0;
+  tf::Tensor *keys = nullptr, *values = nullptr;
+  TF_RETURN_IF_ERROR(EvictedOutputs(ctx, res, n, &keys, &values));
+  if (n == 0) return absl::OkStatus();
+  const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+  auto* rows = static_cast<int64_t*>(d.scratch->Allocate(8 * n));
+  if (!rows) return absl::ResourceExhaustedError("dynamic table '" + res.table + "': out of GPU memory");
+  // (from pageable memory: the copies have read their sources when they return)
+  cudaMemcpyAsync(keys->flat<int64_t>().data(), plan.dropped_keys.data(), 8 * n, cudaMemcpyHostToDevice, stream);
+  cudaMemcpyAsync(rows, plan.dropped_rows.data(), 8 * n, cudaMemcpyHostToDevice, stream);
+  impl::GpuGatherRows(d, res.store->base(0), res.dim, rows, n, values->flat<float>().data());
+  return absl::OkStatus();
+}
+#endif
+
 class FindOp : public tf::OpKernel {
  public:
   explicit FindOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
@@ -645,15 +725,21 @@ class FindOp : public tf::OpKernel {
     const std::string error = res->host->Find(keys.flat<int64_t>().data(), keys.NumElements(), insert_,
                                               slots->flat<int64_t>().data(), &ch, admit_all_, insert_ratio_);
     OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
-    // a hybrid table's cache writes the keys it evicts back to the host tier: none leaves the table
-    const int64_t evicted = with_evicted_ && !res->store ? static_cast<int64_t>(ch.evicted_keys.size()) : 0;
+    TensorScratch scratch(ctx);
+    const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+    if (res->store) {   // the keys its cache evicts stay in the host tier; those its bound drops leave
+      StorePlan plan;
+      if (insert_) OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res.get(), HostChanges(ch, keys.NumElements()),
+                                                        nullptr, &plan));
+      OP_REQUIRES_OK(ctx, DroppedOutputs(ctx, d, *res, plan, with_evicted_));
+      return;
+    }
+    const int64_t evicted = with_evicted_ ? static_cast<int64_t>(ch.evicted_keys.size()) : 0;
     tf::Tensor *ev_keys = nullptr, *ev_values = nullptr;
     OP_REQUIRES_OK(ctx, EvictedOutputs(ctx, *res, evicted, &ev_keys, &ev_values));
     std::copy(ch.evicted_keys.begin(), ch.evicted_keys.begin() + evicted, ev_keys->flat<int64_t>().data());
     if (!insert_) return;
-    TensorScratch scratch(ctx);
-    OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, MakeDevice<impl::CpuDevice>(ctx, &scratch), res.get(),
-                                         HostChanges(ch, keys.NumElements()),
+    OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res.get(), HostChanges(ch, keys.NumElements()),
                                          evicted > 0 ? ev_values->flat<float>().data() : nullptr));
   }
 
@@ -674,7 +760,15 @@ class FindOp : public tf::OpKernel {
     if (keys.NumElements() > 0)
       cudaMemcpyAsync(slots->flat<int64_t>().data(), r.slots, 8 * keys.NumElements(), cudaMemcpyDeviceToDevice,
                       stream);
-    const int64_t evicted = with_evicted_ && !res->store ? r.num_evicted : 0;   // (as on the host)
+    if (res->store) {   // (as on the host)
+      StorePlan plan;
+      if (insert_) OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res, DeviceChanges(r, keys.NumElements()), nullptr,
+                                                        &plan));
+      OP_REQUIRES_OK(ctx, DroppedOutputs(ctx, d, *res, plan, with_evicted_));
+      clock.Mark(7);
+      return;
+    }
+    const int64_t evicted = with_evicted_ ? r.num_evicted : 0;
     tf::Tensor *ev_keys = nullptr, *ev_values = nullptr;
     OP_REQUIRES_OK(ctx, EvictedOutputs(ctx, *res, evicted, &ev_keys, &ev_values));
     if (evicted > 0)
@@ -800,7 +894,7 @@ class FindManyOp : public tf::OpKernel {
       if (r->store) {
         OP_REQUIRES_OK(ctx, StartStorePlan(ctx, d, r, DeviceChanges(found[i], keys.NumElements()), &plans[i]));
         plans[i].planned = true;
-        wait |= found[i].num_new > 0;
+        wait |= PlanReadsBack(*r, DeviceChanges(found[i], keys.NumElements()));
       }
     }
     if (wait) OP_REQUIRES_OK(ctx, CudaWait(stream));
@@ -815,7 +909,7 @@ class FindManyOp : public tf::OpKernel {
     clock.Mark(7);
     for (int i = 0; i < n; ++i) {
       const Changes c = DeviceChanges(found[i], ctx->input(n + i).NumElements());
-      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res[i].get(), c, nullptr, plans[i]));
+      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res[i].get(), c, nullptr, &plans[i]));
     }
   }
 #endif
@@ -1091,6 +1185,7 @@ absl::Status RelinkCache(tf::OpKernelContext* ctx, IndexResource* res) {
   int64_t fresh = 0;
   TF_RETURN_IF_ERROR(StoreRowsOnHost(ctx, res, snap.keys.data(), n, staging, &fresh));
   const auto* rows = reinterpret_cast<const int64_t*>(staging + 8 * n);
+  res->store->SetCached(rows, n);
   TensorScratch scratch(ctx);
 #if TF_SOK_WITH_CUDA
   if (res->gpu) {
@@ -1164,17 +1259,23 @@ class HostLinkBandwidthOp : public tf::OpKernel {
   bool gpu_ = false;
 };
 
-// A hybrid table's store rows `picked` (every row when null) as outputs keys [n], rows [n, sum of
+// A hybrid table's store rows `picked` (every key's when null) as outputs keys [n], rows [n, sum of
 // the arrays' widths] and widths, after the cached rows were written back (Flush).
 absl::Status StoreRowsOut(tf::OpKernelContext* ctx, const impl::HostStore& store, const std::vector<int64_t>* picked) {
-  const int64_t n = picked ? static_cast<int64_t>(picked->size()) : store.size();
+  std::vector<int64_t> every;
+  if (!picked) {
+    for (int64_t r = 0; r < store.rows_used(); ++r)
+      if (store.alive(r)) every.push_back(r);
+    picked = &every;
+  }
+  const int64_t n = static_cast<int64_t>(picked->size());
   int64_t total = 0;
   for (int i = 0; i < store.num_arrays(); ++i) total += store.width(i);
   tf::Tensor *keys = nullptr, *rows = nullptr, *widths = nullptr;
   TF_RETURN_IF_ERROR(ctx->allocate_output(0, tf::TensorShape({n}), &keys));
   TF_RETURN_IF_ERROR(ctx->allocate_output(1, tf::TensorShape({n, total}), &rows));
   TF_RETURN_IF_ERROR(ctx->allocate_output(2, tf::TensorShape({store.num_arrays()}), &widths));
-  auto row = [&](int64_t j) { return picked ? (*picked)[j] : j; };
+  auto row = [&](int64_t j) { return (*picked)[j]; };
   for (int64_t j = 0; j < n; ++j) keys->flat<int64_t>()(j) = store.keys()[row(j)];
   float* out = rows->flat<float>().data();
   for (int i = 0, at = 0; i < store.num_arrays(); at += store.width(i), ++i) {
@@ -1227,15 +1328,15 @@ class StoreTouchedSinceOp : public tf::OpKernel {
       first = res->host->FirstCallAtOrAfter(unix_ns);
     }
     const impl::HostStore& store = *res->store;
-    std::vector<uint8_t> pick(store.size(), 0);
+    std::vector<uint8_t> pick(store.rows_used(), 0);
     const int64_t* marks = store.marks();
-    for (int64_t r = 0; r < store.size(); ++r) pick[r] = marks[r] >= first;
+    for (int64_t r = 0; r < store.rows_used(); ++r) pick[r] = store.alive(r) && marks[r] >= first;
     std::vector<int64_t> rows(cached_keys.size());
     store.Rows(cached_keys.data(), static_cast<int64_t>(cached_keys.size()), rows.data());
     for (int64_t r : rows)
       if (r >= 0) pick[r] = 1;
     std::vector<int64_t> picked;
-    for (int64_t r = 0; r < store.size(); ++r)
+    for (int64_t r = 0; r < store.rows_used(); ++r)
       if (pick[r]) picked.push_back(r);
     OP_REQUIRES_OK(ctx, StoreRowsOut(ctx, store, &picked));
   }
