@@ -249,11 +249,12 @@ def test_sparse_read_and_evict_on_a_hybrid_table_evicts_nothing(rng):
 
 
 @pytest.mark.parametrize("budget_rows", [0, 1, 6, 10**6])
-def test_a_bounded_hybrid_table_evicts_as_the_bounded_table_without_a_tier(rng, budget_rows):
+def test_a_bounded_hybrid_table_evicts_as_the_bounded_table_without_a_tier(rng, budget_rows, tmp_path):
     """max_capacity on a hybrid table: its host tier drops the keys not cached of least recent use,
     which are the keys an LRU table without a tier evicts: the same evicted keys and values per call
     (sok.sparse_read_and_evict), the same keys, values and Adam state after training steps between,
-    at most max_capacity keys; a dropped key that comes back starts at its initial value."""
+    at most max_capacity keys; a dropped key that comes back starts at its initial value. Both
+    tables restored from checkpoints midway go on alike (the order of last use comes back)."""
     cls, hp = OPTIMIZERS["adam"]
     widths = [DIM] + _slot_widths(cls(learning_rate=0.05, **hp))
     kw = dict(initializer="normal", seed=3, max_capacity=30, evict_strategy="lru")
@@ -263,7 +264,13 @@ def test_a_bounded_hybrid_table_evicts_as_the_bounded_table_without_a_tier(rng, 
     opt_p, opt_h = cls(learning_rate=0.05, **hp), cls(learning_rate=0.05, **hp)
     pool = random_keys(rng, 90)
     evicted_total = 0
-    for step in range(10):
+    checkpoints = [tf.train.Checkpoint(table=t, opt=o) for t, o in ((plain, opt_p), (hybrid, opt_h))]
+    for step in range(12):
+        if step == 4:
+            paths = [c.write(str(tmp_path / f"c{i}")) for i, c in enumerate(checkpoints)]
+        if step == 7:
+            for c, path in zip(checkpoints, paths):
+                c.read(path).assert_consumed()
         ids = tf.constant(rng.choice(pool, rng.integers(1, 9)))
         (gp, kp, vp), (gh, kh, vh) = (sok.sparse_read_and_evict(t, ids) for t in (plain, hybrid))
         np.testing.assert_allclose(gh.numpy(), gp.numpy(), rtol=1e-5, atol=1e-7)

@@ -132,7 +132,9 @@ std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector
   cached_count_ = 0;
   free_rows_.clear();
   freed_.clear();
-  ClearMarks();
+  // keys come in the order a bound drops them (an export of a bounded store): before every key used
+  // after this, in that order (marks below the first call's, so not touched since any time)
+  for (int64_t j = 0; j < n; ++j) marks_[j] = j - n;
   Requeue();
   return "";
 }

@@ -89,7 +89,8 @@ class HostStore {
   // Insert's second half, after Rows: distinct keys[j] with rows[j] < 0 are added (at the arrays'
   // fills) and get their row, fresh[j] = 1 (else 0). "" or an error (nothing added then).
   std::string AddAbsent(const int64_t* keys, int64_t n, int64_t* rows, uint8_t* fresh);
-  // Replaces the contents: keys[n] and, per array, its rows data[a] ([n, width(a)]).
+  // Replaces the contents: keys[n] and, per array, its rows data[a] ([n, width(a)]). A bound drops
+  // the keys not cached in the order given (before any key a later call touches).
   std::string Replace(const int64_t* keys, int64_t n, const std::vector<const float*>& data);
 
  private:

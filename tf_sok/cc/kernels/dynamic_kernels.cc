@@ -3,6 +3,7 @@
 // device); the rows it hands out index the table's value and state arrays, which
 // the lookup and optimizer kernels read and update like a static table's.
 #include <algorithm>
+#include <tuple>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -1296,7 +1297,33 @@ class StoreExportOp : public tf::OpKernel {
     OP_REQUIRES(ctx, res->store != nullptr, Failed(*res, ": ", "has no host tier (it is not a hybrid table)"));
     tf::mutex_lock l(res->mu);
     OP_REQUIRES_OK(ctx, Flush(ctx, res.get()));
-    OP_REQUIRES_OK(ctx, StoreRowsOut(ctx, *res->store, nullptr));
+    const impl::HostStore& store = *res->store;
+    if (store.max_keys() <= 0) {
+      OP_REQUIRES_OK(ctx, StoreRowsOut(ctx, store, nullptr));
+      return;
+    }
+    // a bounded store's keys in the order its bound drops them (restored so): those not cached by
+    // (last touching call, key), then the cached ones by (cache score, key)
+    impl::DynamicIndexSnapshot snap;
+    OP_REQUIRES_OK(ctx, ExportIndex(ctx, res.get(), &snap));
+    std::vector<int64_t> cached_rows(snap.keys.size());
+    store.Rows(snap.keys.data(), static_cast<int64_t>(snap.keys.size()), cached_rows.data());
+    std::vector<uint8_t> cached(store.rows_used(), 0);
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> hot;   // (score, key, row)
+    for (size_t j = 0; j < snap.keys.size(); ++j) {
+      if (cached_rows[j] < 0) continue;
+      cached[cached_rows[j]] = 1;
+      hot.emplace_back(snap.scores[j], snap.keys[j], cached_rows[j]);
+    }
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> cold;  // (mark, key, row)
+    for (int64_t r = 0; r < store.rows_used(); ++r)
+      if (store.alive(r) && !cached[r]) cold.emplace_back(store.marks()[r], store.keys()[r], r);
+    std::sort(cold.begin(), cold.end());
+    std::sort(hot.begin(), hot.end());
+    std::vector<int64_t> picked;
+    for (const auto& c : cold) picked.push_back(std::get<2>(c));
+    for (const auto& h : hot) picked.push_back(std::get<2>(h));
+    OP_REQUIRES_OK(ctx, StoreRowsOut(ctx, store, &picked));
   }
 };
 
