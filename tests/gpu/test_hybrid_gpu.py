@@ -214,4 +214,9 @@ def test_a_bounded_gpu_hybrid_table_evicts_as_the_cpu_table_without_a_tier(rng, 
         evicted += len(kp.numpy())
         assert hybrid.size.numpy()[0] == plain.size.numpy()[0] <= 600
     assert evicted > 0
+    size = hybrid.size.numpy()[0]
+    with tf.device("/GPU:0"), pytest.raises(tf.errors.InvalidArgumentError,
+                                            match=f"'gb{budget_rows}' cannot hold this batch's keys"):
+        tf.gather(hybrid, tf.constant(pool[:700]))     # 700 distinct keys, max_capacity 600
+    assert hybrid.size.numpy()[0] == size
     _assert_same_tables(hybrid, plain)

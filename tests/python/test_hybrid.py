@@ -289,6 +289,32 @@ def test_a_bounded_hybrid_table_evicts_as_the_bounded_table_without_a_tier(rng, 
     _assert_same_tables(plain, hybrid, opt_p, opt_h)
 
 
+@pytest.mark.parametrize("budget_rows", [2, 10**6])
+def test_a_batch_over_a_bounded_hybrid_tables_capacity_is_refused_unchanged(rng, budget_rows):
+    """A lookup whose own keys exceed a hybrid table's max_capacity is an InvalidArgumentError naming
+    the table (as for the table without a tier), and the table is unchanged: same keys and values,
+    and it goes on training alike."""
+    plain = sok.DynamicVariable(DIM, initializer="normal", seed=3, name="over_p", max_capacity=5,
+                                evict_strategy="lru")
+    hybrid = sok.DynamicVariable(DIM, initializer="normal", seed=3, name="over_h", max_capacity=5,
+                                 var_type="hybrid", max_hbm_for_vectors=_gib(budget_rows, [DIM]))
+    pool = random_keys(rng, 20)
+    for t in (plain, hybrid):
+        tf.gather(t, tf.constant(pool[:4]))
+    before = _state(hybrid, None)
+    for t, name in ((plain, "over_p"), (hybrid, "over_h")):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=f"dynamic table '{name}' cannot hold this batch's keys: it uses 8 distinct keys "
+                                 f"and max_capacity is 5"):
+            tf.gather(t, tf.constant(pool[4:12]))
+    assert {k: v[0].tolist() for k, v in _state(hybrid, None).items()} == \
+        {k: v[0].tolist() for k, v in before.items()}
+    for _ in range(3):
+        ids = tf.constant(rng.choice(pool, 4))
+        np.testing.assert_array_equal(tf.gather(hybrid, ids).numpy(), tf.gather(plain, ids).numpy())
+    _assert_same_tables(plain, hybrid)
+
+
 def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplog):
     pool = random_keys(rng, 200)
     picks = [pool[rng.choice(200, rng.integers(1, 4), p=_zipf(200))].tolist() for _ in range(128)]

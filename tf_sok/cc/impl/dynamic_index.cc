@@ -154,6 +154,11 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
     }
   }
   // 3. room: evict the lowest-scored rows this call did not touch (score, then key, ascending)
+  if (config_.cache && config_.table_max_keys > 0 &&
+      static_cast<int64_t>(found_rows.size()) + admitted > config_.table_max_keys) {
+    return "cannot hold this batch's keys: it uses " + std::to_string(found_rows.size() + admitted) +
+           " distinct keys and max_capacity is " + std::to_string(config_.table_max_keys);
+  }
   std::vector<int64_t> victims;
   if (config_.bounded() && live_ + admitted > config_.max_keys) {
     int64_t need = live_ + admitted - config_.max_keys;

@@ -37,6 +37,8 @@ struct DynamicIndexConfig {
   // a cache over a host store (hybrid tables): max_keys bounds the keys held between calls (0: none),
   // but a call whose own keys exceed it holds them all (evicting every other key) instead of failing
   bool cache = false;
+  // a cache of a bounded table (max_capacity on a hybrid table): a call's own keys may not exceed it
+  int64_t table_max_keys = 0;
   bool bounded() const { return cache || max_keys > 0; }
 };
 

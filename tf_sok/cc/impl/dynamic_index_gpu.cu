@@ -726,6 +726,10 @@ std::string GpuDynamicIndex::FinishCommit(const GpuDevice& d, GpuFindPending* p,
   int64_t k = p->k;
   if (k > 0) {
     const int64_t* rows = p->evictable;
+    if (config_.cache && config_.table_max_keys > 0 && live_ - c + a > config_.table_max_keys) {
+      return "cannot hold this batch's keys: it uses " + std::to_string(live_ - c + a) +
+             " distinct keys and max_capacity is " + std::to_string(config_.table_max_keys);
+    }
     if (config_.cache) k = std::min(k, c);   // a cache holds this call's keys, whatever their number
     if (c < k) {  // live rows not evictable: the ones this batch found
       return "cannot hold this batch's keys: it uses " + std::to_string(live_ - c + a) +

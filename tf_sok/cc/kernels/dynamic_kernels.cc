@@ -147,6 +147,7 @@ class IndexOp : public tf::OpKernel {
     config_.cache = cache_bytes_ >= 0;
     if (config_.cache) {   // a hybrid table's max_keys bounds its host tier; the cache's bound is its budget
       store_max_keys_ = config_.max_keys;
+      config_.table_max_keys = config_.max_keys;
       config_.max_keys = 0;
     }
     config_.evict = evict == "lru" ? impl::Evict::kLru : evict == "lfu" ? impl::Evict::kLfu : impl::Evict::kNone;
