@@ -315,7 +315,10 @@ def test_a_batch_over_a_bounded_hybrid_tables_capacity_is_refused_unchanged(rng,
     _assert_same_tables(plain, hybrid)
 
 
-def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplog):
+@pytest.mark.parametrize("capacity", [None, 60])
+def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplog, capacity):
+    """model.fit with a hybrid table (unbounded, and bounded with LRU eviction) equals the table
+    without a tier: losses, keys and values; CacheStats logs a line per epoch."""
     pool = random_keys(rng, 200)
     picks = [pool[rng.choice(200, rng.integers(1, 4), p=_zipf(200))].tolist() for _ in range(128)]
     y = rng.standard_normal((128, 1)).astype(np.float32)
@@ -323,7 +326,8 @@ def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplo
     histories, tables = [], []
     for budget in (None, _gib(6, [DIM, DIM, DIM])):
         cfg = sok.TableConfig(f"k{len(tables)}", 8, DIM, combiner="sum", dynamic=True, initializer="normal", seed=2,
-                              max_hbm_for_vectors=budget)
+                              max_hbm_for_vectors=budget, max_capacity=capacity,
+                              evict_strategy="lru" if capacity else None)
         inp = keras.Input(shape=(None,), dtype="int64", ragged=True)
         coll = sok.layers.EmbeddingCollection(tables=[cfg], feature_to_table={"f": cfg.name})
         model = keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(coll({"f": inp})["f"]))
@@ -339,6 +343,8 @@ def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplo
     order_a, order_b = np.argsort(a[0].numpy()), np.argsort(b[0].numpy())
     np.testing.assert_array_equal(a[0].numpy()[order_a], b[0].numpy()[order_b])
     np.testing.assert_allclose(b[1].numpy()[order_b], a[1].numpy()[order_a], rtol=1e-6, atol=1e-7)
+    if capacity:
+        assert len(a[0].numpy()) == capacity < len(set(sum(picks, [])))
     lines = [r.getMessage() for r in caplog.records if "hit rate" in r.getMessage()]
     assert len(lines) == 2 and all("table 'k1'" in l for l in lines)
 
