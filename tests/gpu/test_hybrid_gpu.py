@@ -220,3 +220,30 @@ def test_a_bounded_gpu_hybrid_table_evicts_as_the_cpu_table_without_a_tier(rng, 
         tf.gather(hybrid, tf.constant(pool[:700]))     # 700 distinct keys, max_capacity 600
     assert hybrid.size.numpy()[0] == size
     _assert_same_tables(hybrid, plain)
+
+
+@pytest.mark.parametrize("capacity", [None, 700])
+def test_admission_on_a_gpu_hybrid_table_equals_the_cpu_table_without_a_tier(rng, capacity):
+    """min_frequency 2 on a GPU hybrid table (the keys the cache writes back counted as held in the
+    device's admission table, those the bound drops forgotten): the lookups, keys and values of the
+    same table without a tier on the CPU, trained with SGD."""
+    kw = dict(initializer="normal", seed=5, min_frequency=2, max_capacity=capacity,
+              evict_strategy="lru" if capacity else None)
+    with tf.device("/GPU:0"):
+        hybrid = sok.DynamicVariable(DIM, name=f"ga{capacity}", var_type="hybrid",
+                                     max_hbm_for_vectors=_gib(60, [DIM]), **kw)
+    with tf.device("/CPU:0"):
+        plain = sok.DynamicVariable(DIM, name=f"ca{capacity}", **kw)
+    pool = random_keys(rng, 4000)
+    batches = []
+    for _ in range(10):
+        lens = rng.integers(0, 3, 256)
+        keys = pool[rng.choice(len(pool), int(lens.sum()), p=_zipf(len(pool), 1.05))]
+        batches.append((lens, keys, rng.standard_normal((256, DIM)).astype(np.float32)))
+    outs = [_train(t, sok.optimizers.SGD(learning_rate=0.05), batches, device)
+            for t, device in ((hybrid, "/GPU:0"), (plain, "/CPU:0"))]
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert sok.cache_stats(hybrid)["evicted"] > 0
+    assert hybrid.size.numpy()[0] == plain.size.numpy()[0]
+    _assert_same_tables(hybrid, plain, atol=1e-6)

@@ -315,6 +315,47 @@ def test_a_batch_over_a_bounded_hybrid_tables_capacity_is_refused_unchanged(rng,
     _assert_same_tables(plain, hybrid)
 
 
+@pytest.mark.parametrize("budget_rows,capacity", [(0, None), (3, None), (10**6, None), (2, 25), (10**6, 25)])
+def test_admission_on_a_hybrid_table_equals_the_table_without_a_tier(rng, budget_rows, capacity, tmp_path):
+    """min_frequency on a hybrid table: a key new to the table is inserted at its second sighting
+    (reading zeros, untrained, until then), a key the cache wrote back comes back at once, a key
+    the bound dropped counts its sightings again: the same lookups, and the same keys, values and
+    Adagrad state after training steps, as the table without a tier; also after both are restored
+    from checkpoints midway."""
+    cls, hp = OPTIMIZERS["adagrad"]
+    widths = [DIM] + _slot_widths(cls(learning_rate=0.05, **hp))
+    kw = dict(initializer="normal", seed=3, min_frequency=2, max_capacity=capacity,
+              evict_strategy="lru" if capacity else None)
+    plain = sok.DynamicVariable(DIM, name=f"ap{budget_rows}_{capacity}", **kw)
+    hybrid = sok.DynamicVariable(DIM, name=f"ah{budget_rows}_{capacity}", var_type="hybrid",
+                                 max_hbm_for_vectors=_gib(budget_rows, widths), **kw)
+    opts = [cls(learning_rate=0.05, **hp) for _ in range(2)]
+    checkpoints = [tf.train.Checkpoint(table=t, opt=o) for t, o in zip((plain, hybrid), opts)]
+    pool = random_keys(rng, 70)
+    zeros = 0
+    for step in range(12):
+        if step == 5:
+            paths = [c.write(str(tmp_path / f"a{i}")) for i, c in enumerate(checkpoints)]
+        if step == 8:
+            for c, path in zip(checkpoints, paths):
+                c.read(path).assert_consumed()
+        lens, keys = _batches(rng, pool, 1, batch=6)[0]
+        outs = []
+        for table, opt in zip((plain, hybrid), opts):
+            with tf.GradientTape() as tape:
+                out = sok.lookup_sparse(table, to_ragged(lens, keys), combiners="sum")
+                loss = tf.reduce_sum(out ** 2)
+            opt.apply_gradients([(tape.gradient(loss, table), table)])
+            outs.append(out.numpy())
+        np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-7)
+        zeros += int(((outs[0] == 0).all(1) & (lens > 0)).sum())
+        assert hybrid.size.numpy()[0] == plain.size.numpy()[0]
+    assert zeros > 0                                        # keys waiting for admission read zeros
+    if budget_rows < 10:
+        assert sok.cache_stats(hybrid)["evicted"] > 0
+    _assert_same_tables(plain, hybrid, *opts)
+
+
 @pytest.mark.parametrize("capacity", [None, 60])
 def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplog, capacity):
     """model.fit with a hybrid table (unbounded, and bounded with LRU eviction) equals the table
@@ -356,8 +397,6 @@ def test_bad_arguments_are_clear_errors():
         sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=1, max_capacity=100, evict_strategy="lfu")
     with pytest.raises(ValueError, match="must be a number of GiB >= 0, got -1"):
         sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=-1)
-    with pytest.raises(ValueError, match="admits every key .* got min_frequency=2"):
-        sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=1, min_frequency=2)
     filtered = sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=1, name="filtered")
     with pytest.raises(ValueError, match="'filtered' is hybrid: the low-frequency filter"):
         sok.lookup_sparse(filtered, tf.ragged.constant([[1, 2]], tf.int64), use_low_frequency_filter=True,

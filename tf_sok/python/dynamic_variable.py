@@ -211,10 +211,6 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         init_rows = _count(name, "init_capacity", init_capacity, 1) or _DEFAULT_INIT_ROWS
         max_keys = _count(name, "max_capacity", max_capacity, 1) or 0
         cache_bytes = _cache_bytes(name, var_type, max_hbm_for_vectors, max_keys)
-        if cache_bytes >= 0 and min_frequency not in (None, 1):
-            raise ValueError(f"sok.DynamicVariable {name!r}: a hybrid table (max_hbm_for_vectors) admits every key "
-                             f"(min_frequency 1): its cache cannot tell a key written back to host memory from a "
-                             f"new one, got min_frequency={min_frequency}")
         if cache_bytes >= 0:
             evict = evict or "lru"
             if max_keys and evict != "lru":

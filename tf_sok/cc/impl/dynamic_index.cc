@@ -190,6 +190,8 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
     ch->evicted_slots.push_back(s);
     ch->evicted_touched.push_back(touched_[s]);
     slot_of_key_.Erase(slot_key_[s]);
+    // a cache's key goes back to the host tier, still in the table: admitted at its next sighting
+    if (config_.cache && config_.min_frequency > 1) candidates_.Put(slot_key_[s], kHeldCount);
     live_row_[s] = 0;
     --live_;
     free_.push_back(s);
@@ -246,6 +248,10 @@ void DynamicIndex::TouchedSince(int64_t unix_ns, std::vector<int64_t>* keys, std
     keys->push_back(slot_key_[r]);
     rows->push_back(r);
   }
+}
+
+void DynamicIndex::ForgetCandidates(const int64_t* keys, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) candidates_.Erase(keys[j]);
 }
 
 DynamicIndexSnapshot DynamicIndex::Export() const {

@@ -42,6 +42,10 @@ struct DynamicIndexConfig {
   bool bounded() const { return cache || max_keys > 0; }
 };
 
+// The admission count of a cache's key written back to its host tier (still in the table): admitted
+// at its next sighting, and told apart from the counts of keys waiting for admission.
+constexpr int64_t kHeldCount = int64_t{1} << 40;
+
 // What one Find call changed, for the caller to apply to the arrays.
 struct FindChanges {
   std::vector<int64_t> new_slots, new_keys;          // rows that received a key (to initialise)
@@ -125,6 +129,9 @@ class DynamicIndex {
   // (past the last when none did), numbered since this index was made or last imported.
   int64_t calls() const { return call_; }
   int64_t FirstCallAtOrAfter(int64_t unix_ns) const { return call_times_.FirstAtOrAfter(unix_ns); }
+  // Admission counts of `keys` dropped (a cache's: keys its host tier no longer holds; a cache
+  // counts every key it wrote back as seen min_frequency - 1 times, so that it comes back at once).
+  void ForgetCandidates(const int64_t* keys, int64_t n);
 
  private:
   void EnsureRows(int64_t needed);

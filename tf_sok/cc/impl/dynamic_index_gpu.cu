@@ -118,6 +118,40 @@ __global__ void ClaimKernel(int64_t* tkeys, unsigned long long* tstate, int64_t 
   }
 }
 
+// Keys (distinct) given `value` in the table: set where held (the probe passes tombstones), else
+// inserted at the first free bucket of their probe path.
+__global__ void UpsertKernel(int64_t* tkeys, unsigned long long* tstate, int64_t mask, const int64_t* keys, int64_t n,
+                             int64_t value) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int64_t key = keys[i];
+  int64_t p = Home(key, mask);
+  while (true) {
+    const long long s = static_cast<long long>(*reinterpret_cast<volatile unsigned long long*>(&tstate[p]));
+    if (s == kEmpty) break;
+    if (s >= 0 && *reinterpret_cast<volatile int64_t*>(&tkeys[p]) == key) {
+      atomicExch(&tstate[p], static_cast<unsigned long long>(value));
+      return;
+    }
+    p = (p + 1) & mask;
+  }
+  p = Home(key, mask);
+  while (true) {
+    const long long s = static_cast<long long>(*reinterpret_cast<volatile unsigned long long*>(&tstate[p]));
+    if (s == kEmpty || s == kTomb) {
+      if (atomicCAS(&tstate[p], static_cast<unsigned long long>(s), static_cast<unsigned long long>(kClaimed)) ==
+          static_cast<unsigned long long>(s)) {
+        tkeys[p] = key;
+        __threadfence();
+        atomicExch(&tstate[p], static_cast<unsigned long long>(value));
+        return;
+      }
+      continue;
+    }
+    p = (p + 1) & mask;
+  }
+}
+
 __global__ void SetStateKernel(int64_t* tstate, const int64_t* where, const int64_t* value, int64_t constant,
                                int64_t n) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -658,6 +692,12 @@ std::string GpuDynamicIndex::FinishRoom(const GpuDevice& d, GpuFindPending* p, i
   int64_t* admitted = missing;
   int64_t a = m, waiting_count = 0;
   int64_t *waiting = nullptr, *waiting_seen = nullptr, *waiting_where = nullptr, *admitted_where = nullptr;
+  if (config_.cache && config_.min_frequency > 1) {
+    // room for the keys the commit may write back (counted as seen: see FinishCommit) with m more
+    const int64_t k_max = std::max<int64_t>(0, live_ + m - config_.max_keys);
+    error = Room(d, &candidates_, candidates_live_, m + k_max);
+    if (!error.empty()) return error;
+  }
   if ((config_.min_frequency > 1 || insert_ratio < 1.0f) && m > 0) {
     error = Room(d, &candidates_, candidates_live_, m);  // now: the bucket positions found below stay valid
     if (!error.empty()) return error;
@@ -810,6 +850,14 @@ std::string GpuDynamicIndex::FinishCommit(const GpuDevice& d, GpuFindPending* p,
     candidates_.used += f;
     candidates_live_ += f - a;
   }
+  if (k > 0 && config_.cache && config_.min_frequency > 1) {
+    // a cache's keys go back to the host tier, still in the table: admitted at their next sighting
+    UpsertKernel<<<Blocks(k), kThreads, 0, s>>>(candidates_.keys,
+                                                reinterpret_cast<unsigned long long*>(candidates_.state),
+                                                candidates_.buckets - 1, out->evicted_keys, k, kHeldCount);
+    candidates_.used += k;
+    candidates_live_ += k;
+  }
   // 6. the missing positions' rows, now that their keys are in (keys not admitted: row 0)
   if (mp > 0 && !p->direct)
     RefindKernel<<<Blocks(n), kThreads, 0, s>>>(keys_.keys, keys_.state, keys_.buckets - 1, keys, n, slot, 0);
@@ -921,6 +969,21 @@ std::string GpuDynamicIndex::Import(const GpuDevice& d, const DynamicIndexSnapsh
   call_ = 0;
   call_times_.Clear();
   return "";
+}
+
+std::string GpuDynamicIndex::ForgetCandidates(const GpuDevice& d, const int64_t* keys, int64_t n) {
+  if (n <= 0) return "";
+  cudaStream_t s = StreamOf(d);
+  auto* dkeys = gpu::Alloc<int64_t>(d, n);
+  auto* seen = gpu::Alloc<int64_t>(d, n);
+  auto* where = gpu::Alloc<int64_t>(d, n);
+  if (!dkeys || !seen || !where) return "ran out of GPU memory";
+  cudaMemcpyAsync(dkeys, keys, 8 * n, cudaMemcpyHostToDevice, s);   // (pageable: read when it returns)
+  FindKernel<<<Blocks(n), kThreads, 0, s>>>(candidates_.keys, candidates_.state, candidates_.buckets - 1, dkeys, n,
+                                            seen, where);
+  SetStateKernel<<<Blocks(n), kThreads, 0, s>>>(candidates_.state, where, nullptr, kTomb, n);
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? "" : std::string("CUDA error ") + cudaGetErrorString(e);
 }
 
 std::string GpuDynamicIndex::TouchedSince(const GpuDevice& d, int64_t unix_ns, std::vector<int64_t>* keys,

@@ -99,6 +99,8 @@ class GpuDynamicIndex {
   // As DynamicIndex's: the last find with insert, the first at or after a time.
   int64_t calls() const { return call_; }
   int64_t FirstCallAtOrAfter(int64_t unix_ns) const { return call_times_.FirstAtOrAfter(unix_ns); }
+  // As DynamicIndex's (keys in host memory).
+  std::string ForgetCandidates(const GpuDevice& d, const int64_t* keys, int64_t n);
   // A cache's bound (hybrid tables: the HBM budget over the bytes of a row of every array); the
   // next find evicts down to it.
   void set_max_keys(int64_t max_keys) { config_.max_keys = max_keys; }

@@ -66,6 +66,7 @@ class IndexResource : public tf::ResourceBase {
   // hybrid tables: the HBM budget of the arrays, and every key's rows of every array (one store
   // array per attached array, in the same order)
   int64_t cache_bytes = -1;
+  int64_t min_frequency = 1;   // admission: sightings a key new to the table needs
   std::unique_ptr<impl::HostStore> store;
   // a hybrid table's counters since it was made: finds with insert, key positions looked up, those
   // not cached, keys taken into the cache, of them first seen, keys written back, bytes each way
@@ -161,6 +162,7 @@ class IndexOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, tf::LookupOrCreateResource<IndexResource>(ctx, handle, &res, [&](IndexResource** out) {
       auto* r = new IndexResource(table_, dim_, kind_, a_, b_, seed_);
       r->cache_bytes = cache_bytes_;
+      r->min_frequency = config_.min_frequency;
 #if TF_SOK_WITH_CUDA
       if (ctx->device()->device_type() == tf::DEVICE_GPU) {
         r->memory = std::make_unique<AllocatorMemory>(ctx->device()->GetAllocator(tf::AllocatorAttributes()));
@@ -345,13 +347,18 @@ bool PlanReadsBack(const IndexResource& r, const Changes& c) {
 }
 
 // After a call's new keys have store rows: they are cached, the keys written back are not, and the
-// bound drops the least recently used others.
-absl::Status TrackCache(IndexResource* res, const int64_t* new_rows, int64_t n, int64_t call, StorePlan* p) {
+// bound drops the least recently used others (with admission, the cache forgets that it saw them:
+// forget(keys, n) -> "" or an error).
+template <typename Forget>
+absl::Status TrackCache(IndexResource* res, const int64_t* new_rows, int64_t n, int64_t call, StorePlan* p,
+                        Forget forget) {
   impl::HostStore& store = *res->store;
   store.Loaded(new_rows, n, call);
   if (store.max_keys() <= 0) return absl::OkStatus();
   store.WrittenBack(p->written_back, p->written_back_calls, p->num_written_back);
-  const std::string error = store.Bound(&p->dropped_keys, &p->dropped_rows);
+  std::string error = store.Bound(&p->dropped_keys, &p->dropped_rows);
+  if (error.empty() && res->min_frequency > 1 && !p->dropped_keys.empty())
+    error = forget(p->dropped_keys.data(), static_cast<int64_t>(p->dropped_keys.size()));
   return error.empty() ? absl::OkStatus() : Failed(*res, " ", error);
 }
 
@@ -389,7 +396,10 @@ absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::CpuDevice& d, Index
   TF_RETURN_IF_ERROR(StoreRowsOnHost(ctx, res, reinterpret_cast<int64_t*>(staging), n, staging, &p->fresh_count));
   p->new_rows = reinterpret_cast<const int64_t*>(staging + 8 * n);
   p->fresh = staging + 16 * n;
-  return TrackCache(res, p->new_rows, n, res->host->calls(), p);
+  return TrackCache(res, p->new_rows, n, res->host->calls(), p, [res](const int64_t* keys, int64_t k) {
+    res->host->ForgetCandidates(keys, k);
+    return std::string();
+  });
 }
 
 void SetStoreRows(const impl::CpuDevice&, int64_t* store_row_of, const int64_t* cache_rows, const int64_t* rows,
@@ -494,7 +504,10 @@ absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d
       p->new_rows = reinterpret_cast<const int64_t*>(p->on_device);
       p->fresh = p->on_device + 8 * n;
     }
-    TF_RETURN_IF_ERROR(TrackCache(res[i], n > 0 ? rows(i) : nullptr, n, res[i]->gpu->calls(), p));
+    TF_RETURN_IF_ERROR(TrackCache(res[i], n > 0 ? rows(i) : nullptr, n, res[i]->gpu->calls(), p,
+                                  [&d, r = res[i]](const int64_t* keys, int64_t k) {
+                                    return r->gpu->ForgetCandidates(d, keys, k);
+                                  }));
   }
   return absl::OkStatus();
 }
@@ -1028,7 +1041,7 @@ class SizeOp : public tf::OpKernel {
   }
 };
 
-absl::Status RelinkCache(tf::OpKernelContext* ctx, IndexResource* res);
+absl::Status RelinkCache(tf::OpKernelContext* ctx, IndexResource* res, bool store_replaced);
 
 // The index's contents, on the host (the caller holds res->mu).
 absl::Status ExportIndex(tf::OpKernelContext* ctx, IndexResource* res, impl::DynamicIndexSnapshot* snap) {
@@ -1136,7 +1149,8 @@ class ImportOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, ImportIndex(ctx, res.get(), snap));
     if (res->store) {
       res->store->ClearMarks();   // touches count from the import on, as the index's own marks
-      OP_REQUIRES_OK(ctx, RelinkCache(ctx, res.get()));
+      // (a restore replaces the host tier next, which then counts its keys for admission)
+      OP_REQUIRES_OK(ctx, RelinkCache(ctx, res.get(), false));
     }
   }
 };
@@ -1177,8 +1191,9 @@ absl::Status Flush(tf::OpKernelContext* ctx, IndexResource* res) {
 }
 
 // After the store or the cache was replaced: the store row of every cached key (added to the store
-// when absent, at its fills: the cache's rows are written back there before they are read).
-absl::Status RelinkCache(tf::OpKernelContext* ctx, IndexResource* res) {
+// when absent, at its fills: the cache's rows are written back there before they are read);
+// store_replaced, with admission: the store's keys not cached are counted as held.
+absl::Status RelinkCache(tf::OpKernelContext* ctx, IndexResource* res, bool store_replaced) {
   impl::DynamicIndexSnapshot snap;
   TF_RETURN_IF_ERROR(ExportIndex(ctx, res, &snap));
   const int64_t n = static_cast<int64_t>(snap.keys.size());
@@ -1187,7 +1202,32 @@ absl::Status RelinkCache(tf::OpKernelContext* ctx, IndexResource* res) {
   int64_t fresh = 0;
   TF_RETURN_IF_ERROR(StoreRowsOnHost(ctx, res, snap.keys.data(), n, staging, &fresh));
   const auto* rows = reinterpret_cast<const int64_t*>(staging + 8 * n);
+  const impl::HostStore& store = *res->store;
   res->store->SetCached(rows, n);
+  if (res->min_frequency > 1 && store_replaced) {
+    // admission: the keys of the host tier not cached are held (admitted at once when they come
+    // back); keys still waiting keep their counts
+    std::vector<uint8_t> cached(store.rows_used(), 0);
+    for (int64_t j = 0; j < n; ++j) cached[rows[j]] = 1;
+    impl::KeyMap held(1024);
+    std::vector<int64_t> keys, counts;
+    for (int64_t r = 0; r < store.rows_used(); ++r) {
+      if (!store.alive(r) || cached[r]) continue;
+      held.Put(store.keys()[r], 1);
+      keys.push_back(store.keys()[r]);
+      counts.push_back(impl::kHeldCount);
+    }
+    for (size_t j = 0; j < snap.candidate_keys.size(); ++j) {
+      if (snap.candidate_counts[j] >= impl::kHeldCount || held.Get(snap.candidate_keys[j], 0)) continue;
+      keys.push_back(snap.candidate_keys[j]);
+      counts.push_back(snap.candidate_counts[j]);
+    }
+    if (keys != snap.candidate_keys || counts != snap.candidate_counts) {
+      snap.candidate_keys = std::move(keys);
+      snap.candidate_counts = std::move(counts);
+      TF_RETURN_IF_ERROR(ImportIndex(ctx, res, snap));
+    }
+  }
   TensorScratch scratch(ctx);
 #if TF_SOK_WITH_CUDA
   if (res->gpu) {
@@ -1414,7 +1454,7 @@ class StoreImportOp : public tf::OpKernel {
     }
     const std::string error = store.Replace(keys.flat<int64_t>().data(), n, data);
     OP_REQUIRES(ctx, error.empty(), Failed(*res, ": restoring its host tier: ", error));
-    OP_REQUIRES_OK(ctx, RelinkCache(ctx, res.get()));
+    OP_REQUIRES_OK(ctx, RelinkCache(ctx, res.get(), true));
   }
 
  private:
