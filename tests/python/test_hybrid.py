@@ -272,7 +272,9 @@ def test_a_bounded_hybrid_table_evicts_as_the_bounded_table_without_a_tier(rng, 
             for c, path in zip(checkpoints, paths):
                 c.read(path).assert_consumed()
         ids = tf.constant(rng.choice(pool, rng.integers(1, 9)))
+        dropped = sok.cache_stats(hybrid)["dropped"]
         (gp, kp, vp), (gh, kh, vh) = (sok.sparse_read_and_evict(t, ids) for t in (plain, hybrid))
+        assert sok.cache_stats(hybrid)["dropped"] - dropped == len(kh.numpy())
         np.testing.assert_allclose(gh.numpy(), gp.numpy(), rtol=1e-5, atol=1e-7)
         assert sorted(kh.numpy().tolist()) == sorted(kp.numpy().tolist()), step
         want = dict(zip(kp.numpy().tolist(), vp.numpy()))

@@ -521,7 +521,8 @@ def rows_for_tables(variables, keys, insert_ratio: float = 1.0) -> list:
     return rows
 
 
-_STAT_NAMES = ("finds", "lookups", "misses", "loaded", "new_keys", "evicted", "bytes_to_device", "bytes_to_host")
+_STAT_NAMES = ("finds", "lookups", "misses", "loaded", "new_keys", "evicted", "bytes_to_device", "bytes_to_host",
+               "dropped")
 
 
 def cache_stats(var) -> dict:
@@ -529,8 +530,8 @@ def cache_stats(var) -> dict:
     (training lookups, assignments), `lookups` (ids looked up), `misses` (ids whose key was not cached),
     `hit_rate` (1 - misses / lookups), `loaded` (keys taken into the cache), `new_keys` (of those, keys
     the table had never held), `evicted` (keys written back to host memory to make room),
-    `bytes_to_device` / `bytes_to_host` (rows of values and optimizer state moved), `keys` (held in
-    all), `cached` (held in device memory).
+    `bytes_to_device` / `bytes_to_host` (rows of values and optimizer state moved), `dropped` (keys
+    the table's max_capacity removed from it), `keys` (held in all), `cached` (held in device memory).
 
     Example:
         >>> v = sok.DynamicVariable(dimension=16, var_type="hybrid", max_hbm_for_vectors=0.5)

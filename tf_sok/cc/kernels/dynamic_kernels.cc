@@ -72,6 +72,7 @@ class IndexResource : public tf::ResourceBase {
   // not cached, keys taken into the cache, of them first seen, keys written back, bytes each way
   struct Stats {
     int64_t calls = 0, lookups = 0, misses = 0, loaded = 0, fresh = 0, evicted = 0, bytes_in = 0, bytes_out = 0;
+    int64_t dropped = 0;   // keys the host tier's bound (max_capacity) dropped from the table
   } stats;
   std::vector<uint8_t> staging_host;  // key and row lists (pinned on a GPU: staging_pinned)
   // per cache row: the store row of the key it holds (a GPU index: store_row_dev, device memory)
@@ -550,6 +551,7 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
     st.loaded += c.num_new;
     st.fresh += plan.fresh_count;
     st.evicted += c.num_evicted;
+    st.dropped += static_cast<int64_t>(plan.dropped_keys.size());
     st.bytes_in += (c.num_new - plan.fresh_count) * row_bytes;
     st.bytes_out += c.num_evicted * row_bytes;
   }
@@ -1260,11 +1262,12 @@ class CacheStatsOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, GetIndex(ctx, &res));
     OP_REQUIRES(ctx, res->store != nullptr, Failed(*res, ": ", "has no host tier (it is not a hybrid table)"));
     tf::Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({8}), &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({9}), &out));
     tf::mutex_lock l(res->mu);
     const IndexResource::Stats& st = res->stats;
-    const int64_t v[8] = {st.calls, st.lookups, st.misses, st.loaded, st.fresh, st.evicted, st.bytes_in, st.bytes_out};
-    std::copy(v, v + 8, out->flat<int64_t>().data());
+    const int64_t v[9] = {st.calls,  st.lookups,  st.misses,    st.loaded, st.fresh,
+                          st.evicted, st.bytes_in, st.bytes_out, st.dropped};
+    std::copy(v, v + 9, out->flat<int64_t>().data());
   }
 };
 

@@ -226,14 +226,14 @@ REGISTER_OP("TfSokDynamicCacheStats")
     .Output("stats: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(8));
+      c->set_output(0, c->Vector(9));
       return absl::OkStatus();
     })
     .Doc(R"doc(
 A hybrid table's counters since it was made, in this order: finds, key positions
 looked up, positions whose key was not cached, keys taken into the cache, keys
 of those the table had never held, keys written back to host memory, bytes read
-from host memory, bytes written to it.
+from host memory, bytes written to it, keys its bound (max_capacity) dropped.
 )doc");
 
 REGISTER_OP("TfSokHostLinkBandwidth")
