@@ -96,10 +96,12 @@ std::string HostStore::AddAbsent(const int64_t* keys, int64_t n, int64_t* rows, 
       key_of_row_.push_back(keys[j]);
       alive_.push_back(0);
       cached_.push_back(0);
+      order_.push_back(0);
     }
     row_of_key_.Put(keys[j], r);
     alive_[r] = 1;
     cached_[r] = 0;
+    order_[r] = 0;
     marks_[r] = 0;
     for (Array& a : arrays_) std::fill(a.base + r * a.width, a.base + (r + 1) * a.width, a.fill);
     rows[j] = r;
@@ -134,7 +136,9 @@ std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector
   freed_.clear();
   // keys come in the order a bound drops them (an export of a bounded store): before every key used
   // after this, in that order (marks below the first call's, so not touched since any time)
-  for (int64_t j = 0; j < n; ++j) marks_[j] = j - n;
+  ClearMarks();
+  order_.resize(n);
+  for (int64_t j = 0; j < n; ++j) order_[j] = j - n;
   Requeue();
   return "";
 }
@@ -154,7 +158,9 @@ void HostStore::WrittenBack(const int64_t* keys, const int64_t* calls, int64_t n
     cached_count_ -= cached_[r];
     cached_[r] = 0;
     marks_[r] = calls[j];
-    if (max_keys_ > 0) queue_.emplace(calls[j], keys[j], r);
+    // written back in order of last use (the cache's own eviction order, call after call)
+    order_[r] = ++written_back_;
+    if (max_keys_ > 0) queue_.emplace(order_[r], keys[j], r);
   }
 }
 
@@ -172,15 +178,15 @@ void HostStore::Requeue() {
   queue_ = decltype(queue_)();
   if (max_keys_ <= 0) return;
   for (int64_t r = 0; r < count_; ++r)
-    if (alive_[r] && !cached_[r]) queue_.emplace(marks_ ? marks_[r] : 0, key_of_row_[r], r);
+    if (alive_[r] && !cached_[r]) queue_.emplace(order_[r], key_of_row_[r], r);
 }
 
 std::string HostStore::Bound(std::vector<int64_t>* keys, std::vector<int64_t>* rows) {
   if (max_keys_ <= 0) return "";
   while (size() > max_keys_ && !queue_.empty()) {
-    const auto [mark, key, r] = queue_.top();
+    const auto [order, key, r] = queue_.top();
     queue_.pop();
-    if (!alive_[r] || cached_[r] || key_of_row_[r] != key || marks_[r] != mark) continue;   // stale entry
+    if (!alive_[r] || cached_[r] || key_of_row_[r] != key || order_[r] != order) continue;   // stale entry
     row_of_key_.Erase(key);
     alive_[r] = 0;
     freed_.push_back(r);

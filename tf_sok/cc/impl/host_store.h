@@ -54,6 +54,8 @@ class HostStore {
   // Rows [0, rows_used()) hold a key each, except rows a bound dropped (alive(r) false).
   int64_t rows_used() const { return count_; }
   bool alive(int64_t r) const { return alive_[r] != 0; }
+  // A row's place in the order a bound drops keys not cached (lowest first).
+  int64_t order(int64_t r) const { return order_[r]; }
   // The key of each row, rows [0, rows_used()).
   const std::vector<int64_t>& keys() const { return key_of_row_; }
   // Per row, the index call that last touched its key as of the key's last move between cache and
@@ -65,9 +67,9 @@ class HostStore {
   void ClearMarks();
 
   // A bound on the keys held (0: none). The cache's keys are tracked: Loaded marks rows taken into
-  // the cache by a call, WrittenBack the keys it wrote back (with the call that last touched each);
-  // Bound then drops the keys not cached of lowest (last touching call, key) -- the order in which
-  // an LRU table evicts, as the cache wrote back its least recently used keys first -- until at most
+  // the cache by a call, WrittenBack the keys it wrote back (with the call that last touched each, in
+  // the cache's eviction order: least recently used first); Bound then drops the keys not cached in
+  // the order they were written back -- the order in which an LRU table evicts -- until at most
   // max_keys remain, and lists them (their rows keep their contents until the next Insert /
   // AddAbsent reuses them). It returns "" or, when the keys cached exceed the bound, an error (the
   // store then holds them all).
@@ -106,8 +108,10 @@ class HostStore {
   std::vector<int64_t> key_of_row_;
   std::vector<uint8_t> alive_, cached_;
   std::vector<int64_t> free_rows_, freed_;   // reusable rows; rows dropped by the last Bound
-  int64_t max_keys_ = 0, cached_count_ = 0;
-  // keys not cached as (mark, key, row), lowest first; entries whose row changed since are skipped
+  // per row: restored keys -n..-1 in the order given, then each key written back the next number
+  std::vector<int64_t> order_;
+  int64_t max_keys_ = 0, cached_count_ = 0, written_back_ = 0;
+  // keys not cached as (order, key, row), lowest first; entries whose row changed since are skipped
   std::priority_queue<std::tuple<int64_t, int64_t, int64_t>, std::vector<std::tuple<int64_t, int64_t, int64_t>>,
                       std::greater<>>
       queue_;

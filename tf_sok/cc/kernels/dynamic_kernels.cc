@@ -1346,8 +1346,8 @@ class StoreExportOp : public tf::OpKernel {
       OP_REQUIRES_OK(ctx, StoreRowsOut(ctx, store, nullptr));
       return;
     }
-    // a bounded store's keys in the order its bound drops them (restored so): those not cached by
-    // (last touching call, key), then the cached ones by (cache score, key)
+    // a bounded store's keys in the order its bound drops them (restored so): those not cached in
+    // that order, then the cached ones by (cache score, key)
     impl::DynamicIndexSnapshot snap;
     OP_REQUIRES_OK(ctx, ExportIndex(ctx, res.get(), &snap));
     std::vector<int64_t> cached_rows(snap.keys.size());
@@ -1361,7 +1361,7 @@ class StoreExportOp : public tf::OpKernel {
     }
     std::vector<std::tuple<int64_t, int64_t, int64_t>> cold;  // (mark, key, row)
     for (int64_t r = 0; r < store.rows_used(); ++r)
-      if (store.alive(r) && !cached[r]) cold.emplace_back(store.marks()[r], store.keys()[r], r);
+      if (store.alive(r) && !cached[r]) cold.emplace_back(store.order(r), store.keys()[r], r);
     std::sort(cold.begin(), cold.end());
     std::sort(hot.begin(), hot.end());
     std::vector<int64_t> picked;
