@@ -44,12 +44,14 @@ def test_find_insert_and_initial_values_match_the_host_index(rng):
 
 
 @pytest.mark.parametrize("dim", [3, 40])
-def test_keys_inserted_together_get_rows_of_their_own(rng, dim):
+@pytest.mark.parametrize("capacity", [16, 500_000])
+def test_keys_inserted_together_get_rows_of_their_own(rng, dim, capacity):
     """One find inserts few keys repeated at many positions (their threads race for one bucket each)
-    into a table that must grow: every key gets a row of its own (values assigned per key read
+    into a table that must grow (capacity 16: probe, then insert) or has room for every position
+    (found and inserted in one pass): every key gets a row of its own (values assigned per key read
     back at every position), the initial values are the host's, at widths under and over a warp."""
     keys = random_keys(rng, 3000)
-    gpu, cpu = pair(dimension=dim, initializer="truncated_normal", init_capacity=16, seed=5)
+    gpu, cpu = pair(dimension=dim, initializer="truncated_normal", init_capacity=capacity, seed=5)
     batch = rng.choice(keys, 400_000)
     with tf.device("/GPU:0"):
         got = tf.gather(gpu, tf.constant(batch)).numpy()

@@ -71,17 +71,23 @@ __global__ void InsertKernel(int64_t* tkeys, unsigned long long* tstate, int64_t
   }
 }
 
-// Inserts the keys of the positions the probe left without a row (slot < 0), one thread per
-// position: the first thread to claim a free bucket for a key (buckets are taken in probe order,
-// so all of a key's threads meet at that bucket) takes the next row -- free rows first, as
-// AssignRowsKernel -- and lists key and row at new_keys / new_rows[*count]; the key's other
-// threads wait for the claimed bucket's row. Every position's row is written.
-__global__ void ClaimKernel(int64_t* tkeys, unsigned long long* tstate, int64_t mask, const int64_t* keys, int64_t n,
-                            int64_t* slot, const int64_t* free_rows, int64_t free_count, int64_t next_free,
-                            int64_t* new_keys, int64_t* new_rows, unsigned long long* count) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= n || slot[i] >= 0) return;
-  const int64_t key = keys[i];
+// What a new key's row holds besides its values: written by the thread that takes the row.
+struct NewRowMarks {
+  int64_t* slot_key = nullptr;   // nullptr: NewRowsKernel writes them later
+  uint8_t* live = nullptr;
+  int64_t* generation = nullptr;
+  int64_t* score = nullptr;
+  int64_t* touched = nullptr;
+  int64_t initial_score = 0, touched_mark = 0;
+};
+
+// The row of `key`, which was not in the table when the call began: the first thread to claim a
+// free bucket for it (buckets are taken in probe order, so all of a key's threads meet at that
+// bucket) takes the next row -- free rows first, as AssignRowsKernel -- and lists key and row at
+// new_keys / new_rows[*count]; the key's other threads wait for the claimed bucket's row.
+__device__ int64_t ClaimRow(int64_t* tkeys, unsigned long long* tstate, int64_t mask, int64_t key,
+                            const int64_t* free_rows, int64_t free_count, int64_t next_free, int64_t* new_keys,
+                            int64_t* new_rows, unsigned long long* count, const NewRowMarks& marks) {
   int64_t p = Home(key, mask);
   while (true) {
     const long long s = static_cast<long long>(*reinterpret_cast<volatile unsigned long long*>(&tstate[p]));
@@ -91,10 +97,7 @@ __global__ void ClaimKernel(int64_t* tkeys, unsigned long long* tstate, int64_t 
     }
     if (s >= 0) {
       __threadfence();   // the key read below is the one written before the row was published
-      if (*reinterpret_cast<volatile int64_t*>(&tkeys[p]) == key) {
-        slot[i] = s;
-        return;
-      }
+      if (*reinterpret_cast<volatile int64_t*>(&tkeys[p]) == key) return s;
       p = (p + 1) & mask;
       continue;
     }
@@ -111,11 +114,56 @@ __global__ void ClaimKernel(int64_t* tkeys, unsigned long long* tstate, int64_t 
     tkeys[p] = key;
     new_keys[j] = key;
     new_rows[j] = row;
-    slot[i] = row;
+    if (marks.slot_key) {
+      marks.slot_key[row] = key;
+      marks.live[row] = 1;
+      marks.generation[row] += 1;
+      marks.score[row] = marks.initial_score;
+      marks.touched[row] = marks.touched_mark;
+    }
     __threadfence();
     atomicExch(&tstate[p], static_cast<unsigned long long>(row));
-    return;
+    return row;
   }
+}
+
+// Inserts the keys of the positions the probe left without a row (slot < 0), one thread per
+// position (ClaimRow). Every position's row is written.
+__global__ void ClaimKernel(int64_t* tkeys, unsigned long long* tstate, int64_t mask, const int64_t* keys, int64_t n,
+                            int64_t* slot, const int64_t* free_rows, int64_t free_count, int64_t next_free,
+                            int64_t* new_keys, int64_t* new_rows, unsigned long long* count) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n || slot[i] >= 0) return;
+  slot[i] = ClaimRow(tkeys, tstate, mask, keys[i], free_rows, free_count, next_free, new_keys, new_rows, count,
+                     NewRowMarks());
+}
+
+// Find-or-insert in one pass, when every new key is let in and the table has room and rows for
+// every position: a position whose key is held takes its row (marked touched by `call`); one whose
+// probe reaches an empty bucket (the key is absent: tombstones are passed, so a key held beyond
+// one is found) inserts it with ClaimRow, which also writes the new row's marks.
+__global__ void FindOrClaimKernel(int64_t* tkeys, unsigned long long* tstate, int64_t mask, const int64_t* keys,
+                                  int64_t n, int64_t* slot, int64_t* touched, int64_t call,
+                                  const int64_t* free_rows, int64_t free_count, int64_t next_free, int64_t* new_keys,
+                                  int64_t* new_rows, unsigned long long* count, NewRowMarks marks) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int64_t key = keys[i];
+  int64_t p = Home(key, mask);
+  while (true) {
+    const long long s = static_cast<long long>(*reinterpret_cast<volatile unsigned long long*>(&tstate[p]));
+    if (s == kEmpty) break;
+    if (s >= 0) {
+      __threadfence();
+      if (*reinterpret_cast<volatile int64_t*>(&tkeys[p]) == key) {
+        slot[i] = s;
+        touched[s] = call;
+        return;
+      }
+    }
+    p = (p + 1) & mask;   // another key, a tombstone, or a bucket being claimed (ClaimRow waits for it)
+  }
+  slot[i] = ClaimRow(tkeys, tstate, mask, key, free_rows, free_count, next_free, new_keys, new_rows, count, marks);
 }
 
 // Keys (distinct) given `value` in the table: set where held (the probe passes tombstones), else
@@ -584,7 +632,7 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
   GpuFindPending pending;
   auto* count = gpu::Alloc<int64_t>(d, 1);
   if (!count) return "ran out of GPU memory";
-  std::string error = Probe(d, keys, n, out, &pending, count);
+  std::string error = Probe(d, keys, n, out, &pending, count, admit_all ? 1.0f : insert_ratio);
   if (!error.empty() || n == 0) return error;
   if (mark) mark(0);
   const int64_t missing = ReadCount(d, count, &error);
@@ -600,7 +648,7 @@ std::string GpuDynamicIndex::Finish(const GpuDevice& d, GpuFindPending* p, int64
   std::string error = FinishDistinct(d, p, missing, out, count, admit_all ? 1.0f : insert_ratio);
   if (!error.empty()) return error;
   if (mark) mark(2);
-  const int64_t distinct = p->n > 0 && missing > 0 ? ReadCount(d, count, &error) : 0;
+  const int64_t distinct = p->fused ? missing : p->n > 0 && missing > 0 ? ReadCount(d, count, &error) : 0;
   if (!error.empty()) return error;
   if (mark) mark(3);
   bool evicts = false;
@@ -616,7 +664,7 @@ std::string GpuDynamicIndex::Finish(const GpuDevice& d, GpuFindPending* p, int64
 }
 
 std::string GpuDynamicIndex::Probe(const GpuDevice& d, const int64_t* keys, int64_t n, GpuFindResult* out,
-                                   GpuFindPending* p, int64_t* count) {
+                                   GpuFindPending* p, int64_t* count, float insert_ratio) {
   if (!init_error_.empty()) return init_error_;
   cudaStream_t s = StreamOf(d);
   out->rows = rows_;
@@ -630,6 +678,32 @@ std::string GpuDynamicIndex::Probe(const GpuDevice& d, const int64_t* keys, int6
   }
   p->call = ++call_;
   call_times_.Record(p->call);
+  // every key let in, and room and rows for every position without growing: found and inserted in
+  // one pass; the count left at *count is then that of the new keys (no missing positions' count)
+  p->fused = !config_.cache && config_.min_frequency <= 1 && insert_ratio >= 1.0f &&
+             (!config_.bounded() || live_ + n <= config_.max_keys) && (keys_.used + n) * 2 <= keys_.buckets &&
+             next_free_ + std::max<int64_t>(0, n - free_count_) <= rows_;
+  if (p->fused) {
+    p->direct = true;
+    p->missing = gpu::Alloc<int64_t>(d, n);
+    out->new_slots = gpu::Alloc<int64_t>(d, n);
+    if (!p->missing || !out->new_slots) return "ran out of GPU memory";
+    NewRowMarks marks;
+    marks.slot_key = slot_key_;
+    marks.live = live_row_;
+    marks.generation = generation_;
+    marks.score = score_;
+    marks.touched = touched_;
+    // LFU: 0, and the commit's scoring of the call's rows adds the key's one count (touched == call)
+    marks.initial_score = config_.evict == Evict::kLfu ? 0 : clock_ + 1;
+    marks.touched_mark = p->call;
+    cudaMemsetAsync(count, 0, sizeof(int64_t), s);
+    FindOrClaimKernel<<<Blocks(n), kThreads, 0, s>>>(
+        keys_.keys, reinterpret_cast<unsigned long long*>(keys_.state), keys_.buckets - 1, keys, n, out->slots,
+        touched_, p->call, free_, free_count_, next_free_, p->missing, out->new_slots,
+        reinterpret_cast<unsigned long long*>(count), marks);
+    return "";
+  }
   // every position probed, found rows touched; the keys of the missing positions compacted, their
   // count left on the device (no sort, no wait: a batch whose keys are all held needs neither)
   auto* missing_flags = gpu::Alloc<uint8_t>(d, n);
@@ -649,6 +723,7 @@ std::string GpuDynamicIndex::FinishDistinct(const GpuDevice& d, GpuFindPending* 
   cudaStream_t s = StreamOf(d);
   p->mp = mp;
   out->missing_positions = mp;
+  if (p->fused) return "";   // mp: the new keys, inserted by the probe, their count left at *count
   p->missing = gpu::Alloc<int64_t>(d, std::max<int64_t>(mp, 1));
   if (!p->missing) return "ran out of GPU memory";
   if (mp == 0) {
@@ -822,8 +897,9 @@ std::string GpuDynamicIndex::FinishCommit(const GpuDevice& d, GpuFindPending* p,
     InsertKernel<<<Blocks(a), kThreads, 0, s>>>(keys_.keys, reinterpret_cast<unsigned long long*>(keys_.state),
                                                 keys_.buckets - 1, admitted, out->new_slots, a);
   }
-  NewRowsKernel<<<Blocks(a), kThreads, 0, s>>>(admitted, out->new_slots, a, slot_key_, live_row_, generation_, score_,
-                                               touched_, lfu ? 1 : clock_, call);
+  if (!p->fused)   // (fused: the rows' marks written as they were taken)
+    NewRowsKernel<<<Blocks(a), kThreads, 0, s>>>(admitted, out->new_slots, a, slot_key_, live_row_, generation_,
+                                                 score_, touched_, lfu ? 1 : clock_, call);
   keys_.used += a;
   live_ += a;
   next_free_ += a - std::min(a, free_count_);

@@ -61,6 +61,7 @@ struct GpuFindPending {
   int64_t k = 0;                  // keys to evict (before a cache's bound by the evictable rows)
   int64_t* evictable = nullptr;   // rows this call did not touch, compacted
   bool direct = false;            // the missing keys were inserted as they were told apart (no sort)
+  bool fused = false;             // ... by the probe itself: Probe's count is that of the new keys
 };
 
 class GpuDynamicIndex {
@@ -79,8 +80,11 @@ class GpuDynamicIndex {
   // Find with insert, in two halves: Probe queues the work up to the count of positions whose key
   // is missing (written to the device's *count, not waited for); Finish, given that count read
   // back, does the rest. Nothing else may use the index in between.
+  // When every key is let in (`insert_ratio` 1, no admission, not a cache) and the table has room and
+  // rows for n new keys as it is, Probe inserts them itself (p->fused) and *count is the count of
+  // new keys: FinishDistinct then leaves it, and the distinct count is the one read back.
   std::string Probe(const GpuDevice& d, const int64_t* keys, int64_t n, GpuFindResult* out, GpuFindPending* p,
-                    int64_t* count);
+                    int64_t* count, float insert_ratio = 1.0f);
   std::string Finish(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
                      bool admit_all = false, float insert_ratio = 1.0f, const std::function<void(int)>& mark = {});
   // Finish in three parts, for many indices at once: FinishDistinct, given the missing count,

@@ -864,7 +864,7 @@ class FindManyOp : public tf::OpKernel {
       OP_REQUIRES(ctx, res[i]->gpu != nullptr, Failed(*res[i], ": ", "its index is on the host; look it up there"));
       const tf::Tensor& keys = ctx->input(n + i);
       const std::string error = res[i]->gpu->Probe(d, keys.flat<int64_t>().data(), keys.NumElements(), &found[i],
-                                                   &pending[i], counts + i);
+                                                   &pending[i], counts + i, insert_ratio_);
       OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
     }
     // each stage of every table's index call, then the counts of all tables read back with one wait
@@ -879,10 +879,12 @@ class FindManyOp : public tf::OpKernel {
       const std::string error = res[i]->gpu->FinishDistinct(d, &pending[i], missing[i], &found[i], counts + i,
                                                                 insert_ratio_);
       OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
-      any |= missing[i] > 0;
+      any |= missing[i] > 0 && !pending[i].fused;
     }
     clock.Mark(2);
     if (any) OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, distinct.data()));
+    for (int i = 0; i < n; ++i)
+      if (pending[i].fused) distinct[i] = missing[i];   // the probe inserted: its count was of the new keys
     clock.Mark(3);
     any = false;
     for (int i = 0; i < n; ++i) {
