@@ -199,7 +199,7 @@ def fit_sources(a, schema, cfg, files: str, steps: int) -> dict:
     ids = id_dtype(schema)
     gpu = "/gpu:0" if tf.config.list_physical_devices("GPU") else None
 
-    def fed(ds, pinned=True):   # as the examples feed fit (--ragged-pairs: the ids as (values, row_splits))
+    def fed(ds, pinned=True):   # as the examples feed fit (the ids as (values, row_splits) unless --ragged-tensors)
         return sd.to_device(ds, gpu, pinned=pinned, ragged_pairs=a.ragged_pairs) if gpu else ds
 
     synthetic = sd.for_keras(sd.synthetic(10**9 // a.batch * a.batch, a.batch, cfg, id_dtype=ids), id_dtype=ids)
@@ -272,8 +272,8 @@ def fit_section(a, d):
         args += ["--reader-workers", str(a.reader_workers or 0)]
         if a.pageable:
             args += ["--pageable"]
-        if a.ragged_pairs:
-            args += ["--ragged-pairs"]
+        if a.ragged_tensors:
+            args += ["--ragged-tensors"]
         p = subprocess.run(args, capture_output=True, text=True)
         lines = [l for l in p.stdout.splitlines() if l.startswith("  ") or l.startswith("{")]
         print("\n".join(l for l in lines if not l.startswith("{")) or p.stderr[-1500:], flush=True)
@@ -305,8 +305,9 @@ def main():
                    help="the fit runs (default DLRM:1 DLRM:<spe> DCNv2:1 DCNv2:<spe> DCNv2-bf16:<spe>); a model "
                         "name may end in -bf16 (Keras mixed_bfloat16), -xla (the dense part compiled by XLA), -kerasloop (Keras' own "
                         "multi-step loop instead of sok.keras.loop_on_host)")
-    p.add_argument("--ragged-pairs", action="store_true",
-                   help="the batches' ragged ids copied to the GPU as (values, row_splits) pairs (to_device(ragged_pairs=True))")
+    p.add_argument("--ragged-tensors", action="store_true",
+                   help="the batches' ragged ids copied to the GPU as RaggedTensors (default: as the examples, "
+                        "(values, row_splits) pairs: to_device(ragged_pairs=True))")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--pageable", action="store_true",
                    help="fit also on cached batches copied to the GPU from pageable memory (to_device(pinned=False))")
@@ -317,6 +318,7 @@ def main():
     p.add_argument("--fit-one", nargs=2, metavar=("MODEL", "SPE"), help=argparse.SUPPRESS)
     p.add_argument("--data-dir", help=argparse.SUPPRESS)
     a = p.parse_args()
+    a.ragged_pairs = not a.ragged_tensors
     from criteo_common import reader_workers
     a.reader_workers = reader_workers(a)   # None: threads
     if a.fit_one:

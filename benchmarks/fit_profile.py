@@ -255,8 +255,9 @@ def main():
     p.add_argument("--files", type=int, default=16, help="--source parquet: files of 2 batches written first")
     p.add_argument("--reader-workers", type=int, default=None, help="--source parquet: read_parquet(workers=)")
     p.add_argument("--keras-loop", action="store_true", help="Keras' own multi-step loop, not sok.keras.loop_on_host")
-    p.add_argument("--ragged-pairs", action="store_true",
-                   help="the batches' ragged ids copied to the GPU as (values, row_splits) pairs (to_device(ragged_pairs=True))")
+    p.add_argument("--ragged-tensors", action="store_true",
+                   help="the batches' ragged ids copied to the GPU as RaggedTensors (default: as the examples, "
+                        "(values, row_splits) pairs: to_device(ragged_pairs=True))")
     p.add_argument("--no-twin", action="store_true", help="leave out the dense part alone")
     p.add_argument("--keep-trace", metavar="FILE.xplane.pb.gz", help="also write the whole model's trace here")
     p.add_argument("--warmup-steps", type=int, default=None,
@@ -266,6 +267,7 @@ def main():
                    help="only summarize a trace written by --keep-trace (its steps: --executions x --spe; wall: "
                         "the span of its GPU events)")
     a = p.parse_args()
+    a.ragged_pairs = not a.ragged_tensors
     if a.from_trace:
         space, wall = read_kept_trace(a.from_trace)
         print(f"fit_profile: {a.from_trace}, {a.executions * a.spe} steps")

@@ -195,8 +195,12 @@ def id_dtype(schema):
 
 
 def on_gpu(ds):
-    """Batches copied to the GPU two ahead of the step (where one is visible)."""
-    return sd.to_device(ds, "/gpu:0") if tf.config.list_physical_devices("GPU") else ds
+    """Batches copied to the GPU two ahead of the step (where one is visible), from page-locked
+    memory, their ragged ids as (values, row_splits) pairs, which tf_sok's layers take (on an H200,
+    DCNv2 from cached batches 2.89M samples/s against 2.73M with RaggedTensors: see RESULTS.md)."""
+    if not tf.config.list_physical_devices("GPU"):
+        return ds
+    return sd.to_device(ds, "/gpu:0", ragged_pairs=True)
 
 
 class Curves(keras.callbacks.Callback):

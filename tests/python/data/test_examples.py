@@ -139,3 +139,44 @@ def test_side_by_side_is_tensorflows_concatenation_with_its_gradient(rng, jit):
     for a, b, w in zip(g_ours, g_theirs, widths):
         assert a.shape == (7, w)
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+@pytest.mark.parametrize("example", ["dlrm", "dcnv2", "deepfm"])
+def test_example_models_train_on_ragged_pairs_as_on_ragged_tensors(example):
+    """The examples feed a GPU their ragged ids as (values, row_splits) pairs (criteo_common.on_gpu):
+    each example model with the same weights gives the same predictions and three training steps
+    (losses, then weights) on pairs as on RaggedTensors, on fresh random batches."""
+    import numpy as np
+    import keras
+
+    import tf_sok as sok
+    import tf_sok.data as sd
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    module = __import__(example)
+
+    sok.init()
+    schema = sd.CriteoSchema.capped(400)
+    cfg = (sd.SyntheticConfig.dcnv2 if example == "dcnv2" else sd.SyntheticConfig)(schema=schema)
+    seed = int(np.random.default_rng().integers(1 << 30))
+    ragged = list(sd.for_keras(sd.synthetic(3 * 96, 96, cfg, seed=seed)))
+    pairs = list(sd.for_keras(sd.synthetic(3 * 96, 96, cfg, seed=seed), ragged_pairs=True))
+    assert isinstance(pairs[0][0]["C1"], tuple)
+    build = {"dlrm": lambda: module.DLRM(schema, 8), "deepfm": lambda: module.DeepFM(schema, 8),
+             "dcnv2": lambda: module.DCNv2(schema, 8, cross_rank=8)}[example]
+    models = []
+    for first in (ragged, pairs):
+        model = build()
+        model(first[0][0])
+        if models:
+            model.set_weights(models[0].get_weights())
+        model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.Adam(0.01), sparse=sok.optimizers.Adam(0.05)),
+                      loss="binary_crossentropy")
+        models.append(model)
+    on_ragged, on_pairs = models
+    np.testing.assert_allclose(on_pairs.predict_on_batch(pairs[0][0]), on_ragged.predict_on_batch(ragged[0][0]),
+                               rtol=1e-5, atol=1e-6)
+    for (xr, y), (xp, _) in zip(ragged, pairs):
+        np.testing.assert_allclose(on_pairs.train_on_batch(xp, y), on_ragged.train_on_batch(xr, y), rtol=1e-5)
+    for a, b in zip(on_pairs.get_weights(), on_ragged.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
