@@ -93,18 +93,12 @@ def test_dense_part_under_xla_trains_as_the_plain_model(example):
     kwargs = {"cross_rank": 8} if example == "dcnv2" else {}
     cfg = (sd.SyntheticConfig.dcnv2 if example == "dcnv2" else sd.SyntheticConfig)(schema=schema)
     batches = list(sd.for_keras(sd.synthetic(3 * 128, 128, cfg, seed=int(np.random.default_rng().integers(1 << 30)))))
-    models = []
-    for jit in (False, True):
-        model = getattr(module, "DCNv2" if example == "dcnv2" else "DLRM")(schema, 8, jit_dense=jit, **kwargs)
-        model(batches[0][0])
-        if models:
-            model.set_weights(models[0].get_weights())
-        # SGD: Adagrad's first steps from a zero accumulator take the sign of near-zero gradients,
-        # which float rounding may flip
-        model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.SGD(0.05), sparse=sok.optimizers.SGD(0.05)),
-                      loss="binary_crossentropy")
-        models.append(model)
-    plain, xla = models
+    cls = getattr(module, "DCNv2" if example == "dcnv2" else "DLRM")
+    # SGD: Adagrad's first steps from a zero accumulator take the sign of near-zero gradients,
+    # which float rounding may flip
+    plain, xla = same_weight_models(
+        [(lambda jit=jit: cls(schema, 8, jit_dense=jit, **kwargs), batches[0][0]) for jit in (False, True)],
+        lambda: sok.keras.Optimizer(dense=keras.optimizers.SGD(0.05), sparse=sok.optimizers.SGD(0.05)))
     np.testing.assert_allclose(xla.predict_on_batch(batches[0][0]), plain.predict_on_batch(batches[0][0]),
                                rtol=1e-4, atol=1e-5)
     for x, y in batches:
@@ -164,19 +158,26 @@ def test_example_models_train_on_ragged_pairs_as_on_ragged_tensors(example):
     assert isinstance(pairs[0][0]["C1"], tuple)
     build = {"dlrm": lambda: module.DLRM(schema, 8), "deepfm": lambda: module.DeepFM(schema, 8),
              "dcnv2": lambda: module.DCNv2(schema, 8, cross_rank=8)}[example]
-    models = []
-    for first in (ragged, pairs):
-        model = build()
-        model(first[0][0])
-        if models:
-            model.set_weights(models[0].get_weights())
-        model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.Adam(0.01), sparse=sok.optimizers.Adam(0.05)),
-                      loss="binary_crossentropy")
-        models.append(model)
-    on_ragged, on_pairs = models
+    on_ragged, on_pairs = same_weight_models(
+        [(build, ragged[0][0]), (build, pairs[0][0])],
+        lambda: sok.keras.Optimizer(dense=keras.optimizers.Adam(0.01), sparse=sok.optimizers.Adam(0.05)))
     np.testing.assert_allclose(on_pairs.predict_on_batch(pairs[0][0]), on_ragged.predict_on_batch(ragged[0][0]),
                                rtol=1e-5, atol=1e-6)
     for (xr, y), (xp, _) in zip(ragged, pairs):
         np.testing.assert_allclose(on_pairs.train_on_batch(xp, y), on_ragged.train_on_batch(xr, y), rtol=1e-5)
     for a, b in zip(on_pairs.get_weights(), on_ragged.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def same_weight_models(builds, optimizer):
+    """Models built by each (build, first input) pair, called once on that input, given the first
+    model's weights and compiled with a fresh optimizer() and binary cross-entropy."""
+    models = []
+    for build, first in builds:
+        model = build()
+        model(first)
+        if models:
+            model.set_weights(models[0].get_weights())
+        model.compile(optimizer=optimizer(), loss="binary_crossentropy")
+        models.append(model)
+    return models
