@@ -22,12 +22,12 @@ from tf_sok.python.data import blocks as blocks_lib, columnar  # noqa: E402
 from e2e_bench import graph_rows_per_second  # noqa: E402
 
 
-def threads_rate(files, schema, threads: int, pyarrow_threads: bool) -> float:
+def threads_rate(files, schema, threads: int, pyarrow_threads: bool, batch: int) -> float:
     rows = [0] * threads
 
     def work(t):
         for k in range(t, len(files) * 2, threads):   # each file twice over
-            for block in columnar._parquet_blocks(files[k % len(files)], 1 << 18, schema, None, 1, np.int32,
+            for block in columnar._parquet_blocks(files[k % len(files)], 1 << 18, schema, None, batch, np.int32,
                                                   pyarrow_threads):
                 rows[t] += len(block[2])
     ts = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
@@ -97,8 +97,8 @@ def main():
     cores = len(os.sched_getaffinity(0))
     print(f"{cores} cores ({physical_cores()}), {a.files} DCNv2 files of {a.rows:,} rows")
     for t in sorted({1, 2, 4, 8, cores}) if "builder" in parts else []:
-        print(f"  block builder, {t:2d} Python threads: {threads_rate(files, schema, t, False):12,.0f} rows/s "
-              f"(pyarrow threads on: {threads_rate(files, schema, t, True):12,.0f})", flush=True)
+        print(f"  block builder, {t:2d} Python threads: {threads_rate(files, schema, t, False, a.batch):12,.0f} rows/s "
+              f"(pyarrow threads on: {threads_rate(files, schema, t, True, a.batch):12,.0f})", flush=True)
     steps = max(2, a.files * a.rows // a.batch)
     # the reader's main-process side alone: blocks already built (in memory), handed to tf.data by a
     # generator and sliced into batches there, P pieces interleaved as read_parquet does

@@ -2,9 +2,18 @@
 
 The block builder (pyarrow's decoding, NumPy's assembly) holds Python's lock between its calls:
 measured on 16 cores, threads of one process stop scaling near 8. With `read_parquet(...,
-workers=k)` k spawned processes build the blocks; each block comes back as one file in shared
-memory (/dev/shm), mapped by the reader and unlinked at once, its arrays 64-byte aligned so
-TensorFlow takes them without a copy (the mapping lives as long as the tensors do).
+workers=k)` k spawned processes build the blocks in shared memory (/dev/shm), their arrays 64-byte
+aligned and laid out batch by batch (blocks.py), so that TensorFlow takes them, and cuts batches
+from them, without a copy.
+
+Slabs: the reading process keeps shared-memory files ("slabs") mapped once, registered with the GPU
+as page-locked memory where one is present (TfSokRegisterHost), and hands a free one to the worker
+with each block to build. A block's tensors point into its slab; when the last of them is released
+(the batches copied to the device), the slab is free again. So per batch the reading process maps
+nothing, faults in no page, copies no id, and the pinned copy before the device passes the ids
+through: the copy to the GPU is one DMA from the slab. Slabs are made as the pipeline needs them
+(as many as its buffers hold blocks at once); a block that does not fit a slab, or one built while
+none is free and the slabs' limit is reached, comes back in a file of its own, mapped and unlinked.
 """
 import atexit
 import concurrent.futures
@@ -16,7 +25,9 @@ import os
 import secrets
 import sys
 import threading
-from typing import Iterator, Tuple
+import time
+import weakref
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -33,11 +44,19 @@ _lock = threading.Lock()
 WORKER_NICENESS = 10
 
 
-def _lower_priority():
+def _start_worker(parent: int):
+    """A worker's set-up: it yields the cores (WORKER_NICENESS) and ends with the process that
+    started it (a parent ended by a signal or os._exit leaves no workers behind)."""
     try:
         os.nice(WORKER_NICENESS)
     except OSError:  # pragma: no cover (a system without priorities: run as is)
         pass
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+    threading.Thread(target=watch, name="tf_sok_parent_watch", daemon=True).start()
 
 
 def _ready() -> int:
@@ -70,7 +89,8 @@ def _pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
             _remove_stale_blocks()
             pool = concurrent.futures.ProcessPoolExecutor(max_workers=workers,
                                                           mp_context=multiprocessing.get_context("spawn"),
-                                                          initializer=_lower_priority)
+                                                          initializer=_start_worker,
+                                                          initargs=(os.getpid(),))
             with _main_not_reimported():
                 started = [pool.submit(_ready) for _ in range(workers)]   # one process per task while none idles
                 concurrent.futures.wait(started)
@@ -143,9 +163,32 @@ class _Arena:
         return np.ndarray(shape, dtype, buffer=self.buffer, offset=start)
 
 
-def build_block(path: str, lo: int, hi: int, schema: CriteoSchema, id_dtype: str, owner: int) -> Tuple[str, list]:
-    """In a worker: rows [lo, hi) of Parquet file `path` as a block, built in place in one
-    shared-memory file: (its path, [(dtype, shape, offset) of each array in the block's order])."""
+_slab_maps = {}
+
+
+def _slab_map(path: str, size: int) -> mmap.mmap:
+    """A worker's mapping of slab `path`, kept while the slab exists (its pages faulted in once)."""
+    mm = _slab_maps.get(path)
+    if mm is None:
+        for gone in [p for p in _slab_maps if not os.path.exists(p)]:   # slabs the reader retired
+            _slab_maps.pop(gone).close()
+        with open(path, "r+b") as fh:
+            mm = mmap.mmap(fh.fileno(), size)
+        _slab_maps[path] = mm
+    return mm
+
+
+def _layout(arrays, buffer) -> list:
+    base = np.frombuffer(buffer, np.uint8, count=1).ctypes.data
+    return [(a.dtype.str, a.shape, a.ctypes.data - base if a.size else 0) for a in arrays]
+
+
+def build_block(path: str, lo: int, hi: int, schema: CriteoSchema, id_dtype: str, batch_size: int,
+                owner: int, slab: Optional[Tuple[str, int]] = None) -> tuple:
+    """In a worker: rows [lo, hi) of Parquet file `path` as a block, built in place in shared memory:
+    in `slab` (its path and size) when it fits there, else in a file of its own. Returns (the file's
+    path, or None for the slab; [(dtype, shape, offset) of each array in the block's order]; the
+    block's bound in bytes)."""
     import tempfile
 
     from tf_sok.python.data.columnar import arrow_block, block_bytes
@@ -155,27 +198,207 @@ def build_block(path: str, lo: int, hi: int, schema: CriteoSchema, id_dtype: str
     g1 = int(np.searchsorted(starts, hi, side="left"))
     table = f.read_row_groups(list(range(g0, g1)), columns=columns, use_threads=False)
     table = table.slice(lo - int(starts[g0]), hi - lo)
-    bound = max(block_bytes(table, schema, id_dtype), 1)
+    bound = max(block_bytes(table, schema, id_dtype, batch_size), 1)
+
+    def build(buffer):
+        arena = _Arena(buffer)
+        dense, cats, label, cuts = arrow_block(table, schema, f"Parquet file {path}", np.dtype(id_dtype), in_range,
+                                               alloc=arena, batch_size=batch_size)
+        arrays = [dense] + [a for n in schema.categorical_names for a in cats[n]] + [label, cuts]
+        return _layout(arrays, buffer), arena.used
+
+    if slab is not None and bound <= slab[1]:
+        return None, build(_slab_map(*slab))[0], bound
     out = os.path.join(_SHM or tempfile.gettempdir(), f"{_PREFIX}{owner}_{secrets.token_hex(8)}")
     fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, bound)   # a sparse file: only the pages written take memory
         mm = mmap.mmap(fd, bound)
-        arena = _Arena(mm)
-        dense, cats, label = arrow_block(table, schema, f"Parquet file {path}", np.dtype(id_dtype), in_range,
-                                         alloc=arena)
-        arrays = [dense] + [a for n in schema.categorical_names for a in cats[n]] + [label]
-        base = np.frombuffer(mm, np.uint8, count=1).ctypes.data
-        layout = [(a.dtype.str, a.shape, a.ctypes.data - base if a.size else 0) for a in arrays]
-        del dense, cats, label, arrays
+        layout, used = build(mm)
         mm.close()
-        os.ftruncate(fd, max(arena.used, 1))
+        os.ftruncate(fd, max(used, 1))
     except BaseException:
         os.unlink(out)
         raise
     finally:
         os.close(fd)
-    return out, layout
+    return out, layout, bound
+
+
+class _Slab:
+    """A shared-memory file mapped by the reading process, registered with the GPU where one is
+    present (which faults its pages in; elsewhere the worker's first write does)."""
+
+    def __init__(self, size: int):
+        import tempfile
+
+        self.size = size
+        self.path = os.path.join(_SHM or tempfile.gettempdir(), f"{_PREFIX}{os.getpid()}_slab_{secrets.token_hex(8)}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self.address = np.frombuffer(self.mm, np.uint8, count=1).ctypes.data
+        self.pinned = _register(self.address, size)
+
+    def close(self):
+        if self.pinned:
+            _host_calls().TfSokUnregisterHost(ctypes_pointer(self.address))
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        # the mapping itself goes with the last array viewing it
+
+
+def ctypes_pointer(address: int):
+    import ctypes
+
+    return ctypes.c_void_p(address)
+
+
+_host = None
+
+
+def _host_calls():
+    """The op library's host-registration calls (ctypes)."""
+    global _host
+    if _host is None:
+        import ctypes
+
+        from tf_sok.python.ops.loader import _module, library_path
+
+        _module()   # TensorFlow loads the library first
+        so = ctypes.CDLL(library_path())
+        so.TfSokRegisterHost.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
+        so.TfSokRegisterHost.restype = ctypes.c_int
+        so.TfSokUnregisterHost.argtypes = [ctypes.c_void_p]
+        so.TfSokRegisterHostError.restype = ctypes.c_char_p
+        so.TfSokPinnedCopyBytes.argtypes = [ctypes.c_int]
+        so.TfSokPinnedCopyBytes.restype = ctypes.c_ulonglong
+        _host = so
+    return _host
+
+
+def pinned_copy_bytes() -> dict:
+    """Bytes `pinned_copy` passed through (they lay in registered slabs already) and copied, in this
+    process so far."""
+    so = _host_calls()
+    return {"passed": int(so.TfSokPinnedCopyBytes(0)), "copied": int(so.TfSokPinnedCopyBytes(1))}
+
+
+_register_failed = []
+
+
+def _register(address: int, size: int) -> bool:
+    """Registers a slab with the GPU (page-locked in place); False where there is none, or (once
+    warned) where the driver refuses."""
+    so = _host_calls()
+    got = so.TfSokRegisterHost(ctypes_pointer(address), size)
+    if got < 0 and not _register_failed:
+        import warnings
+
+        _register_failed.append(True)
+        warnings.warn(f"tf_sok readers: registering {size} bytes of shared memory with the GPU failed "
+                      f"({so.TfSokRegisterHostError().decode()}); batches are copied to page-locked memory instead")
+    return got == 1
+
+
+class Slabs:
+    """The slabs of this process: free ones handed out, new ones made up to `limit` bytes in all.
+    Their size follows the largest block seen (1.1 x its bound); smaller ones are retired when freed."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.size = 0
+        self.free, self.total, self.made = [], 0, []
+        self.stats = {"slabs": 0, "blocks_in_slabs": 0, "blocks_in_files": 0, "pinned_bytes": 0}
+        self._lock = threading.RLock()   # a lease's finalizer may run in any thread, in any code
+
+    def acquire(self) -> Optional[_Slab]:
+        with self._lock:
+            while self.free:
+                slab = self.free.pop()
+                if slab.size >= self.size:
+                    return slab
+                self._retire(slab)
+            if not self.size or self.total + self.size > self.limit:
+                return None
+            slab = _Slab(self.size)
+            self.made.append(slab.path)
+            self.total += slab.size
+            self.stats["slabs"] += 1
+            self.stats["pinned_bytes"] += slab.size if slab.pinned else 0
+            return slab
+
+    def release(self, slab: _Slab):
+        with self._lock:
+            if slab.size >= self.size and not _exiting():
+                self.free.append(slab)
+            else:
+                self._retire(slab)
+
+    def _retire(self, slab: _Slab):
+        self.total -= slab.size
+        self.stats["pinned_bytes"] -= slab.size if slab.pinned else 0
+        slab.close()
+
+    def learn(self, bound: int):
+        """A block of `bound` bytes did not fit: later slabs are made to hold it."""
+        with self._lock:
+            want = -(-int(bound * 1.1) // (1 << 20)) << 20
+            self.size = max(self.size, want)
+
+    def arrays(self, slab: _Slab, layout: list) -> list:
+        """The block built in `slab`: arrays whose last release frees the slab."""
+        import ctypes
+
+        # what the block's arrays hang on (their NumPy base: not an array, so NumPy does not look
+        # past it): when the last of them goes, so does it, and the slab is free again
+        lease = (ctypes.c_ubyte * slab.size).from_buffer(slab.mm)
+        weakref.finalize(lease, self.release, slab).atexit = False
+        self.stats["blocks_in_slabs"] += 1
+        return _arrays(lease, layout)
+
+    def close(self):
+        """At exit: every slab's file goes (those still mapped by tensors stay mapped)."""
+        with self._lock:
+            for path in self.made:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            self.free = []
+
+
+_slabs = []
+
+
+def slabs() -> Slabs:
+    """This process' slabs (made on first use; at most a quarter of the host's memory)."""
+    with _lock:
+        if not _slabs:
+            try:
+                memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (ValueError, OSError):  # pragma: no cover (a system without these counts)
+                memory = 16 << 30
+            _slabs.append(Slabs(memory // 4))
+            atexit.register(_slabs[0].close)
+        return _slabs[0]
+
+
+def _arrays(buffer, layout: list) -> list:
+    out = []
+    for dtype, shape, off in layout:
+        dt = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        out.append(np.ndarray(shape, dt, buffer=buffer, offset=off) if count else np.zeros(shape, dt))
+    return out
 
 
 def _mapped(path: str, layout: list):
@@ -189,12 +412,7 @@ def _mapped(path: str, layout: list):
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.unlink(path)
-    out = []
-    for dtype, shape, off in layout:
-        dt = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64))
-        out.append(np.ndarray(shape, dt, buffer=mm, offset=off) if count else np.zeros(shape, dt))
-    return out
+    return _arrays(mm, layout)
 
 
 def worker_blocks(workers: int, path: str, groups, batch_size: int, block_rows: int, schema: CriteoSchema,
@@ -205,33 +423,59 @@ def worker_blocks(workers: int, path: str, groups, batch_size: int, block_rows: 
     from tf_sok.python.data.columnar import group_starts, piece_bounds
 
     pool = _pool(workers)
+    store = slabs()
     begin, end = piece_bounds(group_starts(pq.ParquetFile(path).metadata), groups, batch_size)
     bounds = [(lo, min(lo + block_rows, end)) for lo in range(begin, end, block_rows)]
-    pending = []
+    pending = []   # (future, slab or None)
     dt = np.dtype(id_dtype).str
+    n = len(schema.categorical_names)
     try:
         for i in range(len(bounds)):
             while len(pending) <= ahead and len(pending) + i < len(bounds):
                 lo, hi = bounds[i + len(pending)]
+                slab = store.acquire()
+                where = None if slab is None else (slab.path, slab.size)
                 try:
-                    pending.append(pool.submit(build_block, path, lo, hi, schema, dt, os.getpid()))
+                    pending.append((pool.submit(build_block, path, lo, hi, schema, dt, batch_size, os.getpid(), where),
+                                    slab))
                 except RuntimeError:
+                    if slab is not None:
+                        store.release(slab)
                     if _exiting():
                         return
                     raise
+            fut, slab = pending.pop(0)
             try:
-                arrays = _mapped(*pending.pop(0).result())
+                file, layout, bound = fut.result()
             except (concurrent.futures.CancelledError, concurrent.futures.process.BrokenProcessPool):
+                if slab is not None:
+                    store.release(slab)
                 if _exiting():
                     return
                 raise
-            n = len(schema.categorical_names)
+            except BaseException:
+                if slab is not None:
+                    store.release(slab)
+                raise
+            if file is None:
+                arrays = store.arrays(slab, layout)
+            else:
+                if slab is not None:
+                    store.release(slab)
+                store.learn(bound)
+                store.stats["blocks_in_files"] += 1
+                arrays = _mapped(file, layout)
             cats = {name: (arrays[1 + 2 * k], arrays[2 + 2 * k]) for k, name in enumerate(schema.categorical_names)}
-            yield arrays[0], cats, arrays[1 + 2 * n]
+            yield arrays[0], cats, arrays[1 + 2 * n], arrays[2 + 2 * n]
+            del arrays, cats
     finally:
-        for fut in pending:   # a reader stopped early: its blocks in flight are dropped
+        for fut, slab in pending:   # a reader stopped early: its blocks in flight are dropped
             if not fut.cancel():
                 try:
-                    os.unlink(fut.result()[0])
+                    file = fut.result()[0]
+                    if file is not None:
+                        os.unlink(file)
                 except Exception:  # noqa: BLE001 (the block failed; nothing to clean up)
                     pass
+            if slab is not None:
+                store.release(slab)

@@ -18,7 +18,7 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
-from tf_sok.python.data.blocks import aligned_empty, batched_blocks, block_signature
+from tf_sok.python.data.blocks import ALIGN, aligned_empty, batched_blocks, batched_ragged, block_signature, ragged_bytes
 from tf_sok.python.data.pipeline import checked_id_dtype, finish
 from tf_sok.python.data.schema import METADATA_KEY, NUM_DENSE, CriteoSchema, schema_file_of, write_schema_file
 
@@ -67,11 +67,13 @@ def _resolve_schema(files, fmt: str, schema: Optional[CriteoSchema]) -> CriteoSc
     return schema
 
 
-def _ids(column, name: str, vocab: int, path: str, id_dtype=np.int64, check: bool = True, alloc=aligned_empty):
-    """(values, row_splits) of one categorical column (an Arrow array or chunked array), list<int>
-    or plain int (null = missing): values of `id_dtype`, in one pass over each chunk (no combined
-    copy first); their range checked in one pass by Arrow before the cast (unless `check` is off:
-    the file's statistics showed it). `alloc(shape, dtype)` gives the arrays' memory."""
+def _ids(column, name: str, vocab: int, path: str, id_dtype=np.int64, check: bool = True, alloc=aligned_empty,
+         batch_size: Optional[int] = None):
+    """(values, row_splits, value_cuts) of one categorical column (an Arrow array or chunked
+    array), list<int> or plain int (null = missing), laid out batch by batch (blocks.py): values of
+    `id_dtype`, written straight from each chunk (no combined copy first); their range checked in
+    one pass by Arrow before the cast (unless `check` is off: the file's statistics showed it).
+    `alloc(shape, dtype)` gives the arrays' memory."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -91,20 +93,17 @@ def _ids(column, name: str, vocab: int, path: str, id_dtype=np.int64, check: boo
         lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
         if lo is not None and (lo < 0 or hi >= vocab):
             raise ValueError(f"{path}: column {name} has id {lo if lo < 0 else hi} outside [0, {vocab})")
-    values = alloc([total], id_dtype)
-    if parts:
-        np.concatenate([p.to_numpy(zero_copy_only=False) for p in parts], out=values, casting="same_kind")
-    splits = alloc([(total if lengths is None else len(lengths)) + 1], np.int64)
+    rows = len(column) if lengths is None else len(lengths)
     if lengths is None:
-        splits[:] = np.arange(total + 1, dtype=np.int64)
+        ends = np.arange(1, rows + 1, dtype=np.int64)
     else:
-        splits[0] = 0
-        np.cumsum(lengths, out=splits[1:])
-    return values, splits
+        ends = np.cumsum(lengths, dtype=np.int64)
+    return batched_ragged([p.to_numpy(zero_copy_only=False) for p in parts], ends, batch_size or max(rows, 1),
+                          id_dtype, alloc)
 
 
-def block_bytes(table, schema: CriteoSchema, id_dtype=np.int64, align: int = 64) -> int:
-    """An upper bound on the bytes of `arrow_block(table, ...)`'s arrays, each `align`-aligned."""
+def block_bytes(table, schema: CriteoSchema, id_dtype=np.int64, batch_size: Optional[int] = None) -> int:
+    """An upper bound on the bytes of `arrow_block(table, ...)`'s arrays (each 64-byte aligned)."""
     import pyarrow as pa
 
     n, ids = table.num_rows, 0
@@ -114,26 +113,36 @@ def block_bytes(table, schema: CriteoSchema, id_dtype=np.int64, align: int = 64)
             ids += sum(len(c.values) for c in column.chunks)
         else:
             ids += len(column)
-    arrays = 2 * len(schema.categorical_names) + 2
-    return n * NUM_DENSE * 8 + n * 4 + ids * np.dtype(id_dtype).itemsize + \
-        len(schema.categorical_names) * (n + 1) * 8 + arrays * align
+    features = len(schema.categorical_names)
+    batches = -(-n // (batch_size or max(n, 1)))
+    per_feature = ragged_bytes(0, n, batch_size or max(n, 1), id_dtype)
+    return n * NUM_DENSE * 8 + n * 4 + ids * np.dtype(id_dtype).itemsize + features * per_feature + \
+        batches * 2 * features * 8 + 3 * ALIGN
 
 
-def arrow_block(table, schema: CriteoSchema, where: str, id_dtype=np.int64, in_range=frozenset(), alloc=aligned_empty):
-    """A table in tf_sok's Parquet layout -> a raw block of flat NumPy arrays (see blocks.py);
-    the ids of columns `in_range` are known to be inside their tables (not scanned again).
-    `alloc(shape, dtype)` gives the arrays' memory, in the block's order (dense, each feature's
-    values and row_splits, label); at most `block_bytes(...)` in all."""
+def arrow_block(table, schema: CriteoSchema, where: str, id_dtype=np.int64, in_range=frozenset(), alloc=aligned_empty,
+                batch_size: Optional[int] = None):
+    """A table in tf_sok's Parquet layout -> a raw block of flat NumPy arrays laid out batch by
+    batch (see blocks.py); the ids of columns `in_range` are known to be inside their tables (not
+    scanned again). `alloc(shape, dtype)` gives the arrays' memory, in the block's order (dense,
+    each feature's values and row_splits, label, value cuts); at most `block_bytes(...)` in all."""
     def col(n):
         return table.column(n).combine_chunks()
     dense = alloc((table.num_rows, NUM_DENSE), np.int64)
     for i, n in enumerate(schema.dense_names):
         dense[:, i] = col(n).fill_null(0).to_numpy(zero_copy_only=False)
-    cats = {n: _ids(table.column(n), n, v, where, id_dtype, check=n not in in_range, alloc=alloc)
-            for n, v in zip(schema.categorical_names, schema.vocab_sizes)}
+    cats, cuts = {}, []
+    for n, v in zip(schema.categorical_names, schema.vocab_sizes):
+        values, splits, c = _ids(table.column(n), n, v, where, id_dtype, check=n not in in_range, alloc=alloc,
+                                 batch_size=batch_size)
+        cats[n] = (values, splits)
+        cuts.append(c)
     label = alloc([table.num_rows], np.float32)
     label[:] = col("label").fill_null(0).to_numpy(zero_copy_only=False)
-    return dense, cats, label
+    value_cuts = alloc((len(cuts[0]) if cuts else 0, 2, len(cuts)), np.int64)
+    for k, c in enumerate(cuts):
+        value_cuts[:, :, k] = c
+    return dense, cats, label, value_cuts
 
 
 def _in_range_by_statistics(f, schema: CriteoSchema) -> frozenset:
@@ -202,7 +211,7 @@ def _parquet_blocks(path: str, block_rows: int, schema: CriteoSchema, groups=Non
         stream = _row_range(f, columns, groups, batch_size, block_rows, threads)
     in_range = _in_range_by_statistics(f, schema)
     for table in exact_blocks(stream, block_rows):
-        yield arrow_block(table, schema, f"Parquet file {path}", id_dtype, in_range)
+        yield arrow_block(table, schema, f"Parquet file {path}", id_dtype, in_range, batch_size=batch_size)
 
 
 def group_starts(md) -> np.ndarray:

@@ -21,7 +21,8 @@ from tf_sok.python.data.pipeline import ReadStats, check_policy
 from tf_sok.python.data.schema import CriteoSchema
 
 
-def _tsv_blocks(path: str, block_rows: int, schema: CriteoSchema, on_error: str, stats: Optional[ReadStats]):
+def _tsv_blocks(path: str, block_rows: int, batch_size: int, schema: CriteoSchema, on_error: str,
+                stats: Optional[ReadStats]):
     from tf_sok.python.data.convert import tsv_blocks
 
     counts = {"skipped": 0}
@@ -30,7 +31,7 @@ def _tsv_blocks(path: str, block_rows: int, schema: CriteoSchema, on_error: str,
         if stats is not None and counts["skipped"] > reported:
             stats.skipped.assign_add(counts["skipped"] - reported)
             reported = counts["skipped"]
-        yield arrow_block(table, schema, f"Criteo TSV {path}")
+        yield arrow_block(table, schema, f"Criteo TSV {path}", batch_size=batch_size)
     if stats is not None and counts["skipped"] > reported:
         stats.skipped.assign_add(counts["skipped"] - reported)
 
@@ -54,7 +55,7 @@ def read_tsv(files: Union[str, Sequence[str]], batch_size: int, schema: CriteoSc
 
     def one(path):
         blocks = tf.data.Dataset.from_generator(
-            lambda p: _tsv_blocks(p.decode(), rows, schema, on_error, stats), output_signature=sig, args=(path,))
+            lambda p: _tsv_blocks(p.decode(), rows, batch_size, schema, on_error, stats), output_signature=sig, args=(path,))
         return batched_blocks(blocks, batch_size, drop_remainder)
 
     ds = tf.data.Dataset.from_tensor_slices(files).interleave(
