@@ -73,26 +73,29 @@ def test_fit_from_batches_prefetched_to_the_gpu_trains(pairs):
 
 
 def test_parquet_blocks_from_worker_slabs_reach_the_gpu_without_a_host_copy(tmp_path):
-    """read_parquet(workers=2) builds its blocks in slabs registered with the GPU: the pinned copy
+    """read_parquet(workers=2) builds its blocks in slabs registered with the GPU (once a first read
+    sized them): the pinned copy
     before the device passes their ids, row splits and labels through (bytes counted by the op), and
     the batches on the GPU equal those read in one process and kept on the host."""
     from tf_sok.python.data import block_workers
 
     schema = sd.CriteoSchema.capped(5_000)
     for k in range(2):
-        sd.write_parquet(sd.raw_batches(3000, 1000, sd.SyntheticConfig.dcnv2(schema), seed=20 + k),
+        sd.write_parquet(sd.raw_batches(4096, 1024, sd.SyntheticConfig.dcnv2(schema), seed=20 + k),
                          str(tmp_path / f"p{k}.parquet"), schema)
 
     def read(**kw):
-        return sd.read_parquet(str(tmp_path), 512, parallel_files=2, block_rows=1024, id_dtype=tf.int32,
+        return sd.read_parquet(str(tmp_path), 512, parallel_files=2, block_rows=512, id_dtype=tf.int32,
                                drop_remainder=True, **kw)
     host = list(sd.for_keras(read(), ragged_pairs=True))
+    list(read(workers=2))   # its first blocks size the slabs
+    assert block_workers.slabs().settled()
     before = block_workers.pinned_copy_bytes()
     on_gpu = list(sd.for_keras(read(workers=2), device="/gpu:0", ragged_pairs=True))
     after = block_workers.pinned_copy_bytes()
     assert block_workers.slabs().stats["pinned_bytes"] > 0 and block_workers.slabs().stats["blocks_in_slabs"] > 0
     assert after["passed"] > before["passed"]
-    assert len(on_gpu) == len(host) == 10
+    assert len(on_gpu) == len(host) == 16
     for g, h in zip(on_gpu, host):
         for x, y in zip(tf.nest.flatten(g), tf.nest.flatten(h)):
             assert "GPU" in x.device and x.dtype == y.dtype

@@ -12,8 +12,8 @@ with each block to build. A block's tensors point into its slab; when the last o
 (the batches copied to the device), the slab is free again. So per batch the reading process maps
 nothing, faults in no page, copies no id, and the pinned copy before the device passes the ids
 through: the copy to the GPU is one DMA from the slab. Slabs are made as the pipeline needs them
-(as many as its buffers hold blocks at once); a block that does not fit a slab, or one built while
-none is free and the slabs' limit is reached, comes back in a file of its own, mapped and unlinked.
+(as many as its buffers hold blocks at once) by a thread of their own; a block that does not fit a
+slab, or one built while none is free, comes back in a file of its own, mapped and unlinked.
 """
 import atexit
 import concurrent.futures
@@ -310,31 +310,65 @@ def _register(address: int, size: int) -> bool:
 
 
 class Slabs:
-    """The slabs of this process: free ones handed out, new ones made up to `limit` bytes in all.
+    """The slabs of this process, up to `limit` bytes in all. A thread of their own makes them (maps
+    and registers them: tens of ms each for a DCNv2 block) ahead of need, keeping `spare` free ones,
+    so that a reader never waits for one: with none free, a block is built in a file of its own.
     Their size follows the largest block seen (1.1 x its bound); smaller ones are retired when freed."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.size = 0
+        self.spare = 0
         self.free, self.total, self.made = [], 0, []
         self.stats = {"slabs": 0, "blocks_in_slabs": 0, "blocks_in_files": 0, "pinned_bytes": 0}
         self._lock = threading.RLock()   # a lease's finalizer may run in any thread, in any code
+        self._wake = threading.Condition(self._lock)
+        self._maker = None
+        self._making = False
 
-    def acquire(self) -> Optional[_Slab]:
+    def acquire(self, spare: int) -> Optional[_Slab]:
+        """A free slab, or None (none free yet). `spare`: free slabs to keep ready (the workers)."""
         with self._lock:
-            while self.free:
+            self.spare = max(self.spare, spare)
+            slab = None
+            while self.free and slab is None:
                 slab = self.free.pop()
-                if slab.size >= self.size:
-                    return slab
-                self._retire(slab)
-            if not self.size or self.total + self.size > self.limit:
-                return None
-            slab = _Slab(self.size)
-            self.made.append(slab.path)
-            self.total += slab.size
-            self.stats["slabs"] += 1
-            self.stats["pinned_bytes"] += slab.size if slab.pinned else 0
+                if slab.size < self.size:
+                    self._retire(slab)
+                    slab = None
+            self._wake.notify_all()
             return slab
+
+    def _short(self) -> bool:
+        return bool(self.size) and len(self.free) < self.spare and self.total + self.size <= self.limit
+
+    def _make(self):
+        while True:
+            with self._lock:
+                while not self._short():
+                    self._making = False
+                    self._wake.notify_all()
+                    self._wake.wait()
+                self._making = True
+                size = self.size
+                self.total += size   # taken now: another maker's check sees it
+            try:
+                slab = _Slab(size)
+            except OSError:   # no room for another (/dev/shm full): make no more
+                with self._lock:
+                    self.total -= size
+                    self.limit = self.total
+                continue
+            with self._lock:
+                self.made.append(slab.path)
+                self.stats["slabs"] += 1
+                self.stats["pinned_bytes"] += size if slab.pinned else 0
+                self.free.append(slab)
+
+    def settled(self, timeout: float = 60.0) -> bool:
+        """Waits until the maker has the spare slabs it wants (or can make no more)."""
+        with self._lock:
+            return self._wake.wait_for(lambda: not self._making and not self._short(), timeout)
 
     def release(self, slab: _Slab):
         with self._lock:
@@ -353,6 +387,10 @@ class Slabs:
         with self._lock:
             want = -(-int(bound * 1.1) // (1 << 20)) << 20
             self.size = max(self.size, want)
+            if self._maker is None:
+                self._maker = threading.Thread(target=self._make, name="tf_sok_slab_maker", daemon=True)
+                self._maker.start()
+            self._wake.notify_all()
 
     def arrays(self, slab: _Slab, layout: list) -> list:
         """The block built in `slab`: arrays whose last release frees the slab."""
@@ -433,7 +471,7 @@ def worker_blocks(workers: int, path: str, groups, batch_size: int, block_rows: 
         for i in range(len(bounds)):
             while len(pending) <= ahead and len(pending) + i < len(bounds):
                 lo, hi = bounds[i + len(pending)]
-                slab = store.acquire()
+                slab = store.acquire(workers)
                 where = None if slab is None else (slab.path, slab.size)
                 try:
                     pending.append((pool.submit(build_block, path, lo, hi, schema, dt, batch_size, os.getpid(), where),
