@@ -224,7 +224,13 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
     from criteo_common import default_optimizer
     from reader_scaling import CpuUse
 
-    base, *options = name.split("-")   # e.g. DCNv2-bf16-xla (-kerasloop: Keras' own multi-step loop)
+    # e.g. DCNv2-bf16-xla (-kerasloop: Keras' own multi-step loop; -pinnedslabs: the Parquet readers'
+    # slabs registered with the GPU, TF_SOK_PIN_SLABS=1)
+    base, *options = name.split("-")
+    if "pinnedslabs" in options:
+        from tf_sok.python.data import block_workers
+
+        block_workers.PIN_SLABS = True
     if "bf16" in options:  # Keras' mixed policy for the dense part
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
     jit = "xla" in options  # the dense part compiled by XLA
@@ -303,7 +309,7 @@ def main():
                    choices=["readers", "embedding", "fit"])
     p.add_argument("--fit-runs", nargs="+", metavar="MODEL:SPE",
                    help="the fit runs (default DLRM:1 DLRM:<spe> DCNv2:1 DCNv2:<spe> DCNv2-bf16:<spe>); a model "
-                        "name may end in -bf16 (Keras mixed_bfloat16), -xla (the dense part compiled by XLA), -kerasloop (Keras' own "
+                        "name may end in -bf16 (Keras mixed_bfloat16), -xla (the dense part compiled by XLA), -pinnedslabs (the Parquet readers' slabs page-locked), -kerasloop (Keras' own "
                         "multi-step loop instead of sok.keras.loop_on_host)")
     p.add_argument("--ragged-tensors", action="store_true",
                    help="the batches' ragged ids copied to the GPU as RaggedTensors (default: as the examples, "

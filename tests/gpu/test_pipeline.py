@@ -72,13 +72,14 @@ def test_fit_from_batches_prefetched_to_the_gpu_trains(pairs):
     assert h.history["loss"][-1] < h.history["loss"][0] - 0.01, h.history
 
 
-def test_parquet_blocks_from_worker_slabs_reach_the_gpu_without_a_host_copy(tmp_path):
-    """read_parquet(workers=2) builds its blocks in slabs registered with the GPU (once a first read
-    sized them): the pinned copy
+def test_parquet_blocks_from_worker_slabs_reach_the_gpu_without_a_host_copy(tmp_path, monkeypatch):
+    """read_parquet(workers=2) with TF_SOK_PIN_SLABS=1 builds its blocks in slabs registered with the
+    GPU (once a first read sized them): the pinned copy
     before the device passes their ids, row splits and labels through (bytes counted by the op), and
     the batches on the GPU equal those read in one process and kept on the host."""
     from tf_sok.python.data import block_workers
 
+    monkeypatch.setattr(block_workers, "PIN_SLABS", True)   # TF_SOK_PIN_SLABS=1
     schema = sd.CriteoSchema.capped(5_000)
     for k in range(2):
         sd.write_parquet(sd.raw_batches(4096, 1024, sd.SyntheticConfig.dcnv2(schema), seed=20 + k),
