@@ -309,7 +309,8 @@ def main():
                    choices=["readers", "embedding", "fit"])
     p.add_argument("--fit-runs", nargs="+", metavar="MODEL:SPE",
                    help="the fit runs (default DLRM:1 DLRM:<spe> DCNv2:1 DCNv2:<spe> DCNv2-bf16:<spe>); a model "
-                        "name may end in -bf16 (Keras mixed_bfloat16), -xla (the dense part compiled by XLA), -pinnedslabs (the Parquet readers' slabs page-locked), -kerasloop (Keras' own "
+                        "name may end in -bf16 (Keras mixed_bfloat16), -xla (the dense part compiled by XLA), "
+                        "-pinnedslabs (the Parquet readers' slabs page-locked), -kerasloop (Keras' own "
                         "multi-step loop instead of sok.keras.loop_on_host)")
     p.add_argument("--ragged-tensors", action="store_true",
                    help="the batches' ragged ids copied to the GPU as RaggedTensors (default: as the examples, "
