@@ -232,8 +232,8 @@ def build_block(path: str, lo: int, hi: int, schema: CriteoSchema, id_dtype: str
 
 
 class _Slab:
-    """A shared-memory file mapped by the reading process, registered with the GPU where one is
-    present (which faults its pages in; elsewhere the worker's first write does)."""
+    """A shared-memory file, its pages allocated, mapped by the reading process (and registered
+    with the GPU where TF_SOK_PIN_SLABS=1 and one is present)."""
 
     def __init__(self, size: int):
         import tempfile
@@ -242,7 +242,11 @@ class _Slab:
         self.path = os.path.join(_SHM or tempfile.gettempdir(), f"{_PREFIX}{os.getpid()}_slab_{secrets.token_hex(8)}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # the pages taken now (a full /dev/shm is an OSError here, not a worker's SIGBUS later)
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            else:  # pragma: no cover (no fallocate: a sparse file)
+                os.ftruncate(fd, size)
             self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.unlink(self.path)
