@@ -1,8 +1,9 @@
 """Batches cut from large in-memory blocks with TensorFlow ops.
 
-A block is (dense_raw [n, 13] int64, {C_i: (values int64 or int32, row_splits int64)}, label [n]
-float32, value_cuts [batches, 2, features] int64), built by vectorised code (pyarrow, NumPy) once
-per block and laid out batch by batch, so that cutting a batch copies nothing: batch j's ids of
+A block is (dense [n, 13] float32 (the readers' transform of the raw integers, see pipeline.finish,
+done by the block's builder), {C_i: (values int64 or int32, row_splits int64)}, label [n] float32,
+value_cuts [batches, 2, features] int64), built by vectorised code (pyarrow, NumPy) once per block
+and laid out batch by batch, so that cutting a batch copies nothing: batch j's ids of
 feature k are values[cuts[j, 0, k]:cuts[j, 1, k]], starting on a 64-byte boundary, and its row
 splits (from 0) are row_splits[j * s : j * s + rows_j + 1], s = `splits_stride(batch_size)`.
 `block_batches` cuts the batches with `tf_sok_aligned_slices`, which shares the block's memory for
@@ -86,7 +87,7 @@ def batched_ragged(parts: Sequence[np.ndarray], ends: np.ndarray, batch_size: in
 def block_signature(schema: CriteoSchema, id_dtype=tf.int64):
     """(dense, {name: (values of id_dtype, row_splits int64)}, label, value_cuts) of a block."""
     splits, values = tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], id_dtype)
-    return (tf.TensorSpec([None, NUM_DENSE], tf.int64), {n: (values, splits) for n in schema.categorical_names},
+    return (tf.TensorSpec([None, NUM_DENSE], tf.float32), {n: (values, splits) for n in schema.categorical_names},
             tf.TensorSpec([None], tf.float32), tf.TensorSpec([None, 2, len(schema.categorical_names)], tf.int64))
 
 
@@ -122,10 +123,10 @@ def aligned_slices(tensors, begin, end):
 
 
 def block_batches(block, batch_size: int, drop_remainder: bool = False) -> tf.data.Dataset:
-    """The batches of one raw block laid out batch by batch, in order (the last one shorter unless
+    """The batches of one block laid out batch by batch, in order (the last one shorter unless
     dropped; with `drop_remainder`, every batch has `batch_size` rows in its static shape)."""
-    dense_raw, cats, label, cuts = block
-    dense, _, label = finish(dense_raw, {}, label)
+    dense, cats, label, cuts = block
+    label = tf.reshape(label, [-1, 1])
     names = list(cats)
     n = tf.shape(label, out_type=tf.int64)[0]
     count = n // batch_size if drop_remainder else (n + batch_size - 1) // batch_size

@@ -116,21 +116,22 @@ def block_bytes(table, schema: CriteoSchema, id_dtype=np.int64, batch_size: Opti
     features = len(schema.categorical_names)
     batches = -(-n // (batch_size or max(n, 1)))
     per_feature = ragged_bytes(0, n, batch_size or max(n, 1), id_dtype)
-    return n * NUM_DENSE * 8 + n * 4 + ids * np.dtype(id_dtype).itemsize + features * per_feature + \
+    return n * NUM_DENSE * 4 + n * 4 + ids * np.dtype(id_dtype).itemsize + features * per_feature + \
         batches * 2 * features * 8 + 3 * ALIGN
 
 
 def arrow_block(table, schema: CriteoSchema, where: str, id_dtype=np.int64, in_range=frozenset(), alloc=aligned_empty,
                 batch_size: Optional[int] = None):
-    """A table in tf_sok's Parquet layout -> a raw block of flat NumPy arrays laid out batch by
-    batch (see blocks.py); the ids of columns `in_range` are known to be inside their tables (not
+    """A table in tf_sok's Parquet layout -> a block of flat NumPy arrays laid out batch by batch
+    (see blocks.py), its dense features transformed as every reader's (log1p); the ids of columns `in_range` are known to be inside their tables (not
     scanned again). `alloc(shape, dtype)` gives the arrays' memory, in the block's order (dense,
     each feature's values and row_splits, label, value cuts); at most `block_bytes(...)` in all."""
     def col(n):
         return table.column(n).combine_chunks()
-    dense = alloc((table.num_rows, NUM_DENSE), np.int64)
-    for i, n in enumerate(schema.dense_names):
-        dense[:, i] = col(n).fill_null(0).to_numpy(zero_copy_only=False)
+    dense = alloc((table.num_rows, NUM_DENSE), np.float32)
+    for i, n in enumerate(schema.dense_names):   # the readers' transform (pipeline.finish), in float32
+        raw = np.maximum(col(n).fill_null(0).to_numpy(zero_copy_only=False), 0).astype(np.float32)
+        np.log1p(raw, out=dense[:, i])
     cats, cuts = {}, []
     for n, v in zip(schema.categorical_names, schema.vocab_sizes):
         values, splits, c = _ids(table.column(n), n, v, where, id_dtype, check=n not in in_range, alloc=alloc,
