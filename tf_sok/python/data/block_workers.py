@@ -258,7 +258,7 @@ class _Slab:
 
     def close(self):
         if self.pinned:
-            _host_calls().TfSokUnregisterHost(ctypes_pointer(self.address))
+            _host_calls().TfSokUnregisterHost(_pointer(self.address))
         try:
             os.unlink(self.path)
         except OSError:
@@ -266,7 +266,7 @@ class _Slab:
         # the mapping itself goes with the last array viewing it
 
 
-def ctypes_pointer(address: int):
+def _pointer(address: int):
     import ctypes
 
     return ctypes.c_void_p(address)
@@ -309,7 +309,7 @@ def _register(address: int, size: int) -> bool:
     """Registers a slab with the GPU (page-locked in place); False where there is none, or (once
     warned) where the driver refuses."""
     so = _host_calls()
-    got = so.TfSokRegisterHost(ctypes_pointer(address), size)
+    got = so.TfSokRegisterHost(_pointer(address), size)
     if got < 0 and not _register_failed:
         import warnings
 

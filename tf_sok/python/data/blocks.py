@@ -56,11 +56,11 @@ def batched_ragged(parts: Sequence[np.ndarray], ends: np.ndarray, batch_size: in
     them. Each batch's ids are copied once, from the parts, to their aligned place."""
     id_dtype = np.dtype(id_dtype)
     rows = len(ends)
-    starts_all = np.concatenate([[0], ends]).astype(np.int64)
     batches = -(-rows // batch_size)
     r0 = np.arange(batches, dtype=np.int64) * batch_size
     r1 = np.minimum(r0 + batch_size, rows)
-    first, last = starts_all[r0], starts_all[r1]
+    last = ends[r1 - 1].astype(np.int64) if batches else np.zeros([0], np.int64)
+    first = np.concatenate([[0], last[:-1]]).astype(np.int64) if batches else last
     per = ALIGN // id_dtype.itemsize
     padded = -(-(last - first) // per) * per
     cuts = np.empty([batches, 2], np.int64)
@@ -73,7 +73,9 @@ def batched_ragged(parts: Sequence[np.ndarray], ends: np.ndarray, batch_size: in
         splits[0] = 0
     part_ends = np.cumsum([len(p) for p in parts], dtype=np.int64)
     for j in range(batches):
-        np.subtract(starts_all[r0[j]:r1[j] + 1], first[j], out=splits[j * stride:j * stride + r1[j] - r0[j] + 1])
+        at, lo, hi = j * stride, int(r0[j]), int(r1[j])
+        splits[at] = 0
+        np.subtract(ends[lo:hi], first[j], out=splits[at + 1:at + 1 + hi - lo], casting="unsafe")
         at, lo, hi = int(cuts[j, 0]), int(first[j]), int(last[j])
         k = int(np.searchsorted(part_ends, lo, side="right"))
         while lo < hi:
