@@ -495,15 +495,12 @@ def worker_blocks(workers: int, path: str, groups, batch_size: int, block_rows: 
             fut, slab = pending.pop(0)
             try:
                 file, layout, bound = fut.result()
-            except (concurrent.futures.CancelledError, concurrent.futures.process.BrokenProcessPool):
+            except BaseException as e:
                 if slab is not None:
                     store.release(slab)
-                if _exiting():
+                if isinstance(e, (concurrent.futures.CancelledError, concurrent.futures.process.BrokenProcessPool)) \
+                        and _exiting():
                     return
-                raise
-            except BaseException:
-                if slab is not None:
-                    store.release(slab)
                 raise
             if file is None:
                 arrays = store.arrays(slab, layout)

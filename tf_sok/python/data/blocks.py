@@ -99,6 +99,11 @@ def finish_block(dense_raw, cats: Dict[str, Tuple[tf.Tensor, tf.Tensor]], label)
     return dense, cats, label
 
 
+def _static_rows(t, rows: Optional[int], extra: int = 0):
+    """`t` with its leading dimension rows (+ extra) in its static shape (as it is where rows is None)."""
+    return t if rows is None else tf.ensure_shape(t, [rows + extra] + t.shape[1:].as_list())
+
+
 def slice_rows(block, start, end, rows: Optional[int] = None):
     """Rows [start, end) of a finished block as one batch (ids as RaggedTensors). `rows`: the batch's
     row count where every batch of the pipeline has it: the batch's shapes are then static, so that
@@ -106,8 +111,8 @@ def slice_rows(block, start, end, rows: Optional[int] = None):
     tracker) instead of copying shapes back from the GPU, each copy a wait for the device."""
     dense, cats, label = block
 
-    def fixed(t, extra=0):   # the leading dimension: rows (+ extra)
-        return t if rows is None else tf.ensure_shape(t, [rows + extra] + t.shape[1:].as_list())
+    def fixed(t, extra=0):
+        return _static_rows(t, rows, extra)
     out = {}
     for name, (values, splits) in cats.items():
         first, last = splits[start], splits[end]
@@ -135,8 +140,8 @@ def block_batches(block, batch_size: int, drop_remainder: bool = False) -> tf.da
     stride = splits_stride(batch_size)
     rows = batch_size if drop_remainder else None
 
-    def fixed(t, extra=0):   # the leading dimension: rows (+ extra)
-        return t if rows is None else tf.ensure_shape(t, [rows + extra] + t.shape[1:].as_list())
+    def fixed(t, extra=0):
+        return _static_rows(t, rows, extra)
 
     def one(j):
         r0 = j * batch_size

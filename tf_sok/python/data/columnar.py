@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sok.python.data.blocks import ALIGN, aligned_empty, batched_blocks, batched_ragged, block_signature, ragged_bytes
-from tf_sok.python.data.pipeline import checked_id_dtype, finish
+from tf_sok.python.data.pipeline import checked_id_dtype, finish, finish_dense_into
 from tf_sok.python.data.schema import METADATA_KEY, NUM_DENSE, CriteoSchema, schema_file_of, write_schema_file
 
 BLOCK_ROWS = 1 << 18  # rows per block a Parquet reader turns into batches at once (rounded to whole batches)
@@ -123,15 +123,14 @@ def block_bytes(table, schema: CriteoSchema, id_dtype=np.int64, batch_size: Opti
 def arrow_block(table, schema: CriteoSchema, where: str, id_dtype=np.int64, in_range=frozenset(), alloc=aligned_empty,
                 batch_size: Optional[int] = None):
     """A table in tf_sok's Parquet layout -> a block of flat NumPy arrays laid out batch by batch
-    (see blocks.py), its dense features transformed as every reader's (log1p); the ids of columns `in_range` are known to be inside their tables (not
-    scanned again). `alloc(shape, dtype)` gives the arrays' memory, in the block's order (dense,
+    (see blocks.py), its dense features finished (`finish_dense_into`); the ids of columns
+    `in_range` are known to be inside their tables (not scanned again). `alloc(shape, dtype)` gives the arrays' memory, in the block's order (dense,
     each feature's values and row_splits, label, value cuts); at most `block_bytes(...)` in all."""
     def col(n):
         return table.column(n).combine_chunks()
     dense = alloc((table.num_rows, NUM_DENSE), np.float32)
-    for i, n in enumerate(schema.dense_names):   # the readers' transform (pipeline.finish), in float32
-        raw = np.maximum(col(n).fill_null(0).to_numpy(zero_copy_only=False), 0).astype(np.float32)
-        np.log1p(raw, out=dense[:, i])
+    for i, n in enumerate(schema.dense_names):
+        finish_dense_into(col(n).fill_null(0).to_numpy(zero_copy_only=False), dense[:, i])
     cats, cuts = {}, []
     for n, v in zip(schema.categorical_names, schema.vocab_sizes):
         values, splits, c = _ids(table.column(n), n, v, where, id_dtype, check=n not in in_range, alloc=alloc,

@@ -3,6 +3,7 @@ label [b, 1] float32). Readers produce raw values; `finish` applies the one
 transform all formats share (log(1 + max(x, 0)) on the integer features)."""
 from dataclasses import dataclass, field
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -30,8 +31,14 @@ def _to_gpu(device) -> bool:
 
 
 def finish(dense_raw, cats, label):
-    dense = tf.math.log1p(tf.maximum(tf.cast(dense_raw, tf.float32), 0.0))
+    dense = tf.math.log1p(tf.maximum(tf.cast(dense_raw, tf.float32), 0.0))   # as finish_dense_into
     return dense, cats, tf.reshape(tf.cast(label, tf.float32), [-1, 1])
+
+
+def finish_dense_into(raw, out):
+    """`finish`'s transform of one column of raw integers in NumPy, written to `out` (float32): what
+    the block builders run, so that readers hand TensorFlow the dense features finished."""
+    np.log1p(np.maximum(raw, 0).astype(np.float32), out=out)
 
 
 def for_keras(dataset: tf.data.Dataset, device: str = None, buffer_size: int = 2, id_dtype=None,
