@@ -38,16 +38,31 @@ def make_tables(seed, modes=None, hybrid=False):
     return tables
 
 
-def global_batch(seed, step, pool_size=30):
+def static_window(step):
+    """The static table's rows a hybrid step uses: 8 from row 5 * step on (wrapping), so that each
+    rank's cache of 3 rows must make room from the second step on (row r lives on rank r % n, n <= 3)
+    and rows leave and come back."""
+    return (5 * step + np.arange(8)) % STATIC_ROWS
+
+
+def global_batch(seed, step, pool_size=30, hybrid=False):
     """Per feature (lens, ids) over GLOBAL_BATCH rows (dynamic tables' ids from the first `pool_size`
-    keys of the pool), and the target [GLOBAL_BATCH, 15]."""
+    keys of the pool; hybrid: the static table's ids from `static_window(step)`, each of its rows
+    at least once), and the target [GLOBAL_BATCH, 15]."""
     rng = np.random.default_rng(seed * 100 + step)
     pool = key_pool(seed)
     feats = {}
     for name, table, _ in FEATURES:
         lens = rng.integers(0, 4, GLOBAL_BATCH)
         n = int(lens.sum())
-        ids = rng.integers(0, STATIC_ROWS, n) if TABLES[table][1] is None else pool[rng.integers(0, pool_size, n)]
+        if TABLES[table][1] is not None:
+            ids = pool[rng.integers(0, pool_size, n)]
+        elif hybrid:
+            window = static_window(step)
+            ids = window[rng.integers(0, len(window), n)]
+            ids[:len(window)] = window[:n]
+        else:
+            ids = rng.integers(0, STATIC_ROWS, n)
         feats[name] = (lens, ids.astype(np.int64))
     return feats, rng.standard_normal((GLOBAL_BATCH, 15)).astype(np.float32)
 

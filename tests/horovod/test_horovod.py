@@ -252,8 +252,10 @@ def test_dynamic_tables_train_like_one_process(tmp_path, seed, n, scenario):
     tables = dc.make_tables(seed)
     dense_w = tf.Variable(dc.dense_init())
     sparse_opt = sok.OptimizerWrapper(tf_keras.optimizers.legacy.Adagrad(0.05)) if scenario == "sok_script" else None
-    pool = dc.HYBRID_POOL if scenario == "hybrid_training" else 30
-    dc.train(tables, dense_w, [dc.global_batch(seed, s, pool) for s in range(dc.STEPS)], sparse_opt=sparse_opt)
+    hybrid = scenario == "hybrid_training"
+    pool = dc.HYBRID_POOL if hybrid else 30
+    dc.train(tables, dense_w, [dc.global_batch(seed, s, pool, hybrid) for s in range(dc.STEPS)],
+             sparse_opt=sparse_opt)
     ref = dc.results(tables, dense_w)
     for r, res in enumerate(ranks):
         np.testing.assert_allclose(res["dense"], ref["dense"], rtol=1e-4, atol=1e-5)

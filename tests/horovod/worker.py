@@ -272,7 +272,7 @@ def dynamic_training(seed, out, hybrid=False):
     tables = dc.make_tables(seed, hybrid=hybrid)
     dense_w = tf.Variable(dc.dense_init())
     pool = dc.HYBRID_POOL if hybrid else 30
-    batches = [dc.rank_slice(*dc.global_batch(seed, s, pool), r, N) for s in range(dc.STEPS)]
+    batches = [dc.rank_slice(*dc.global_batch(seed, s, pool, hybrid), r, N) for s in range(dc.STEPS)]
     dc.train(tables, dense_w, batches, dense_tape=hvd.DistributedGradientTape)
     if hybrid:   # every rank's shard of the distributed tables went through its host tier
         for name in ("users", "small"):
