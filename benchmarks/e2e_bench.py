@@ -110,14 +110,15 @@ def readers_section(a, d, schema, tsv, conv_rate):
 
 def feed_section(a, schema, steps: int = 60) -> dict:
     """DCNv2 batches as fit takes them (for_keras, int32 ids) copied to the device by to_device, the
-    ids as RaggedTensors and as (values, row_splits) pairs: batches/s pulled and this process's CPU
-    time per batch (the threads that also launch a training step's work)."""
+    ids as RaggedTensors and as (values, row_splits) pairs from the source on (synthetic's
+    ragged_pairs): batches/s pulled and this process's CPU time per batch (the threads that also
+    launch a training step's work)."""
     device = "/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0"
     cfg = sd.SyntheticConfig.dcnv2(schema)
     out, ragged_cpu = {}, None
     for pairs in (False, True):
-        src = sd.for_keras(sd.synthetic(10**9 // a.batch * a.batch, a.batch, cfg, id_dtype=tf.int32),
-                           id_dtype=tf.int32)
+        src = sd.for_keras(sd.synthetic(10**9 // a.batch * a.batch, a.batch, cfg, id_dtype=tf.int32,
+                                        ragged_pairs=pairs), id_dtype=tf.int32)
         it = iter(sd.to_device(src, device, ragged_pairs=pairs))
         for _ in range(5):
             next(it)
@@ -202,7 +203,9 @@ def fit_sources(a, schema, cfg, files: str, steps: int) -> dict:
     def fed(ds, pinned=True):   # as the examples feed fit (the ids as (values, row_splits) unless --ragged-tensors)
         return sd.to_device(ds, gpu, pinned=pinned, ragged_pairs=a.ragged_pairs) if gpu else ds
 
-    synthetic = sd.for_keras(sd.synthetic(10**9 // a.batch * a.batch, a.batch, cfg, id_dtype=ids), id_dtype=ids)
+    pairs = a.ragged_pairs   # from the source on: no RaggedTensor in the pipeline
+    synthetic = sd.for_keras(sd.synthetic(10**9 // a.batch * a.batch, a.batch, cfg, id_dtype=ids, ragged_pairs=pairs),
+                             id_dtype=ids)
     names = sorted(glob.glob(os.path.join(files, "*.parquet")))
     rows = sum(pq.ParquetFile(n).metadata.num_rows for n in names)
     passes = -(-steps * a.batch // max(1, rows)) + 1
@@ -212,7 +215,8 @@ def fit_sources(a, schema, cfg, files: str, steps: int) -> dict:
     out["synthetic"] = fed(synthetic)
     if names:
         out["Parquet"] = fed(sd.for_keras(sd.read_parquet(names * passes, a.batch, drop_remainder=True, id_dtype=ids,
-                                                          workers=a.reader_workers).repeat(), id_dtype=ids))
+                                                          workers=a.reader_workers, ragged_pairs=pairs).repeat(),
+                                          id_dtype=ids))
     return out
 
 
@@ -314,7 +318,7 @@ def main():
                         "multi-step loop instead of sok.keras.loop_on_host)")
     p.add_argument("--ragged-tensors", action="store_true",
                    help="the batches' ragged ids copied to the GPU as RaggedTensors (default: as the examples, "
-                        "(values, row_splits) pairs: to_device(ragged_pairs=True))")
+                        "(values, row_splits) pairs from the source on: read_parquet / synthetic(ragged_pairs=True))")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--pageable", action="store_true",
                    help="fit also on cached batches copied to the GPU from pageable memory (to_device(pinned=False))")

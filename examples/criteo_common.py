@@ -146,23 +146,27 @@ def datasets(a, synthetic_config=None, launch=None):
     takes every N-th batch (synthetic data: its own seed)."""
     launch = launch or Launch(argparse.Namespace(distribute="none"))
     rank, ranks = launch.rank, launch.ranks
+    # categorical features as (values, row_splits) pairs, a fraction of a RaggedTensor's host time
+    # per batch in tf.data; RaggedTensors where Keras splits batches among replicas (MirroredStrategy)
+    pairs = launch.strategy is None
     if a.data == "synthetic":
         schema = sd.CriteoSchema.capped(a.max_vocab or SYNTHETIC_VOCAB)
         cfg = (synthetic_config or sd.SyntheticConfig)(schema=schema)
         eval_rows = max(1, int(a.steps * a.holdout)) * a.batch_size
         ids = id_dtype(schema)
-        train = sd.synthetic(a.steps * a.batch_size, a.batch_size, cfg, seed=1 + 10 * rank, id_dtype=ids)
-        test = sd.synthetic(eval_rows, a.batch_size, cfg, seed=2 + 10 * rank, id_dtype=ids)
+        train = sd.synthetic(a.steps * a.batch_size, a.batch_size, cfg, seed=1 + 10 * rank, id_dtype=ids,
+                             ragged_pairs=pairs)
+        test = sd.synthetic(eval_rows, a.batch_size, cfg, seed=2 + 10 * rank, id_dtype=ids, ragged_pairs=pairs)
         return launch.feed(sd.for_keras(train, id_dtype=ids)), launch.feed(sd.for_keras(test, id_dtype=ids)), schema
     fmt = _format(a)
     if fmt == "tsv":
         schema = sd.CriteoSchema.capped(a.max_vocab or 10_000_000)
-        ds = sd.read_tsv(a.data, a.batch_size, schema=schema)
+        ds = sd.read_tsv(a.data, a.batch_size, schema=schema, ragged_pairs=pairs)
     else:
         stored = sd.schema_of(a.data, fmt)
         schema = sd.CriteoSchema.capped(a.max_vocab) if a.max_vocab else (stored or sd.CriteoSchema())
         ds = sd.read_parquet(a.data, a.batch_size, schema=schema, id_dtype=id_dtype(schema),
-                             workers=reader_workers(a)) if fmt == "parquet" \
+                             workers=reader_workers(a), ragged_pairs=pairs) if fmt == "parquet" \
             else sd.read_tfrecord(a.data, a.batch_size, schema=schema)
     every = max(2, round(1 / a.holdout))
     if ranks > 1:

@@ -42,11 +42,20 @@ def expected(lines, schema=SCHEMA):
     return np.array(dense, np.float32), cats, np.array(labels, np.float32)[:, None]
 
 
+def id_lists(feature):
+    """Per-row id lists of a RaggedTensor, or of a (values, row_splits) pair (plain Python)."""
+    if isinstance(feature, tf.RaggedTensor):
+        return feature.to_list()
+    values, splits = (t.numpy().tolist() for t in feature)
+    assert splits[0] == 0 and splits[-1] == len(values)
+    return [values[a:b] for a, b in zip(splits[:-1], splits[1:])]
+
+
 def collect(ds):
     parts = list(ds)
     dense = np.concatenate([p[0].numpy() for p in parts])
     label = np.concatenate([p[2].numpy() for p in parts])
-    cats = {n: sum((p[1][n].to_list() for p in parts), []) for n in SCHEMA.categorical_names}
+    cats = {n: sum((id_lists(p[1][n]) for p in parts), []) for n in SCHEMA.categorical_names}
     return dense, cats, label
 
 
@@ -73,8 +82,14 @@ def test_tsv_matches_python_parsing_over_files_and_batches(tmp_path, rng):
     lines = random_lines(rng, 517)
     (tmp_path / "a.tsv").write_text("\n".join(lines[:300]) + "\n")
     (tmp_path / "b.tsv").write_text("\n".join(lines[300:]) + "\n")
-    got = collect(sd.read_tsv([str(tmp_path / "a.tsv"), str(tmp_path / "b.tsv")], 64, SCHEMA, parallel_files=1))
+    files = [str(tmp_path / "a.tsv"), str(tmp_path / "b.tsv")]
+    got = collect(sd.read_tsv(files, 64, SCHEMA, parallel_files=1))
     assert_same(got, expected(lines))
+    paired = sd.read_tsv(files, 64, SCHEMA, parallel_files=1, ragged_pairs=True)
+    assert all(isinstance(b[1][n], tuple) for b in paired.take(1) for n in SCHEMA.categorical_names)
+    assert_same(collect(paired), expected(lines))
+    with pytest.raises(TypeError, match="read_tsv: ragged_pairs must be True or False, got 'yes'"):
+        sd.read_tsv(files, 64, SCHEMA, ragged_pairs="yes")
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "tfrecord"])
@@ -259,6 +274,17 @@ def test_parquet_matches_python_reference_over_files_and_row_groups(tmp_path, rn
     narrow = sd.read_parquet(str(tmp_path), batch, SCHEMA, parallel_files=1, id_dtype=tf.int32)
     assert all(b[1][n].dtype == tf.int32 for b in narrow.take(2) for n in SCHEMA.categorical_names)
     assert_same(collect(narrow), want)
+    # ids as (values, row_splits) pairs of plain tensors: the same rows, static batch sizes kept
+    paired = sd.read_parquet(str(tmp_path), batch, SCHEMA, parallel_files=1, id_dtype=tf.int32, ragged_pairs=True,
+                             drop_remainder=True)
+    values_spec, splits_spec = paired.element_spec[1]["C1"]
+    assert values_spec.dtype == tf.int32 and values_spec.shape.rank == 1 and splits_spec.shape[0] == batch + 1
+    full = sum(n // batch * batch for n in rows)
+    got_pairs = collect(paired)
+    assert len(got_pairs[2]) == full
+    assert_same(in_row_order(got_pairs), in_row_order(collect(dropped)))
+    with pytest.raises(TypeError, match="read_parquet: ragged_pairs must be True or False, got 1"):
+        sd.read_parquet(str(tmp_path), batch, SCHEMA, ragged_pairs=1)
 
 
 @pytest.mark.parametrize("multi_hot", [True, False])
@@ -392,7 +418,7 @@ def test_parquet_blocks_built_in_worker_processes_equal_the_reference(tmp_path, 
     batch = int(rng.integers(5, 40))
     for id_dtype, parallel in ((tf.int64, 1), (tf.int32, 5)):   # 5 > files: runs of row groups side by side
         ds = sd.read_parquet(str(tmp_path), batch, SCHEMA, parallel_files=parallel, id_dtype=id_dtype, workers=2,
-                             block_rows=int(rng.integers(1, 100)))
+                             block_rows=int(rng.integers(1, 100)), ragged_pairs=parallel > 1)
         got = collect(ds)
         assert_same(in_row_order(got), in_row_order(want))
         if parallel == 1:
@@ -439,13 +465,16 @@ def test_pinned_copy_keeps_every_tensor_of_a_batch(rng):
 
 def test_ragged_pairs_carry_the_ragged_ids_as_plain_tensors(rng):
     """for_keras / to_device(ragged_pairs=True): each ragged feature becomes its (values,
-    row_splits) pair, equal to the RaggedTensor's components; other tensors unchanged."""
+    row_splits) pair, equal to the RaggedTensor's components; other tensors unchanged. Pairs from
+    the source on (synthetic(ragged_pairs=True), int64 ids cast by for_keras) alike."""
     cfg = sd.SyntheticConfig.dcnv2(sd.CriteoSchema.capped(5_000))
-    batch = int(rng.integers(50, 300))
-    src = sd.synthetic(3 * batch, batch, cfg, seed=int(rng.integers(1000)), id_dtype=tf.int32)
+    batch, seed = int(rng.integers(50, 300)), int(rng.integers(1000))
+    src = sd.synthetic(3 * batch, batch, cfg, seed=seed, id_dtype=tf.int32)
     want = list(sd.for_keras(src, id_dtype=tf.int32))
+    paired = sd.synthetic(3 * batch, batch, cfg, seed=seed, ragged_pairs=True)
     for got in (list(sd.for_keras(src, id_dtype=tf.int32, ragged_pairs=True)),
-                list(sd.to_device(sd.for_keras(src, id_dtype=tf.int32), "/cpu:0", ragged_pairs=True))):
+                list(sd.to_device(sd.for_keras(src, id_dtype=tf.int32), "/cpu:0", ragged_pairs=True)),
+                list(sd.to_device(sd.for_keras(paired, id_dtype=tf.int32), "/cpu:0", ragged_pairs=True))):
         assert len(got) == len(want) == 3
         for (gx, gy), (wx, wy) in zip(got, want):
             assert sorted(gx) == sorted(wx)

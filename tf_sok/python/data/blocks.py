@@ -8,7 +8,11 @@ feature k are values[cuts[j, 0, k]:cuts[j, 1, k]], starting on a 64-byte boundar
 splits (from 0) are row_splits[j * s : j * s + rows_j + 1], s = `splits_stride(batch_size)`.
 `block_batches` cuts the batches with `tf_sok_aligned_slices`, which shares the block's memory for
 slices that start aligned (TensorFlow's own slicing copies a slice unless both its ends are
-aligned). No per-row work; ragged ids stay values + row_splits.
+aligned). No per-row work; ragged ids stay values + row_splits — as RaggedTensors, or with
+`ragged_pairs` as (values, row_splits) pairs of plain tensors: a RaggedTensor crosses each of
+tf.data's boundaries (a map, a prefetch, the iterator) encoded as a variant, decoded and encoded
+again each time: on 2 cores, 26 one-hot features of 65,536 rows took 9-14 ms of host time per
+batch from a block to page-locked memory as RaggedTensors, 3-4 ms as pairs (most of it the copy).
 """
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -104,8 +108,14 @@ def _static_rows(t, rows: Optional[int], extra: int = 0):
     return t if rows is None else tf.ensure_shape(t, [rows + extra] + t.shape[1:].as_list())
 
 
-def slice_rows(block, start, end, rows: Optional[int] = None):
-    """Rows [start, end) of a finished block as one batch (ids as RaggedTensors). `rows`: the batch's
+def ragged_feature(values, splits, ragged_pairs: bool):
+    """One batch's categorical feature as the pipeline yields it."""
+    return (values, splits) if ragged_pairs else tf.RaggedTensor.from_row_splits(values, splits, validate=False)
+
+
+def slice_rows(block, start, end, rows: Optional[int] = None, ragged_pairs: bool = False):
+    """Rows [start, end) of a finished block as one batch (ids as RaggedTensors, or pairs: see the
+    module's doc). `rows`: the batch's
     row count where every batch of the pipeline has it: the batch's shapes are then static, so that
     TensorFlow folds the batch-size arithmetic of a training step (a loss' gradient, Keras' loss
     tracker) instead of copying shapes back from the GPU, each copy a wait for the device."""
@@ -116,8 +126,7 @@ def slice_rows(block, start, end, rows: Optional[int] = None):
     out = {}
     for name, (values, splits) in cats.items():
         first, last = splits[start], splits[end]
-        out[name] = tf.RaggedTensor.from_row_splits(values[first:last], fixed(splits[start:end + 1] - first, 1),
-                                                    validate=False)
+        out[name] = ragged_feature(values[first:last], fixed(splits[start:end + 1] - first, 1), ragged_pairs)
     return fixed(dense[start:end]), out, fixed(label[start:end])
 
 
@@ -129,9 +138,10 @@ def aligned_slices(tensors, begin, end):
         return ops().tf_sok_aligned_slices(list(tensors), tf.cast(begin, tf.int64), tf.cast(end, tf.int64))
 
 
-def block_batches(block, batch_size: int, drop_remainder: bool = False) -> tf.data.Dataset:
+def block_batches(block, batch_size: int, drop_remainder: bool = False, ragged_pairs: bool = False) -> tf.data.Dataset:
     """The batches of one block laid out batch by batch, in order (the last one shorter unless
-    dropped; with `drop_remainder`, every batch has `batch_size` rows in its static shape)."""
+    dropped; with `drop_remainder`, every batch has `batch_size` rows in its static shape; ids as
+    RaggedTensors, or pairs: see the module's doc)."""
     dense, cats, label, cuts = block
     label = tf.reshape(label, [-1, 1])
     names = list(cats)
@@ -152,11 +162,17 @@ def block_batches(block, batch_size: int, drop_remainder: bool = False) -> tf.da
         parts = aligned_slices([dense] + [cats[k][0] for k in names] + [cats[k][1] for k in names] + [label],
                                begin, end)
         f = len(names)
-        out = {k: tf.RaggedTensor.from_row_splits(parts[1 + i], fixed(parts[1 + f + i], 1), validate=False)
-               for i, k in enumerate(names)}
+        out = {k: ragged_feature(parts[1 + i], fixed(parts[1 + f + i], 1), ragged_pairs) for i, k in enumerate(names)}
         return fixed(parts[0]), out, fixed(parts[-1])
     return tf.data.Dataset.range(count).map(one)
 
 
-def batched_blocks(blocks: tf.data.Dataset, batch_size: int, drop_remainder: bool = False) -> tf.data.Dataset:
-    return blocks.flat_map(lambda d, c, y, k: block_batches((d, c, y, k), batch_size, drop_remainder))
+def batched_blocks(blocks: tf.data.Dataset, batch_size: int, drop_remainder: bool = False,
+                   ragged_pairs: bool = False) -> tf.data.Dataset:
+    return blocks.flat_map(lambda d, c, y, k: block_batches((d, c, y, k), batch_size, drop_remainder, ragged_pairs))
+
+
+def checked_pairs(what: str, ragged_pairs) -> bool:
+    if not isinstance(ragged_pairs, bool):
+        raise TypeError(f"{what}: ragged_pairs must be True or False, got {ragged_pairs!r}")
+    return ragged_pairs

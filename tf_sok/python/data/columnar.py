@@ -18,7 +18,8 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
-from tf_sok.python.data.blocks import ALIGN, aligned_empty, batched_blocks, batched_ragged, block_signature, ragged_bytes
+from tf_sok.python.data.blocks import (ALIGN, aligned_empty, batched_blocks, batched_ragged, block_signature, checked_pairs,
+                                       ragged_bytes)
 from tf_sok.python.data.pipeline import checked_id_dtype, finish, finish_dense_into
 from tf_sok.python.data.schema import METADATA_KEY, NUM_DENSE, CriteoSchema, schema_file_of, write_schema_file
 
@@ -281,7 +282,8 @@ def parallel_default(files) -> int:
 def read_parquet(path_or_files, batch_size: int, schema: Optional[CriteoSchema] = None,
                  parallel_files: Optional[int] = None,
                  deterministic: bool = True, drop_remainder: bool = False,
-                 block_rows: int = BLOCK_ROWS, id_dtype=tf.int64, workers: Optional[int] = None) -> tf.data.Dataset:
+                 block_rows: int = BLOCK_ROWS, id_dtype=tf.int64, workers: Optional[int] = None,
+                 ragged_pairs: bool = False) -> tf.data.Dataset:
     """Criteo batches from Parquet files (a directory, a file or a list of files).
 
     `schema=None` reads with the schema the converter stored in the files; a given
@@ -295,11 +297,15 @@ def read_parquet(path_or_files, batch_size: int, schema: Optional[CriteoSchema] 
     under 2**31). `workers=k`: the blocks are built by k spawned processes (each imports
     tf_sok once) and come back through shared memory, past the limit Python's lock sets on the
     threads of one process (see block_workers.py); default: threads of this process.
+    `ragged_pairs=True`: each categorical feature as its (values, row_splits) pair of plain
+    tensors instead of a RaggedTensor — what `for_keras` / `to_device(..., ragged_pairs=True)` and
+    tf_sok's layers take — at a fraction of the host time per batch (see blocks.py).
 
     Example:
         >>> ds = sok.data.read_parquet("criteo_parquet/", batch_size=4096)
     """
     files = _files(path_or_files, ".parquet")
+    checked_pairs("read_parquet", ragged_pairs)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"read_parquet: workers must be a positive number of processes, got {workers!r}")
     schema = _resolve_schema(files, "parquet", schema)
@@ -320,7 +326,7 @@ def read_parquet(path_or_files, batch_size: int, schema: Optional[CriteoSchema] 
 
     def one(i):
         blocks = tf.data.Dataset.from_generator(piece_blocks, output_signature=sig, args=(i,))
-        return batched_blocks(blocks, batch_size, drop_remainder)
+        return batched_blocks(blocks, batch_size, drop_remainder, ragged_pairs)
 
     ds = tf.data.Dataset.range(len(pieces)).interleave(
         one, cycle_length=min(parallel, len(pieces)),

@@ -49,7 +49,9 @@ def for_keras(dataset: tf.data.Dataset, device: str = None, buffer_size: int = 2
     (`to_device`, from page-locked memory), so the host-to-device copy overlaps the step; it
     must then be the dataset's last transformation. id_dtype=tf.int32: the ids travel as int32 (half the
     bytes to copy; for tables under 2**31 rows — the lookup takes int32 ids as they are).
-    ragged_pairs: each ragged feature as its (values, row_splits) pair (see `to_device`).
+    ragged_pairs: each ragged feature as its (values, row_splits) pair (see `to_device`). Features
+    that come as pairs (the readers' and `synthetic`'s `ragged_pairs=True`, the cheaper form to
+    carry through tf.data) stay pairs.
     """
     if id_dtype is not None:
         id_dtype = checked_id_dtype("for_keras", id_dtype)
@@ -57,10 +59,16 @@ def for_keras(dataset: tf.data.Dataset, device: str = None, buffer_size: int = 2
     # to a GPU: the copy into page-locked memory in the same map (one pass over the batch's tensors)
     pin = _to_gpu(device)
 
+    def ids_as(v):
+        if isinstance(v, tf.RaggedTensor):
+            return v.with_values(tf.cast(v.values, id_dtype))
+        if isinstance(v, tuple):   # a reader's (values, row_splits) pair
+            return tf.cast(v[0], id_dtype), v[1]
+        return tf.cast(v, id_dtype)
+
     def arrange(d, c, y):
         if id_dtype is not None:
-            c = {k: v.with_values(tf.cast(v.values, id_dtype)) if isinstance(v, tf.RaggedTensor)
-                 else tf.cast(v, id_dtype) for k, v in c.items()}
+            c = {k: ids_as(v) for k, v in c.items()}
         return _device_ready(({"dense": d, **c}, y), pin, ragged_pairs)
 
     ds = dataset.map(arrange, num_parallel_calls=tf.data.AUTOTUNE if id_dtype is not None or pin or ragged_pairs

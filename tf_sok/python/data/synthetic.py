@@ -12,7 +12,7 @@ from typing import Iterator, Sequence, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
-from tf_sok.python.data.blocks import finish_block, slice_rows
+from tf_sok.python.data.blocks import checked_pairs, finish_block, slice_rows
 from tf_sok.python.data.pipeline import checked_id_dtype
 from tf_sok.python.data.schema import DCNV2_HOTNESS, NUM_CATEGORICAL, NUM_DENSE, CriteoSchema
 
@@ -69,7 +69,7 @@ POOL_ROWS = 1 << 18  # rows generated once and cycled by `synthetic` (rounded up
 
 
 def synthetic(num_rows: int, batch_size: int, config: SyntheticConfig = SyntheticConfig(),
-              seed: int = 0, pool_rows: int = POOL_ROWS, id_dtype=tf.int64) -> tf.data.Dataset:
+              seed: int = 0, pool_rows: int = POOL_ROWS, id_dtype=tf.int64, ragged_pairs: bool = False) -> tf.data.Dataset:
     """A tf.data pipeline of synthetic Criteo-shaped batches (same structure as the readers).
 
     A pool of `pool_rows` rows (rounded up to whole batches; all `num_rows` when
@@ -80,6 +80,7 @@ def synthetic(num_rows: int, batch_size: int, config: SyntheticConfig = Syntheti
     not divide `num_rows`; when it does, every batch has `batch_size` rows in its static shape
     (TensorFlow then folds a step's batch-size arithmetic). `id_dtype=tf.int32`: the pool's ids are int32 (converted once, not per
     batch; every vocabulary must be under 2**31), as `for_keras(..., id_dtype=tf.int32)` takes them.
+    `ragged_pairs=True`: categorical features as (values, row_splits) pairs, as `read_parquet`.
 
     Example:
         >>> ds = sok.data.synthetic(1_000_000, 4096, sok.data.SyntheticConfig.dcnv2())
@@ -88,6 +89,7 @@ def synthetic(num_rows: int, batch_size: int, config: SyntheticConfig = Syntheti
         raise ValueError(f"synthetic: num_rows, batch_size and pool_rows must be positive, got "
                          f"{num_rows}, {batch_size}, {pool_rows}")
     id_dtype = checked_id_dtype("synthetic", id_dtype, config.schema.vocab_sizes)
+    checked_pairs("synthetic", ragged_pairs)
     pool_batches = -(-min(num_rows, pool_rows) // batch_size)
     pool = min(num_rows, pool_batches * batch_size)
     dense, cats, label = next(raw_batches(pool, pool, config, seed))
@@ -99,7 +101,7 @@ def synthetic(num_rows: int, batch_size: int, config: SyntheticConfig = Syntheti
     def one(i):
         start = (i % pool_batches) * batch_size
         rows = tf.minimum(tf.cast(batch_size, tf.int64), num_rows - i * batch_size)
-        return slice_rows(block, start, tf.minimum(start + rows, pool), full)
+        return slice_rows(block, start, tf.minimum(start + rows, pool), full, ragged_pairs)
     return tf.data.Dataset.range(count).map(one, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
 
 

@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 
 import tensorflow as tf
 
-from tf_sok.python.data.blocks import batched_blocks, block_signature
+from tf_sok.python.data.blocks import batched_blocks, block_signature, checked_pairs
 from tf_sok.python.data.columnar import BLOCK_ROWS, arrow_block, exact_blocks, parallel_default
 from tf_sok.python.data.pipeline import ReadStats, check_policy
 from tf_sok.python.data.schema import CriteoSchema
@@ -38,15 +38,18 @@ def _tsv_blocks(path: str, block_rows: int, batch_size: int, schema: CriteoSchem
 
 def read_tsv(files: Union[str, Sequence[str]], batch_size: int, schema: CriteoSchema = CriteoSchema(),
              on_error: str = "raise", stats: Optional[ReadStats] = None, drop_remainder: bool = False,
-             parallel_files: Optional[int] = None, deterministic: bool = True) -> tf.data.Dataset:
+             parallel_files: Optional[int] = None, deterministic: bool = True,
+             ragged_pairs: bool = False) -> tf.data.Dataset:
     """A tf.data pipeline over Criteo TSV files (each file's last batch may be shorter
-    unless `drop_remainder`; `parallel_files` files at once, default one per core).
+    unless `drop_remainder`; `parallel_files` files at once, default one per core;
+    `ragged_pairs=True`: categorical features as (values, row_splits) pairs, as `read_parquet`).
 
     Example:
         >>> ds = sok.data.read_tsv("day_0.tsv", batch_size=4096)
         >>> dense, cats, label = next(iter(ds))   # [4096, 13], {"C1": ragged, ...}, [4096, 1]
     """
     check_policy(on_error)
+    checked_pairs("read_tsv", ragged_pairs)
     files = [files] if isinstance(files, str) else list(files)
     if not files:
         raise ValueError("read_tsv: no files given")
@@ -56,7 +59,7 @@ def read_tsv(files: Union[str, Sequence[str]], batch_size: int, schema: CriteoSc
     def one(path):
         blocks = tf.data.Dataset.from_generator(
             lambda p: _tsv_blocks(p.decode(), rows, batch_size, schema, on_error, stats), output_signature=sig, args=(path,))
-        return batched_blocks(blocks, batch_size, drop_remainder)
+        return batched_blocks(blocks, batch_size, drop_remainder, ragged_pairs)
 
     ds = tf.data.Dataset.from_tensor_slices(files).interleave(
         one, cycle_length=min(parallel_files or parallel_default(files), len(files)),
