@@ -14,11 +14,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_de
                                                   reason="no GPU visible to TensorFlow")]
 
 
-def _train(table, opt, batches, device):
+def _train(table, opt, batches, device, **lookup_kw):
     @tf.function
     def step(ids, target):
         with tf.GradientTape() as tape:
-            out = sok.lookup_sparse(table, ids, combiners="sum")
+            out = sok.lookup_sparse(table, ids, combiners="sum", **lookup_kw)
             loss = tf.reduce_sum(out * target)
         opt.apply_gradients([(tape.gradient(loss, table), table)])
         return out
@@ -245,5 +245,35 @@ def test_admission_on_a_gpu_hybrid_table_equals_the_cpu_table_without_a_tier(rng
     for a, b in zip(*outs):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert sok.cache_stats(hybrid)["evicted"] > 0
+    assert hybrid.size.numpy()[0] == plain.size.numpy()[0]
+    _assert_same_tables(hybrid, plain, atol=1e-6)
+
+
+@pytest.mark.parametrize("min_frequency,capacity", [(1, None), (2, None), (1, 700)])
+def test_low_frequency_filter_on_a_gpu_hybrid_table_equals_the_cpu_table_without_a_tier(rng, min_frequency,
+                                                                                        capacity):
+    """use_low_frequency_filter (ratio 0.5) on a GPU hybrid table: keys new to the table drawn as on
+    the CPU, keys the cache wrote back taken in again whatever the draw (the tier asked which of a
+    call's missing keys it holds): the lookups, keys and values of the same table without a tier on
+    the CPU, trained with SGD."""
+    kw = dict(initializer="normal", seed=6, min_frequency=min_frequency, max_capacity=capacity,
+              evict_strategy="lru" if capacity else None)
+    with tf.device("/GPU:0"):
+        hybrid = sok.DynamicVariable(DIM, name=f"gf{min_frequency}_{capacity}", var_type="hybrid",
+                                     max_hbm_for_vectors=_gib(60, [DIM]), **kw)
+    with tf.device("/CPU:0"):
+        plain = sok.DynamicVariable(DIM, name=f"cf{min_frequency}_{capacity}", **kw)
+    pool = random_keys(rng, 4000)
+    batches = []
+    for _ in range(10):
+        lens = rng.integers(0, 3, 256)
+        keys = pool[rng.choice(len(pool), int(lens.sum()), p=_zipf(len(pool), 1.05))]
+        batches.append((lens, keys, rng.standard_normal((256, DIM)).astype(np.float32)))
+    outs = [_train(t, sok.optimizers.SGD(learning_rate=0.05), batches, device, use_low_frequency_filter=True,
+                   filter_ratio=0.5) for t, device in ((hybrid, "/GPU:0"), (plain, "/CPU:0"))]
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    stats = sok.cache_stats(hybrid)
+    assert stats["evicted"] > 0 and stats["loaded"] > stats["new_keys"]   # keys came back from the tier
     assert hybrid.size.numpy()[0] == plain.size.numpy()[0]
     _assert_same_tables(hybrid, plain, atol=1e-6)

@@ -358,6 +358,54 @@ def test_admission_on_a_hybrid_table_equals_the_table_without_a_tier(rng, budget
     _assert_same_tables(plain, hybrid, *opts)
 
 
+@pytest.mark.parametrize("budget_rows,capacity,min_frequency", [(0, None, 1), (3, None, 1), (10**6, None, 1),
+                                                                (2, 25, 1), (3, None, 2)])
+def test_low_frequency_filter_on_a_hybrid_table_equals_the_table_without_a_tier(rng, budget_rows, capacity,
+                                                                                  min_frequency):
+    """use_low_frequency_filter on a hybrid table: a key new to the table is inserted with the drawn
+    probability, while a key its cache wrote back to the host tier comes back whatever the draw
+    (it is not new): the same lookups, keys, values and Adagrad state after training steps as the
+    table without a tier (with a bound, and with admission too). A static table with a host tier
+    in the same lookup is never filtered (its rows equal a NumPy gather of the initial values)."""
+    cls, hp = OPTIMIZERS["adagrad"]
+    widths = [DIM] + _slot_widths(cls(learning_rate=0.05, **hp))
+    kw = dict(initializer="normal", seed=3, min_frequency=min_frequency, max_capacity=capacity,
+              evict_strategy="lru" if capacity else None)
+    tag = f"{budget_rows}_{capacity}_{min_frequency}"
+    plain = sok.DynamicVariable(DIM, name=f"fp{tag}", **kw)
+    hybrid = sok.DynamicVariable(DIM, name=f"fh{tag}", var_type="hybrid", max_hbm_for_vectors=_gib(budget_rows, widths),
+                                 **kw)
+    init = rng.standard_normal((30, DIM)).astype(np.float32)
+    static = sok.Variable(init, name=f"fs{tag}", max_hbm_for_vectors=_gib(2, [DIM]))
+    opts = [cls(learning_rate=0.05, **hp) for _ in range(2)]
+    pool = random_keys(rng, 80)
+    zeros = came_back = 0
+    for step in range(12):
+        lens, keys = _batches(rng, pool, 1, batch=8)[0]
+        rows = rng.integers(0, 30, int(lens.sum()))
+        outs = []
+        for table, opt in zip((plain, hybrid), opts):
+            before = sok.cache_stats(hybrid)["loaded"] - sok.cache_stats(hybrid)["new_keys"]
+            with tf.GradientTape() as tape:
+                out, fixed = sok.lookup_sparse([table, static], [to_ragged(lens, keys), to_ragged(lens, rows)],
+                                               combiners="sum", use_low_frequency_filter=True, filter_ratio=0.5)
+                loss = tf.reduce_sum(out ** 2)
+            opt.apply_gradients([(tape.gradient(loss, table), table)])
+            outs.append(out.numpy())
+            if table is hybrid:
+                came_back += sok.cache_stats(hybrid)["loaded"] - sok.cache_stats(hybrid)["new_keys"] - before
+            starts = np.concatenate([[0], np.cumsum(lens)])
+            np.testing.assert_allclose(fixed.numpy(), [init[rows[a:b]].sum(0) for a, b in zip(starts[:-1], starts[1:])],
+                                       rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-7)
+        zeros += int(((outs[0] == 0).all(1) & (lens > 0)).sum())
+        assert hybrid.size.numpy()[0] == plain.size.numpy()[0]
+    assert zeros > 0                                        # keys the filter left out read zeros
+    if budget_rows < 10:
+        assert sok.cache_stats(hybrid)["evicted"] > 0 and came_back > 0   # written back, then taken in again
+    _assert_same_tables(plain, hybrid, *opts)
+
+
 @pytest.mark.parametrize("capacity", [None, 60])
 def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplog, capacity):
     """model.fit with a hybrid table (unbounded, and bounded with LRU eviction) equals the table
@@ -399,10 +447,6 @@ def test_bad_arguments_are_clear_errors():
         sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=1, max_capacity=100, evict_strategy="lfu")
     with pytest.raises(ValueError, match="must be a number of GiB >= 0, got -1"):
         sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=-1)
-    filtered = sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=1, name="filtered")
-    with pytest.raises(ValueError, match="'filtered' is hybrid: the low-frequency filter"):
-        sok.lookup_sparse(filtered, tf.ragged.constant([[1, 2]], tf.int64), use_low_frequency_filter=True,
-                          filter_ratio=0.5)
     plain = sok.DynamicVariable(DIM, name="no_tier")
     with pytest.raises(ValueError, match="'no_tier' is not a hybrid table"):
         sok.cache_stats(plain)

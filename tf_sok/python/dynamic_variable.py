@@ -322,9 +322,11 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         (evicted keys, their values) — what made room for the new keys. admit_all: missing keys are
         inserted even before min_frequency sightings (an assignment). insert_ratio < 1 (the
         low-frequency filter): a new key is inserted with that probability, drawn from the key and
-        the lookup's clock; keys not inserted map to row 0, which reads zeros."""
-        if self._hybrid and insert_ratio < 1.0:
-            raise ValueError(_FILTER_ON_HYBRID.format(self.table.name))
+        the lookup's clock; keys not inserted map to row 0, which reads zeros. A hybrid table's keys
+        in its host tier are not new (its cache takes them in whatever the draw), nor are a static
+        table's rows (a sok.Variable with a host tier is never filtered)."""
+        if self.table.row_ids:
+            insert_ratio = 1.0
         if self._hybrid and not insert:
             raise ValueError(f"sok.DynamicVariable {self.table.name!r} is hybrid: rows_for(insert=False) would see "
                              f"only its cached keys")
@@ -474,11 +476,6 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         return self.scatter_update(tf.IndexedSlices(tf.reshape(values, [-1, self._dimension]), rows)), rows
 
 
-_FILTER_ON_HYBRID = ("sok.DynamicVariable {!r} is hybrid: the low-frequency filter (use_low_frequency_filter) "
-                     "would drop keys its cache wrote back to host memory; use it on tables without "
-                     "max_hbm_for_vectors")
-
-
 def _cache_bytes(name, var_type, max_hbm_for_vectors, max_keys) -> int:
     """The device-memory budget of a hybrid table's cached rows in bytes (-1: not hybrid)."""
     if max_hbm_for_vectors is None:
@@ -500,22 +497,19 @@ def rows_for_tables(variables, keys, insert_ratio: float = 1.0) -> list:
     """`v.rows_for(k, insert_ratio=...)` for each (v, k) of `variables` and `keys` (vectors): tables
     whose indices share a device are found by one op, which on a GPU waits once for all of them."""
     rows = [None] * len(variables)
-    if insert_ratio < 1.0:
-        for v in variables:
-            if v.hybrid:
-                raise ValueError(_FILTER_ON_HYBRID.format(v.table.name))
     by_device = {}
-    for i, v in enumerate(variables):
-        by_device.setdefault(v._index_device, []).append(i)
-    for device, members in by_device.items():
+    for i, v in enumerate(variables):   # static tables (with a host tier) are never filtered
+        ratio = 1.0 if v.table.row_ids else float(insert_ratio)
+        by_device.setdefault((v._index_device, ratio), []).append(i)
+    for (device, ratio), members in by_device.items():
         if len(members) == 1:
             i = members[0]
-            rows[i] = variables[i].rows_for(keys[i], insert_ratio=insert_ratio)
+            rows[i] = variables[i].rows_for(keys[i], insert_ratio=ratio)
             continue
         with tf.device(device):
             out = ops().tf_sok_dynamic_find_many([variables[i]._index.resource_handle for i in members],
                                                  [variables[i]._keys(keys[i]) for i in members],
-                                                 insert_ratio=float(insert_ratio))
+                                                 insert_ratio=ratio)
         for i, r in zip(members, out):
             rows[i] = r
     return rows

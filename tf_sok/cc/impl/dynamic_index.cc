@@ -118,7 +118,7 @@ void DynamicIndex::EnsureRows(int64_t needed) {
 }
 
 std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* ch,
-                               bool admit_all, float insert_ratio) {
+                               bool admit_all, float insert_ratio, const HeldKeys& held) {
   if (!insert) {
     for (int64_t i = 0; i < n; ++i) slots[i] = slot_of_key_.Get(keys[i], -1);
     ch->rows = rows_;
@@ -146,10 +146,16 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
   std::vector<uint8_t> admit(missing.size(), 1);
   int64_t admitted = static_cast<int64_t>(missing.size());
   if ((config_.min_frequency > 1 || insert_ratio < 1.0f) && !admit_all) {
+    std::vector<uint8_t> in_tier(missing.size(), 0);
+    if (held && insert_ratio < 1.0f && !missing.empty()) {
+      const std::string error = held(missing.data(), static_cast<int64_t>(missing.size()), in_tier.data());
+      if (!error.empty()) return error;
+    }
     admitted = 0;
     for (size_t j = 0; j < missing.size(); ++j) {
-      admit[j] = (config_.min_frequency <= 1 || candidates_.Get(missing[j], 0) + 1 >= config_.min_frequency) &&
-                 KeepNewKey(missing[j], clock_ + 1, insert_ratio);
+      admit[j] = in_tier[j] ||
+                 ((config_.min_frequency <= 1 || candidates_.Get(missing[j], 0) + 1 >= config_.min_frequency) &&
+                  KeepNewKey(missing[j], clock_ + 1, insert_ratio));
       admitted += admit[j];
     }
   }

@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,6 +46,12 @@ struct DynamicIndexConfig {
 // The admission count of a cache's key written back to its host tier (still in the table): admitted
 // at its next sighting, and told apart from the counts of keys waiting for admission.
 constexpr int64_t kHeldCount = int64_t{1} << 40;
+
+// For a cache over a host tier (hybrid tables) under the low-frequency filter: flags[j] = 1 where
+// keys[j] is held by the tier, 0 elsewhere, so that a key the cache wrote back is taken in again
+// whatever the filter draws (the filter is for keys new to the table). The arrays live where the
+// index does (host memory for DynamicIndex, device memory for GpuDynamicIndex). "" or an error.
+using HeldKeys = std::function<std::string(const int64_t* keys, int64_t n, uint8_t* flags)>;
 
 // What one Find call changed, for the caller to apply to the arrays.
 struct FindChanges {
@@ -107,9 +114,10 @@ class DynamicIndex {
   // missing keys map to -1. Returns "" or an error message, in which case
   // nothing changed.
   // insert_ratio < 1: a new key that passes admission is inserted only if
-  // KeepNewKey(key, call clock, insert_ratio) (else it counts as not admitted).
+  // KeepNewKey(key, call clock, insert_ratio) (else it counts as not admitted); `held` (a cache's):
+  // keys its host tier holds are inserted whatever the draw.
   std::string Find(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* changes,
-                   bool admit_all = false, float insert_ratio = 1.0f);
+                   bool admit_all = false, float insert_ratio = 1.0f, const HeldKeys& held = {});
 
   int64_t size() const { return live_; }
   int64_t rows() const { return rows_; }

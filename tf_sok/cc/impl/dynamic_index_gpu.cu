@@ -249,12 +249,13 @@ __global__ void MissingFlagsKernel(const int64_t* slot, int64_t n, uint8_t* flag
   if (i < n) flags[i] = slot[i] < 0;
 }
 
-__global__ void AdmitFlagsKernel(const int64_t* count, const int64_t* keys, int64_t n, int64_t min_frequency,
-                                 float ratio, int64_t clock, uint8_t* admit, uint8_t* wait) {
+// in_tier (optional): keys a cache's host tier holds, admitted whatever the filter draws
+__global__ void AdmitFlagsKernel(const int64_t* count, const int64_t* keys, const uint8_t* in_tier, int64_t n,
+                                 int64_t min_frequency, float ratio, int64_t clock, uint8_t* admit, uint8_t* wait) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const int64_t seen = count[i] < 0 ? 0 : count[i];
-  admit[i] = seen + 1 >= min_frequency && KeepNewKey(keys[i], clock, ratio);
+  admit[i] = (in_tier && in_tier[i]) || (seen + 1 >= min_frequency && KeepNewKey(keys[i], clock, ratio));
   wait[i] = !admit[i];
 }
 
@@ -618,7 +619,7 @@ int64_t ReadCount(const GpuDevice& d, const int64_t* count, std::string* error) 
 
 std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64_t n, bool insert,
                                   GpuFindResult* out, bool admit_all, float insert_ratio,
-                                  const std::function<void(int)>& mark) {
+                                  const std::function<void(int)>& mark, const HeldKeys& held) {
   if (!insert) {
     if (!init_error_.empty()) return init_error_;
     out->rows = rows_;
@@ -638,11 +639,12 @@ std::string GpuDynamicIndex::Find(const GpuDevice& d, const int64_t* keys, int64
   const int64_t missing = ReadCount(d, count, &error);
   if (!error.empty()) return error;
   if (mark) mark(1);
-  return Finish(d, &pending, missing, out, admit_all, insert_ratio, mark);
+  return Finish(d, &pending, missing, out, admit_all, insert_ratio, mark, held);
 }
 
 std::string GpuDynamicIndex::Finish(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
-                                    bool admit_all, float insert_ratio, const std::function<void(int)>& mark) {
+                                    bool admit_all, float insert_ratio, const std::function<void(int)>& mark,
+                                    const HeldKeys& held) {
   auto* count = gpu::Alloc<int64_t>(d, 1);
   if (!count) return "ran out of GPU memory";
   std::string error = FinishDistinct(d, p, missing, out, count, admit_all ? 1.0f : insert_ratio);
@@ -652,7 +654,7 @@ std::string GpuDynamicIndex::Finish(const GpuDevice& d, GpuFindPending* p, int64
   if (!error.empty()) return error;
   if (mark) mark(3);
   bool evicts = false;
-  error = FinishRoom(d, p, distinct, admit_all, insert_ratio, count, &evicts);
+  error = FinishRoom(d, p, distinct, admit_all, insert_ratio, count, &evicts, held);
   if (!error.empty()) return error;
   if (mark) mark(4);
   const int64_t evictable = evicts ? ReadCount(d, count, &error) : 0;
@@ -756,7 +758,7 @@ std::string GpuDynamicIndex::FinishDistinct(const GpuDevice& d, GpuFindPending* 
 // 3. admission (nothing written yet); 4. when the call must evict: the untouched rows, their count
 // left at *count (*evicts: whether it must)
 std::string GpuDynamicIndex::FinishRoom(const GpuDevice& d, GpuFindPending* p, int64_t m, bool admit_all,
-                                        float insert_ratio, int64_t* count, bool* evicts) {
+                                        float insert_ratio, int64_t* count, bool* evicts, const HeldKeys& held) {
   *evicts = false;
   p->m = m;
   if (p->n == 0) return "";
@@ -788,9 +790,16 @@ std::string GpuDynamicIndex::FinishRoom(const GpuDevice& d, GpuFindPending* p, i
     if (!seen || !where || !admit || !wait || !admitted || !waiting || !waiting_seen || !waiting_where ||
         !admitted_where)
       return "ran out of GPU memory";
+    uint8_t* in_tier = nullptr;
+    if (held && insert_ratio < 1.0f && !admit_all) {
+      in_tier = gpu::Alloc<uint8_t>(d, m);
+      if (!in_tier) return "ran out of GPU memory";
+      error = held(missing, m, in_tier);
+      if (!error.empty()) return error;
+    }
     FindKernel<<<Blocks(m), kThreads, 0, s>>>(candidates_.keys, candidates_.state, candidates_.buckets - 1, missing,
                                               m, seen, where);
-    AdmitFlagsKernel<<<Blocks(m), kThreads, 0, s>>>(seen, missing, m, admit_all ? 1 : config_.min_frequency,
+    AdmitFlagsKernel<<<Blocks(m), kThreads, 0, s>>>(seen, missing, in_tier, m, admit_all ? 1 : config_.min_frequency,
                                                     admit_all ? 1.0f : insert_ratio, clock_ + 1, admit, wait);
     a = Compact(d, missing, admit, m, admitted, &error);
     Compact(d, where, admit, m, admitted_where, &error);

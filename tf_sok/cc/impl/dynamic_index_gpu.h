@@ -76,7 +76,8 @@ class GpuDynamicIndex {
   // mark(i), when given, is called after each stage i (0 probe, 1 missing count read back, 2
   // distinct, 3 its count read back, 4 room, 5 its count read back, 6 commit queued): a profiler's hook.
   std::string Find(const GpuDevice& d, const int64_t* keys, int64_t n, bool insert, GpuFindResult* out,
-                   bool admit_all = false, float insert_ratio = 1.0f, const std::function<void(int)>& mark = {});
+                   bool admit_all = false, float insert_ratio = 1.0f, const std::function<void(int)>& mark = {},
+                   const HeldKeys& held = {});
   // Find with insert, in two halves: Probe queues the work up to the count of positions whose key
   // is missing (written to the device's *count, not waited for); Finish, given that count read
   // back, does the rest. Nothing else may use the index in between.
@@ -86,17 +87,18 @@ class GpuDynamicIndex {
   std::string Probe(const GpuDevice& d, const int64_t* keys, int64_t n, GpuFindResult* out, GpuFindPending* p,
                     int64_t* count, float insert_ratio = 1.0f);
   std::string Finish(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
-                     bool admit_all = false, float insert_ratio = 1.0f, const std::function<void(int)>& mark = {});
+                     bool admit_all = false, float insert_ratio = 1.0f, const std::function<void(int)>& mark = {},
+                     const HeldKeys& held = {});
   // Finish in three parts, for many indices at once: FinishDistinct, given the missing count,
   // leaves the count of distinct missing keys at *count (and inserts them there when all of them
   // are let in without evicting: no admission, `insert_ratio` 1, room for every one); FinishRoom,
   // given that, admits keys and, when the call must evict (*evicts), leaves the count of evictable
   // rows at *count; FinishCommit, given that (or 0), evicts, inserts and writes the rows of the
-  // call's positions. No waits, except admission's and growth's.
+  // call's positions. No waits, except admission's and growth's (and `held`'s: see DynamicIndex::Find).
   std::string FinishDistinct(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
                              int64_t* count, float insert_ratio = 1.0f);
   std::string FinishRoom(const GpuDevice& d, GpuFindPending* p, int64_t distinct, bool admit_all,
-                         float insert_ratio, int64_t* count, bool* evicts);
+                         float insert_ratio, int64_t* count, bool* evicts, const HeldKeys& held = {});
   std::string FinishCommit(const GpuDevice& d, GpuFindPending* p, int64_t evictable, GpuFindResult* out);
   int64_t size() const { return live_; }
   int64_t rows() const { return rows_; }

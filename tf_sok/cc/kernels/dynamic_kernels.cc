@@ -714,6 +714,41 @@ absl::Status DroppedOutputs(tf::OpKernelContext* ctx, const impl::GpuDevice& d, 
 }
 #endif
 
+// Under the low-frequency filter, a hybrid table's cache takes back the keys its host tier holds
+// whatever the filter draws (the filter is for keys new to the table); no hook otherwise.
+impl::HeldKeys HeldOnHost(IndexResource* res, float insert_ratio) {
+  if (!res->store || insert_ratio >= 1.0f) return {};
+  return [res](const int64_t* keys, int64_t n, uint8_t* flags) {
+    std::vector<int64_t> rows(n);
+    res->store->Rows(keys, n, rows.data());
+    for (int64_t j = 0; j < n; ++j) flags[j] = rows[j] >= 0;
+    return std::string();
+  };
+}
+
+#if TF_SOK_WITH_CUDA
+// As HeldOnHost for an index on the GPU: the keys come to the host (a wait) and the flags go back.
+impl::HeldKeys HeldOnGpu(const impl::GpuDevice& d, IndexResource* res, float insert_ratio) {
+  if (!res->store || insert_ratio >= 1.0f) return {};
+  return [&d, res](const int64_t* keys, int64_t n, uint8_t* flags) {
+    const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+    uint8_t* staging = res->Staging(17 * static_cast<size_t>(n));   // [keys | rows | flags]
+    if (!staging) return std::string("ran out of host memory");
+    auto* host_keys = reinterpret_cast<int64_t*>(staging);
+    cudaMemcpyAsync(host_keys, keys, 8 * n, cudaMemcpyDeviceToHost, stream);
+    absl::Status status = CudaWait(stream);
+    if (!status.ok()) return std::string(status.message());
+    auto* rows = host_keys + n;
+    res->store->Rows(host_keys, n, rows);
+    uint8_t* host_flags = staging + 16 * n;
+    for (int64_t j = 0; j < n; ++j) host_flags[j] = rows[j] >= 0;
+    cudaMemcpyAsync(flags, host_flags, n, cudaMemcpyHostToDevice, stream);
+    status = CudaWait(stream);   // the staging buffer is reused (and may be reallocated) later in the call
+    return status.ok() ? std::string() : std::string(status.message());
+  };
+}
+#endif
+
 class FindOp : public tf::OpKernel {
  public:
   explicit FindOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
@@ -740,7 +775,8 @@ class FindOp : public tf::OpKernel {
     impl::FindChanges ch;
     tf::mutex_lock l(res->mu);
     const std::string error = res->host->Find(keys.flat<int64_t>().data(), keys.NumElements(), insert_,
-                                              slots->flat<int64_t>().data(), &ch, admit_all_, insert_ratio_);
+                                              slots->flat<int64_t>().data(), &ch, admit_all_, insert_ratio_,
+                                              HeldOnHost(res.get(), insert_ratio_));
     OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
     TensorScratch scratch(ctx);
     const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
@@ -772,7 +808,8 @@ class FindOp : public tf::OpKernel {
     tf::mutex_lock l(res->mu);
     StageClock clock(stream, false, insert_);   // finds that insert
     const std::string error = res->gpu->Find(d, keys.flat<int64_t>().data(), keys.NumElements(), insert_, &r,
-                                             admit_all_, insert_ratio_, [&clock](int stage) { clock.Mark(stage); });
+                                             admit_all_, insert_ratio_, [&clock](int stage) { clock.Mark(stage); },
+                                             HeldOnGpu(d, res, insert_ratio_));
     OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
     if (keys.NumElements() > 0)
       cudaMemcpyAsync(slots->flat<int64_t>().data(), r.slots, 8 * keys.NumElements(), cudaMemcpyDeviceToDevice,
@@ -842,7 +879,8 @@ class FindManyOp : public tf::OpKernel {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(i, keys.shape(), &slots));
       impl::FindChanges ch;
       const std::string error = r->host->Find(keys.flat<int64_t>().data(), keys.NumElements(), true,
-                                              slots->flat<int64_t>().data(), &ch, false, insert_ratio_);
+                                              slots->flat<int64_t>().data(), &ch, false, insert_ratio_,
+                                              HeldOnHost(r, insert_ratio_));
       OP_REQUIRES(ctx, error.empty(), Failed(*r, " ", error));
       OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, HostChanges(ch, keys.NumElements()), nullptr));
     }
@@ -890,7 +928,8 @@ class FindManyOp : public tf::OpKernel {
     for (int i = 0; i < n; ++i) {
       bool evicts = false;
       const std::string error =
-          res[i]->gpu->FinishRoom(d, &pending[i], distinct[i], false, insert_ratio_, counts + i, &evicts);
+          res[i]->gpu->FinishRoom(d, &pending[i], distinct[i], false, insert_ratio_, counts + i, &evicts,
+                                  HeldOnGpu(d, res[i].get(), insert_ratio_));
       OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
       if (!evicts) cudaMemsetAsync(counts + i, 0, 8, stream);
       any |= evicts;
