@@ -222,6 +222,29 @@ def test_a_bounded_gpu_hybrid_table_evicts_as_the_cpu_table_without_a_tier(rng, 
     _assert_same_tables(hybrid, plain)
 
 
+def _gpu_hybrid_against_cpu_plain(rng, tag, kw, **lookup_kw):
+    """A GPU hybrid table (a cache of 60 rows) and the same table without a tier on the CPU (`kw`:
+    their arguments), trained with SGD over 10 Zipf batches (`lookup_kw`: lookup_sparse's): the same
+    lookups, sizes, keys and values. Returns the hybrid table's cache_stats."""
+    with tf.device("/GPU:0"):
+        hybrid = sok.DynamicVariable(DIM, name=f"g{tag}", var_type="hybrid", max_hbm_for_vectors=_gib(60, [DIM]), **kw)
+    with tf.device("/CPU:0"):
+        plain = sok.DynamicVariable(DIM, name=f"c{tag}", **kw)
+    pool = random_keys(rng, 4000)
+    batches = []
+    for _ in range(10):
+        lens = rng.integers(0, 3, 256)
+        keys = pool[rng.choice(len(pool), int(lens.sum()), p=_zipf(len(pool), 1.05))]
+        batches.append((lens, keys, rng.standard_normal((256, DIM)).astype(np.float32)))
+    outs = [_train(t, sok.optimizers.SGD(learning_rate=0.05), batches, device, **lookup_kw)
+            for t, device in ((hybrid, "/GPU:0"), (plain, "/CPU:0"))]
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert hybrid.size.numpy()[0] == plain.size.numpy()[0]
+    _assert_same_tables(hybrid, plain, atol=1e-6)
+    return sok.cache_stats(hybrid)
+
+
 @pytest.mark.parametrize("capacity", [None, 700])
 def test_admission_on_a_gpu_hybrid_table_equals_the_cpu_table_without_a_tier(rng, capacity):
     """min_frequency 2 on a GPU hybrid table (the keys the cache writes back counted as held in the
@@ -229,24 +252,7 @@ def test_admission_on_a_gpu_hybrid_table_equals_the_cpu_table_without_a_tier(rng
     same table without a tier on the CPU, trained with SGD."""
     kw = dict(initializer="normal", seed=5, min_frequency=2, max_capacity=capacity,
               evict_strategy="lru" if capacity else None)
-    with tf.device("/GPU:0"):
-        hybrid = sok.DynamicVariable(DIM, name=f"ga{capacity}", var_type="hybrid",
-                                     max_hbm_for_vectors=_gib(60, [DIM]), **kw)
-    with tf.device("/CPU:0"):
-        plain = sok.DynamicVariable(DIM, name=f"ca{capacity}", **kw)
-    pool = random_keys(rng, 4000)
-    batches = []
-    for _ in range(10):
-        lens = rng.integers(0, 3, 256)
-        keys = pool[rng.choice(len(pool), int(lens.sum()), p=_zipf(len(pool), 1.05))]
-        batches.append((lens, keys, rng.standard_normal((256, DIM)).astype(np.float32)))
-    outs = [_train(t, sok.optimizers.SGD(learning_rate=0.05), batches, device)
-            for t, device in ((hybrid, "/GPU:0"), (plain, "/CPU:0"))]
-    for a, b in zip(*outs):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert sok.cache_stats(hybrid)["evicted"] > 0
-    assert hybrid.size.numpy()[0] == plain.size.numpy()[0]
-    _assert_same_tables(hybrid, plain, atol=1e-6)
+    assert _gpu_hybrid_against_cpu_plain(rng, f"a{capacity}", kw)["evicted"] > 0
 
 
 @pytest.mark.parametrize("min_frequency,capacity", [(1, None), (2, None), (1, 700)])
@@ -258,22 +264,6 @@ def test_low_frequency_filter_on_a_gpu_hybrid_table_equals_the_cpu_table_without
     the CPU, trained with SGD."""
     kw = dict(initializer="normal", seed=6, min_frequency=min_frequency, max_capacity=capacity,
               evict_strategy="lru" if capacity else None)
-    with tf.device("/GPU:0"):
-        hybrid = sok.DynamicVariable(DIM, name=f"gf{min_frequency}_{capacity}", var_type="hybrid",
-                                     max_hbm_for_vectors=_gib(60, [DIM]), **kw)
-    with tf.device("/CPU:0"):
-        plain = sok.DynamicVariable(DIM, name=f"cf{min_frequency}_{capacity}", **kw)
-    pool = random_keys(rng, 4000)
-    batches = []
-    for _ in range(10):
-        lens = rng.integers(0, 3, 256)
-        keys = pool[rng.choice(len(pool), int(lens.sum()), p=_zipf(len(pool), 1.05))]
-        batches.append((lens, keys, rng.standard_normal((256, DIM)).astype(np.float32)))
-    outs = [_train(t, sok.optimizers.SGD(learning_rate=0.05), batches, device, use_low_frequency_filter=True,
-                   filter_ratio=0.5) for t, device in ((hybrid, "/GPU:0"), (plain, "/CPU:0"))]
-    for a, b in zip(*outs):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    stats = sok.cache_stats(hybrid)
+    stats = _gpu_hybrid_against_cpu_plain(rng, f"f{min_frequency}_{capacity}", kw, use_low_frequency_filter=True,
+                                          filter_ratio=0.5)
     assert stats["evicted"] > 0 and stats["loaded"] > stats["new_keys"]   # keys came back from the tier
-    assert hybrid.size.numpy()[0] == plain.size.numpy()[0]
-    _assert_same_tables(hybrid, plain, atol=1e-6)
