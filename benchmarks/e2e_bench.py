@@ -104,34 +104,52 @@ def readers_section(a, d, schema, tsv, conv_rate):
                                                      id_dtype=tf.int32), steps)
         out[f"Parquet DCNv2 int32, {par} at once"] = rate
         print(f"  {'Parquet DCNv2 int32, ' + str(par) + ' at once':32s} {rate:12,.0f} rows/s")
-    out.update(feed_section(a, schema))
+    out.update(feed_section(a, schema, d))
     return out
 
 
-def feed_section(a, schema, steps: int = 60) -> dict:
-    """DCNv2 batches as fit takes them (for_keras, int32 ids) copied to the device by to_device, the
-    ids as RaggedTensors and as (values, row_splits) pairs from the source on (synthetic's
-    ragged_pairs): batches/s pulled and this process's CPU time per batch (the threads that also
-    launch a training step's work)."""
+def feed_section(a, schema, d: str, steps: int = 60) -> dict:
+    """Batches as fit takes them (for_keras, int32 ids, copied to the device by to_device; pulled
+    inside a tf.function as fit's loop does), the ids as RaggedTensors and as (values, row_splits)
+    pairs from the source on (the readers' and synthetic's ragged_pairs): rows/s and this process's
+    CPU time per batch (tf.data's threads, which the training step's launches share; a reader's
+    worker processes not counted): synthetic DCNv2 data, the one-hot and the DCNv2 Parquet files."""
     device = "/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0"
-    cfg = sd.SyntheticConfig.dcnv2(schema)
-    out, ragged_cpu = {}, None
-    for pairs in (False, True):
-        src = sd.for_keras(sd.synthetic(10**9 // a.batch * a.batch, a.batch, cfg, id_dtype=tf.int32,
-                                        ragged_pairs=pairs), id_dtype=tf.int32)
-        it = iter(sd.to_device(src, device, ragged_pairs=pairs))
-        for _ in range(5):
-            next(it)
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            next(it)
-        rate, cpu = steps * a.batch / (time.perf_counter() - t0), (time.process_time() - c0) / steps * 1e3
-        name = f"to {device}, ids as {'pairs' if pairs else 'RaggedTensors'}"
-        out[name] = {"rows_per_s": rate, "cpu_ms_per_batch": cpu}
-        print(f"  {name:32s} {rate:12,.0f} rows/s, {cpu:6.1f} ms of CPU per batch"
-              + (f" ({ragged_cpu / cpu:.2f}x less than RaggedTensors)" if pairs else ""))
-        ragged_cpu = cpu
-        del it
+    k = 10   # batches per graph call
+
+    @tf.function
+    def pull(it):
+        n = tf.constant(0, tf.int64)
+        for _ in tf.range(k):
+            n += tf.shape(next(it)[1], out_type=tf.int64)[0]
+        return n
+
+    def source(name, pairs):
+        if name == "synthetic DCNv2":
+            return sd.synthetic(10**9 // a.batch * a.batch, a.batch, sd.SyntheticConfig.dcnv2(schema),
+                                id_dtype=tf.int32, ragged_pairs=pairs)
+        files = sorted(glob.glob(os.path.join(d, "parquet" if "one-hot" in name else "dcnv2", "*.parquet")))
+        return sd.read_parquet(files * 1000, a.batch, drop_remainder=True, id_dtype=tf.int32,
+                               workers=a.reader_workers, ragged_pairs=pairs)
+
+    out = {}
+    for name in ("synthetic DCNv2", "Parquet one-hot", "Parquet DCNv2"):
+        ragged_cpu = None
+        for pairs in (False, True):
+            it = iter(sd.to_device(sd.for_keras(source(name, pairs), id_dtype=tf.int32), device, ragged_pairs=True))
+            for _ in range(2):
+                pull(it)
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(max(1, steps // k)):
+                pull(it)
+            batches = max(1, steps // k) * k
+            rate, cpu = batches * a.batch / (time.perf_counter() - t0), (time.process_time() - c0) / batches * 1e3
+            label = f"{name} to {device}, ids as {'pairs' if pairs else 'RaggedTensors'}"
+            out[label] = {"rows_per_s": rate, "cpu_ms_per_batch": cpu}
+            print(f"  {label:60s} {rate:12,.0f} rows/s, {cpu:6.1f} ms of CPU per batch"
+                  + (f" ({ragged_cpu / cpu:.2f}x less than RaggedTensors)" if pairs else ""), flush=True)
+            ragged_cpu = cpu
+            del it
     return out
 
 

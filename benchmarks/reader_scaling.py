@@ -5,6 +5,7 @@ worker processes (read_parquet(workers=W)), over DCNv2 multi-hot files; with wor
 it also prints the cores the reader process and its workers keep busy.
 
     python benchmarks/reader_scaling.py [--files 8] [--rows 131072] [--parts builder,memory,threads,workers]
+        [--ragged-tensors]
 """
 import argparse
 import os
@@ -85,7 +86,10 @@ def main():
     p.add_argument("--parts", default="builder,memory,threads,workers",
                    help="which measurements: the block builder in threads, blocks in memory -> tf.data, "
                         "read_parquet with threads, read_parquet with worker processes")
+    p.add_argument("--ragged-tensors", action="store_true",
+                   help="batches with RaggedTensor ids (default: (values, row_splits) pairs, as the examples read)")
     a = p.parse_args()
+    pairs = not a.ragged_tensors
     parts = set(a.parts.split(","))
     schema = sd.CriteoSchema.capped(10_000_000)
     d = tempfile.mkdtemp()
@@ -95,7 +99,8 @@ def main():
         files.append(os.path.join(d, f"part-{k}.parquet"))
         sd.write_parquet(sd.raw_batches(a.rows, min(a.rows, 65536), cfg, seed=k), files[-1], schema)
     cores = len(os.sched_getaffinity(0))
-    print(f"{cores} cores ({physical_cores()}), {a.files} DCNv2 files of {a.rows:,} rows")
+    print(f"{cores} cores ({physical_cores()}), {a.files} DCNv2 files of {a.rows:,} rows, ids as "
+          f"{'pairs' if pairs else 'RaggedTensors'}")
     for t in sorted({1, 2, 4, 8, cores}) if "builder" in parts else []:
         print(f"  block builder, {t:2d} Python threads: {threads_rate(files, schema, t, False, a.batch):12,.0f} rows/s "
               f"(pyarrow threads on: {threads_rate(files, schema, t, True, a.batch):12,.0f})", flush=True)
@@ -108,7 +113,7 @@ def main():
     for t in sorted({1, 4, 8, cores}) if "memory" in parts else []:
         def piece(k):
             return blocks_lib.batched_blocks(tf.data.Dataset.from_generator(
-                lambda i: iter(built[int(i)]), output_signature=sig, args=(k,)), a.batch)
+                lambda i: iter(built[int(i)]), output_signature=sig, args=(k,)), a.batch, ragged_pairs=pairs)
         ds = tf.data.Dataset.range(len(built)).interleave(piece, cycle_length=t, num_parallel_calls=tf.data.AUTOTUNE,
                                                           deterministic=False).prefetch(tf.data.AUTOTUNE)
         print(f"  blocks in memory -> tf.data batches, {t:2d} pieces: {graph_rows_per_second(ds, steps):12,.0f} rows/s",
@@ -116,12 +121,13 @@ def main():
     best_threads = 0.0   # the baseline: what read_parquet gives without worker processes
     for t in sorted({1, 4, 8, cores}) if "threads" in parts else []:
         for det in (True, False):
-            ds = sd.read_parquet(d, a.batch, parallel_files=t, id_dtype=tf.int32, deterministic=det)
+            ds = sd.read_parquet(d, a.batch, parallel_files=t, id_dtype=tf.int32, deterministic=det, ragged_pairs=pairs)
             rate = graph_rows_per_second(ds, steps)
             best_threads = max(best_threads, rate)
             print(f"  read_parquet, {t:2d} pieces, deterministic={det}: {rate:12,.0f} rows/s", flush=True)
     for w in sorted({2, max(2, cores // 2), max(2, 3 * cores // 4), cores}) if "workers" in parts else []:
-        ds = sd.read_parquet(d, a.batch, parallel_files=cores, id_dtype=tf.int32, deterministic=False, workers=w)
+        ds = sd.read_parquet(d, a.batch, parallel_files=cores, id_dtype=tf.int32, deterministic=False, workers=w,
+                             ragged_pairs=pairs)
         busy = CpuUse(w)
         rate = graph_rows_per_second(ds, steps, on_timed=busy.start)
         main, workers = busy.cores()
