@@ -450,6 +450,9 @@ def test_bad_arguments_are_clear_errors():
     plain = sok.DynamicVariable(DIM, name="no_tier")
     with pytest.raises(ValueError, match="'no_tier' is not a hybrid table"):
         sok.cache_stats(plain)
+    from tf_sok.python.ops.loader import ops   # the ops themselves refuse a table without a tier
+    with pytest.raises(tf.errors.InvalidArgumentError, match="'no_tier': has no host tier"):
+        ops().tf_sok_dynamic_cache_stats(plain._index.resource_handle)
     hybrid = sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=0.001, name="tiered")
     with pytest.raises(ValueError, match="'tiered' is hybrid"):
         hybrid.touched_since(0)

@@ -206,6 +206,13 @@ absl::Status Failed(const IndexResource& res, const std::string& what, const std
   return absl::InvalidArgumentError("dynamic table '" + res.table + "'" + what + error);
 }
 
+// The index of input 0, which must be a hybrid table's (one with a host tier).
+absl::Status GetHybridIndex(tf::OpKernelContext* ctx, tf::core::RefCountPtr<IndexResource>* out) {
+  TF_RETURN_IF_ERROR(GetIndex(ctx, out));
+  if ((*out)->store == nullptr) return Failed(**out, ": ", "has no host tier (it is not a hybrid table)");
+  return absl::OkStatus();
+}
+
 void HostVector(tf::OpKernelContext* ctx, int output, const std::vector<int64_t>& v, absl::Status* s) {
   tf::Tensor* t = nullptr;
   *s = ctx->allocate_output(output, tf::TensorShape({static_cast<int64_t>(v.size())}), &t);
@@ -1300,8 +1307,7 @@ class CacheStatsOp : public tf::OpKernel {
   using tf::OpKernel::OpKernel;
   void Compute(tf::OpKernelContext* ctx) override {
     tf::core::RefCountPtr<IndexResource> res;
-    OP_REQUIRES_OK(ctx, GetIndex(ctx, &res));
-    OP_REQUIRES(ctx, res->store != nullptr, Failed(*res, ": ", "has no host tier (it is not a hybrid table)"));
+    OP_REQUIRES_OK(ctx, GetHybridIndex(ctx, &res));
     tf::Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({9}), &out));
     tf::mutex_lock l(res->mu);
@@ -1378,8 +1384,7 @@ class StoreExportOp : public tf::OpKernel {
   using tf::OpKernel::OpKernel;
   void Compute(tf::OpKernelContext* ctx) override {
     tf::core::RefCountPtr<IndexResource> res;
-    OP_REQUIRES_OK(ctx, GetIndex(ctx, &res));
-    OP_REQUIRES(ctx, res->store != nullptr, Failed(*res, ": ", "has no host tier (it is not a hybrid table)"));
+    OP_REQUIRES_OK(ctx, GetHybridIndex(ctx, &res));
     tf::mutex_lock l(res->mu);
     OP_REQUIRES_OK(ctx, Flush(ctx, res.get()));
     const impl::HostStore& store = *res->store;
@@ -1417,8 +1422,7 @@ class StoreTouchedSinceOp : public tf::OpKernel {
   using tf::OpKernel::OpKernel;
   void Compute(tf::OpKernelContext* ctx) override {
     tf::core::RefCountPtr<IndexResource> res;
-    OP_REQUIRES_OK(ctx, GetIndex(ctx, &res));
-    OP_REQUIRES(ctx, res->store != nullptr, Failed(*res, ": ", "has no host tier (it is not a hybrid table)"));
+    OP_REQUIRES_OK(ctx, GetHybridIndex(ctx, &res));
     const tf::Tensor& since = ctx->input(1);
     OP_REQUIRES(ctx, since.dims() == 0, Failed(*res, ": ", "since must be a scalar (ns since the epoch)"));
     const int64_t unix_ns = since.scalar<int64_t>()();
@@ -1461,8 +1465,7 @@ class StoreImportOp : public tf::OpKernel {
   }
   void Compute(tf::OpKernelContext* ctx) override {
     tf::core::RefCountPtr<IndexResource> res;
-    OP_REQUIRES_OK(ctx, GetIndex(ctx, &res));
-    OP_REQUIRES(ctx, res->store != nullptr, Failed(*res, ": ", "has no host tier (it is not a hybrid table)"));
+    OP_REQUIRES_OK(ctx, GetHybridIndex(ctx, &res));
     const tf::Tensor& keys = ctx->input(1);
     const tf::Tensor& rows = ctx->input(2);
     tf::mutex_lock l(res->mu);
