@@ -34,17 +34,23 @@ import tf_sok.data as sd  # noqa: E402
 from tf_sok.python.data.convert import convert  # noqa: E402
 
 
+def puller(count: int, part: int):
+    """A tf.function pulling `count` batches from an iterator, as fit's loop does; it returns their
+    rows (the leading dimension of each batch's element `part`)."""
+    @tf.function
+    def pull(it):
+        n = tf.constant(0, tf.int64)
+        for _ in tf.range(count):
+            n += tf.shape(next(it)[part], out_type=tf.int64)[0]
+        return n
+    return pull
+
+
 def graph_rows_per_second(ds, steps: int, on_timed=None) -> float:
     """Rows/s of `steps` batches pulled inside one tf.function (after one warm-up call);
     on_timed(): called as the timed call starts."""
     it = iter(ds.repeat())
-
-    @tf.function
-    def pull(it):
-        n = tf.constant(0, tf.int64)
-        for _ in tf.range(steps):
-            n += tf.shape(next(it)[2], out_type=tf.int64)[0]
-        return n
+    pull = puller(steps, 2)
     pull(it)
     if on_timed:
         on_timed()
@@ -113,16 +119,11 @@ def feed_section(a, schema, d: str, steps: int = 60) -> dict:
     inside a tf.function as fit's loop does), the ids as RaggedTensors and as (values, row_splits)
     pairs from the source on (the readers' and synthetic's ragged_pairs): rows/s and this process's
     CPU time per batch (tf.data's threads, which the training step's launches share; a reader's
-    worker processes not counted): synthetic DCNv2 data, the one-hot and the DCNv2 Parquet files."""
+    worker processes not counted): synthetic DCNv2 data, the one-hot and the DCNv2 Parquet files.
+    The CPU time is the measure; the rows/s may count batches the readers built ahead."""
     device = "/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0"
     k = 10   # batches per graph call
-
-    @tf.function
-    def pull(it):
-        n = tf.constant(0, tf.int64)
-        for _ in tf.range(k):
-            n += tf.shape(next(it)[1], out_type=tf.int64)[0]
-        return n
+    pull = puller(k, 1)   # (features, label): the label's rows
 
     def source(name, pairs):
         if name == "synthetic DCNv2":
