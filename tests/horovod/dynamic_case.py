@@ -12,6 +12,7 @@ TABLES = {"users": (4, "distributed"), "pairs": (3, "localized:0"), "small": (4,
 FEATURES = [("u", "users", "mean"), ("u2", "users", "sum"), ("p", "pairs", "sum"), ("s", "small", "mean")]
 STATIC_ROWS = 20
 HYBRID_POOL = 60   # keys the hybrid scenario draws from: more than a step uses, so keys leave and come back
+FILTER = dict(use_low_frequency_filter=True, filter_ratio=0.5)   # the filtered scenario's lookups
 
 
 def key_pool(seed):
@@ -76,10 +77,10 @@ def rank_slice(feats, target, rank, n):
     return out, target[rank * b:(rank + 1) * b]
 
 
-def loss_fn(tables, dense_w, feats, target):
+def loss_fn(tables, dense_w, feats, target, **lookup_kw):
     ids = [tf.RaggedTensor.from_row_lengths(feats[f][1], tf.cast(feats[f][0], tf.int64)) for f, _, _ in FEATURES]
     outs = sok.lookup_sparse([tables[t] for _, t, _ in FEATURES], ids, combiners=[c for _, _, c in FEATURES],
-                             feature_names=[f for f, _, _ in FEATURES])
+                             feature_names=[f for f, _, _ in FEATURES], **lookup_kw)
     x = tf.concat(outs, 1)                                   # [b, 15]
     return tf.reduce_mean(tf.reduce_sum(x * target * dense_w, 1) + 0.1 * tf.reduce_sum(x * x, 1))
 
@@ -88,15 +89,15 @@ def dense_init():
     return np.linspace(0.5, 1.5, 15).astype(np.float32)
 
 
-def train(tables, dense_w, batches, dense_tape=None, sparse_opt=None):
+def train(tables, dense_w, batches, dense_tape=None, sparse_opt=None, **lookup_kw):
     """STEPS of Adam (or `sparse_opt`) on the tables and SGD on the dense weight (dense_tape: wraps
-    the tape, e.g. hvd.DistributedGradientTape)."""
+    the tape, e.g. hvd.DistributedGradientTape; lookup_kw: lookup_sparse's, e.g. the filter's)."""
     sparse_opt = sparse_opt or sok.optimizers.Adam(learning_rate=0.05)
 
     @tf.function
     def step(feats, target):
         with tf.GradientTape(persistent=True) as tape:
-            loss = loss_fn(tables, dense_w, feats, target)
+            loss = loss_fn(tables, dense_w, feats, target, **lookup_kw)
         names = list(tables)
         grads = tape.gradient(loss, [tables[n] for n in names])
         dense_grad = (dense_tape(tape) if dense_tape else tape).gradient(loss, [dense_w])[0]

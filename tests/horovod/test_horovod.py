@@ -235,12 +235,13 @@ def test_ranks_waiting_on_different_collectives_end_in_bounded_time(tmp_path, mo
 
 
 @pytest.mark.parametrize("n, scenario", [(2, "dynamic_training"), (3, "dynamic_training"), (2, "sok_script"),
-                                         (3, "hybrid_training")])
+                                         (3, "hybrid_training"), (2, "filtered_hybrid_training")])
 def test_dynamic_tables_train_like_one_process(tmp_path, seed, n, scenario):
     """Each key ends on its owner (floormod(key, n), or the localized rank) with the value one
     process training on the global batch gives it; dense weights alike. sok_script: written as
     SOK's scripts are (comm_tool, OptimizerWrapper over a tf_keras legacy optimizer). hybrid_training:
-    the ranks' tables, static and dynamic, have host tiers (3 cached rows), the one process's none."""
+    the ranks' tables, static and dynamic, have host tiers (3 cached rows), the one process's none;
+    filtered_hybrid_training: so, under the low-frequency filter (ratio 0.5) in both."""
     import tf_keras
 
     from tests.horovod import dynamic_case as dc
@@ -252,11 +253,14 @@ def test_dynamic_tables_train_like_one_process(tmp_path, seed, n, scenario):
     tables = dc.make_tables(seed)
     dense_w = tf.Variable(dc.dense_init())
     sparse_opt = sok.OptimizerWrapper(tf_keras.optimizers.legacy.Adagrad(0.05)) if scenario == "sok_script" else None
-    hybrid = scenario == "hybrid_training"
+    hybrid = scenario in ("hybrid_training", "filtered_hybrid_training")
     pool = dc.HYBRID_POOL if hybrid else 30
-    dc.train(tables, dense_w, [dc.global_batch(seed, s, pool, hybrid) for s in range(dc.STEPS)],
-             sparse_opt=sparse_opt)
+    batches = [dc.global_batch(seed, s, pool, hybrid) for s in range(dc.STEPS)]
+    dc.train(tables, dense_w, batches, sparse_opt=sparse_opt, **(dc.FILTER if scenario.startswith("filtered") else {}))
     ref = dc.results(tables, dense_w)
+    if scenario.startswith("filtered"):   # the filter left keys out (they read zeros, on one process as on N)
+        used = {int(k) for feats, _ in batches for f in ("u", "u2") for k in feats[f][1]}
+        assert len(ref["users/keys"]) < len(used)
     for r, res in enumerate(ranks):
         np.testing.assert_allclose(res["dense"], ref["dense"], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(res["small/rows"], ref["small/rows"][r::n], rtol=1e-4, atol=1e-5)

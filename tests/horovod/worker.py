@@ -262,9 +262,10 @@ def rank_skips_lookup(seed, out):
     print(f"rank {hvd.rank()}: the diverged step returned", flush=True)
 
 
-def dynamic_training(seed, out, hybrid=False):
+def dynamic_training(seed, out, hybrid=False, filtered=False):
     """Dynamic tables (distributed and localized) with a static one in one fused lookup, trained on
-    this rank's slice of each global batch ("mean" reduction); hybrid: with host tiers."""
+    this rank's slice of each global batch ("mean" reduction); hybrid: with host tiers; filtered:
+    under the low-frequency filter (each key drawn by its owner)."""
     from tests.horovod import dynamic_case as dc
 
     N, r = hvd.size(), hvd.rank()
@@ -273,7 +274,7 @@ def dynamic_training(seed, out, hybrid=False):
     dense_w = tf.Variable(dc.dense_init())
     pool = dc.HYBRID_POOL if hybrid else 30
     batches = [dc.rank_slice(*dc.global_batch(seed, s, pool, hybrid), r, N) for s in range(dc.STEPS)]
-    dc.train(tables, dense_w, batches, dense_tape=hvd.DistributedGradientTape)
+    dc.train(tables, dense_w, batches, dense_tape=hvd.DistributedGradientTape, **(dc.FILTER if filtered else {}))
     if hybrid:   # every rank's shard of the distributed tables went through its host tier
         for name in ("users", "small"):
             stats = sok.cache_stats(tables[name])
@@ -283,6 +284,10 @@ def dynamic_training(seed, out, hybrid=False):
 
 def hybrid_training(seed, out):
     dynamic_training(seed, out, hybrid=True)
+
+
+def filtered_hybrid_training(seed, out):
+    dynamic_training(seed, out, hybrid=True, filtered=True)
 
 
 def sok_script(seed, out):
