@@ -11,8 +11,9 @@ slices that start aligned (TensorFlow's own slicing copies a slice unless both i
 aligned). No per-row work; ragged ids stay values + row_splits — as RaggedTensors, or with
 `ragged_pairs` as (values, row_splits) pairs of plain tensors: a RaggedTensor crosses each of
 tf.data's boundaries (a map, a prefetch, the iterator) encoded as a variant, decoded and encoded
-again each time: on 2 cores, 26 one-hot features of 65,536 rows took 9-14 ms of host time per
-batch from a block to page-locked memory as RaggedTensors, 3-4 ms as pairs (most of it the copy).
+again each time: batches of 65,536 rows from the Parquet reader through `for_keras` and `to_device`
+took 13.8 ms of host CPU each as RaggedTensors and 2.7 ms as pairs (26 one-hot features, 2 cores;
+`e2e_bench.py --sections readers`, benchmarks/RESULTS.md).
 """
 from typing import Dict, Optional, Sequence, Tuple
 
