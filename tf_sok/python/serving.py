@@ -150,7 +150,13 @@ def _table_layers(model):
 
 
 def _specs(inputs):
-    """Input signature from a sample batch (a dict of tensors, ragged or sparse) or given specs."""
+    """Input signature from a sample batch (a dict of tensors, ragged or sparse, ragged ones also as
+    (values, row_splits) pairs: served as ragged) or given specs."""
+    from tf_sok.python.lookup import ragged_pair
+
+    if isinstance(inputs, dict):
+        inputs = {k: ragged_pair(v) for k, v in inputs.items()}
+
     def spec(x):
         if isinstance(x, tf.TypeSpec):
             return x
@@ -181,8 +187,9 @@ def _flat_signature(specs: Dict[str, tf.TypeSpec]):
 def export_saved_model(model, path: str, inputs) -> None:
     """Writes `model` (Keras, with sok.layers) as a SavedModel without tf_sok ops to `path`.
 
-    `inputs`: a batch of the model's inputs (a dict of tensors, `tf.RaggedTensor` ids included) or
-    their `tf.TypeSpec`s: it fixes the signature. Every rank calls it (the tables are gathered
+    `inputs`: a batch of the model's inputs (a dict of tensors, `tf.RaggedTensor` ids included, or
+    their `(values, row_splits)` pairs as the readers' `ragged_pairs=True` gives them: served as
+    RaggedTensors) or their `tf.TypeSpec`s: it fixes the signature. Every rank calls it (the tables are gathered
     through `sok.dump`); rank 0 writes the model. Load it with `tf.saved_model.load(path)`:
     `.serve(batch)` takes what the model takes; the `serving_default` signature takes plain tensors.
     """

@@ -58,17 +58,22 @@ np.savez(out, serving_default=served, serve=m.serve(ragged).numpy())
 """
 
 
-@pytest.mark.parametrize("init", ["uniform", "normal", "truncated_normal", "0.25"])
-def test_exported_model_predicts_alike_without_tf_sok(rng, tmp_path, init):
+@pytest.mark.parametrize("init, pairs", [("uniform", False), ("normal", False), ("truncated_normal", False),
+                                         ("0.25", False), ("uniform", True)])
+def test_exported_model_predicts_alike_without_tf_sok(rng, tmp_path, init, pairs):
+    """pairs: the model trained on, and exported from, batches whose ragged ids are (values,
+    row_splits) pairs (the readers' ragged_pairs=True); the SavedModel serves them as ragged."""
     keys = random_keys(rng, 40)
     model = Model(init)
     model.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.Adam(0.01), sparse=sok.optimizers.Adam(0.05)),
                   loss="binary_crossentropy")
+    def fed(b):
+        return {k: (v.values, v.row_splits) if pairs and isinstance(v, tf.RaggedTensor) else v for k, v in b.items()}
     for _ in range(3):
-        model.train_on_batch(batch(rng, keys[:30]), tf.constant(rng.integers(0, 2, (16, 1)), tf.float32))
+        model.train_on_batch(fed(batch(rng, keys[:30])), tf.constant(rng.integers(0, 2, (16, 1)), tf.float32))
     test = batch(rng, keys)             # keys[30:] never seen in training
     path = str(tmp_path / "served")
-    sok.export_saved_model(model, path, test)
+    sok.export_saved_model(model, path, fed(test))
     want = model.predict_on_batch(test)  # the training lookup (inserts the unseen keys at their initial value)
     pb = open(os.path.join(path, "saved_model.pb"), "rb").read()
     assert b"TfSok" not in pb
