@@ -224,6 +224,8 @@ def test_mirrored_misuse_raises_clear_errors(tmp_path):
     assert "exchange='nccl' is unavailable on 2 of 2 rank(s)" in str(res["errors:nccl"])
     assert "create tables inside that strategy's scope()" in str(res["errors:create_outside"])
     assert "Call them inside strategy.run" in str(res["errors:cross_replica"])
+    assert "model.fit under MirroredStrategy: input 'C1' is a (values, row_splits) pair; Keras splits each batch " \
+        "among the 2 replicas" in str(res["errors:pairs"])
     for mode in ("eager", "function"):
         message = str(res[f"errors:bad_id/{mode}"]).replace("\\'", "'")  # graph errors escape quotes
         assert "feature 'clicks' has id 10 on rank 1, outside table 'ta' of 10 rows" in message, message

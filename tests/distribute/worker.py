@@ -226,6 +226,30 @@ def errors(seed, res):
             res[f"bad_id/{mode}"] = str(e)
     ok = STRATEGY.run(lambda: sok.lookup_sparse(table, ids, combiners="sum"))
     res["ok"] = STRATEGY.experimental_local_results(ok)[0].numpy()
+    # model.fit on batches whose ids are (values, row_splits) pairs: Keras would cut them apart
+    import tf_sok.data as sd
+
+    schema = sd.CriteoSchema.capped(100)
+    pairs = sd.for_keras(sd.synthetic(64, 16, sd.SyntheticConfig(schema=schema), ragged_pairs=True))
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb = sok.layers.EmbeddingCollection(tables=[sok.TableConfig("tp", 100, 2)],
+                                                      feature_to_table={n: "tp" for n in schema.categorical_names})
+            self.out = keras.layers.Dense(1)
+
+        def call(self, x):
+            e = self.emb({n: x[n] for n in schema.categorical_names})
+            return self.out(tf.concat([x["dense"]] + list(e.values()), 1))
+
+    with STRATEGY.scope():
+        net = Net()
+        net.compile(optimizer=sok.keras.Optimizer(dense=keras.optimizers.SGD(0.1), sparse=sok.optimizers.SGD(0.1)),
+                    loss="mse")
+    try:
+        net.fit(pairs, epochs=1, verbose=0)
+    except ValueError as e:
+        res["pairs"] = str(e)
     res["table_before"] = np.concatenate(before)
     res["table_after"] = np.concatenate([s.numpy() for s in table.shards])
 

@@ -41,6 +41,22 @@ def _has_composite_replica_values(batch, strategy) -> bool:
     return False
 
 
+def _check_no_pairs(batch, strategy) -> None:
+    """ValueError naming an input given as a (values, row_splits) pair: Keras cuts each batch among
+    the replicas row by row, which cuts a pair's two tensors apart."""
+    x = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    if not isinstance(x, dict):
+        return
+    for name, v in x.items():
+        if isinstance(v, (tuple, list)) and len(v) == 2 and all(
+                isinstance(t, (tf.Tensor, tf.distribute.DistributedValues)) for t in v):
+            raise ValueError(
+                f"model.fit under {type(strategy).__name__}: input {name!r} is a (values, row_splits) pair; Keras "
+                f"splits each batch among the {strategy.num_replicas_in_sync} replicas by rows, which a pair "
+                f"cannot follow. Feed RaggedTensors under tf.distribute (ragged_pairs=False, the readers' and "
+                f"for_keras' default).")
+
+
 @functools.wraps(_ORIGINAL)
 def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     strategy = getattr(self, "_distribute_strategy", None)
@@ -51,6 +67,8 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         break
     else:
         return _ORIGINAL(self, iterator=None, data_batch=data_batch)
+    if strategy.num_replicas_in_sync > 1:
+        _check_no_pairs(batch, strategy)
     if _has_composite_replica_values(batch, strategy):
         batch = tf.nest.map_structure(
             lambda v: strategy.experimental_local_results(v)[0]
