@@ -167,7 +167,7 @@ def datasets(a, synthetic_config=None, launch=None):
         schema = sd.CriteoSchema.capped(a.max_vocab) if a.max_vocab else (stored or sd.CriteoSchema())
         ds = sd.read_parquet(a.data, a.batch_size, schema=schema, id_dtype=id_dtype(schema),
                              workers=reader_workers(a), ragged_pairs=pairs) if fmt == "parquet" \
-            else sd.read_tfrecord(a.data, a.batch_size, schema=schema)
+            else sd.read_tfrecord(a.data, a.batch_size, schema=schema, ragged_pairs=pairs)
     every = max(2, round(1 / a.holdout))
     if ranks > 1:
         ds = ds.shard(ranks, rank)

@@ -105,6 +105,9 @@ def test_round_trip_through_converter(tmp_path, rng, fmt):
     back = collect(reader(str(tmp_path / fmt), 100, parallel_files=1))   # schema: the one stored by the converter
     assert_same(back, collect(sd.read_tsv(str(src), 100, SCHEMA)))
     assert_same(back, expected(lines))
+    paired = reader(str(tmp_path / fmt), 100, parallel_files=1, ragged_pairs=True)
+    assert isinstance(next(iter(paired))[1]["C1"], tuple)
+    assert_same(collect(paired), expected(lines))
     assert sd.schema_of(str(tmp_path / fmt)) == SCHEMA
 
 

@@ -390,22 +390,25 @@ def write_parquet(batches, path: str, schema: CriteoSchema = CriteoSchema(), com
 
 def read_tfrecord(path_or_files, batch_size: int, schema: Optional[CriteoSchema] = None,
                   parallel_files: Optional[int] = None, deterministic: bool = True,
-                  drop_remainder: bool = False) -> tf.data.Dataset:
+                  drop_remainder: bool = False, ragged_pairs: bool = False) -> tf.data.Dataset:
     """Criteo batches from TFRecord files of tf.train.Example (VarLen int64 categoricals),
     parsed a batch at a time by TensorFlow's C++ parser; `schema` as in read_parquet
-    (stored beside the files as `_tf_sok_schema.json`).
+    (stored beside the files as `_tf_sok_schema.json`); `ragged_pairs=True`: categorical
+    features as (values, row_splits) pairs, as read_parquet.
 
     Example:
         >>> ds = sok.data.read_tfrecord("criteo_tfrecord/", batch_size=4096)
     """
     files = _files(path_or_files, ".tfrecord")
+    checked_pairs("read_tfrecord", ragged_pairs)
     schema = _resolve_schema(files, "tfrecord", schema)
     spec = {"label": tf.io.FixedLenFeature([1], tf.float32), "dense": tf.io.FixedLenFeature([NUM_DENSE], tf.int64)}
     spec.update({n: tf.io.RaggedFeature(tf.int64, row_splits_dtype=tf.int64) for n in schema.categorical_names})
 
     def parse(serialized):
         ex = tf.io.parse_example(serialized, spec)
-        return finish(ex["dense"], {n: ex[n] for n in schema.categorical_names}, ex["label"][:, 0])
+        cats = {n: (ex[n].values, ex[n].row_splits) if ragged_pairs else ex[n] for n in schema.categorical_names}
+        return finish(ex["dense"], cats, ex["label"][:, 0])
 
     ds = tf.data.Dataset.from_tensor_slices(files).interleave(
         tf.data.TFRecordDataset, cycle_length=min(parallel_files or parallel_default(files), len(files)),
