@@ -257,7 +257,7 @@ def main():
     p.add_argument("--keras-loop", action="store_true", help="Keras' own multi-step loop, not sok.keras.loop_on_host")
     p.add_argument("--ragged-tensors", action="store_true",
                    help="the batches' ragged ids copied to the GPU as RaggedTensors (default: as the examples, "
-                        "(values, row_splits) pairs: to_device(ragged_pairs=True))")
+                        "(values, row_splits) pairs from the source on: ragged_pairs=True)")
     p.add_argument("--no-twin", action="store_true", help="leave out the dense part alone")
     p.add_argument("--keep-trace", metavar="FILE.xplane.pb.gz", help="also write the whole model's trace here")
     p.add_argument("--warmup-steps", type=int, default=None,
