@@ -325,8 +325,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         the lookup's clock; keys not inserted map to row 0, which reads zeros. A hybrid table's keys
         in its host tier are not new (its cache takes them in whatever the draw), nor are a static
         table's rows (a sok.Variable with a host tier is never filtered)."""
-        if self.table.row_ids:
-            insert_ratio = 1.0
+        insert_ratio = self._filter_ratio(insert_ratio)
         if self._hybrid and not insert:
             raise ValueError(f"sok.DynamicVariable {self.table.name!r} is hybrid: rows_for(insert=False) would see "
                              f"only its cached keys")
@@ -338,6 +337,10 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
                                                                   admit_all=admit_all, insert_ratio=float(insert_ratio))
         slots = tf.reshape(slots, shape)
         return (slots, ev_keys, ev_values) if with_evicted else slots
+
+    def _filter_ratio(self, insert_ratio) -> float:
+        """The low-frequency filter's ratio for this table: 1 (none) for a static table's rows."""
+        return 1.0 if self.table.row_ids else float(insert_ratio)
 
     def _attach(self, array, fill: float, values: bool = False):
         with tf.init_scope(), tf.device(self._index_device):
@@ -498,9 +501,8 @@ def rows_for_tables(variables, keys, insert_ratio: float = 1.0) -> list:
     whose indices share a device are found by one op, which on a GPU waits once for all of them."""
     rows = [None] * len(variables)
     by_device = {}
-    for i, v in enumerate(variables):   # static tables (with a host tier) are never filtered
-        ratio = 1.0 if v.table.row_ids else float(insert_ratio)
-        by_device.setdefault((v._index_device, ratio), []).append(i)
+    for i, v in enumerate(variables):   # one op per device and filter ratio
+        by_device.setdefault((v._index_device, v._filter_ratio(insert_ratio)), []).append(i)
     for (device, ratio), members in by_device.items():
         if len(members) == 1:
             i = members[0]

@@ -49,13 +49,16 @@ def _sparse_to_ragged(sp: tf.SparseTensor, what: str):
     return tf.RaggedTensor.from_value_rowids(tf.gather(sp.values, order), rows, nrows=nrows, validate=False), order
 
 
+def is_ragged_pair(x) -> bool:
+    """Whether `x` is a feature given as the (values, row_splits) pair of its ragged ids: two 1-D
+    tensors, as the readers' and `sd.for_keras`'s `ragged_pairs=True` yield them."""
+    return isinstance(x, tuple) and len(x) == 2 and all(isinstance(t, tf.Tensor) and t.shape.rank == 1 for t in x)
+
+
 def ragged_pair(x):
-    """A feature given as the (values, row_splits) pair of its ragged ids — two 1-D tensors, as
-    `sd.for_keras(..., ragged_pairs=True)` yields them — as a RaggedTensor (its row splits are
-    checked by the lookup); any other input as it is."""
-    if isinstance(x, tuple) and len(x) == 2 and all(isinstance(t, tf.Tensor) and t.shape.rank == 1 for t in x):
-        return tf.RaggedTensor.from_row_splits(x[0], x[1], validate=False)
-    return x
+    """A (values, row_splits) pair (`is_ragged_pair`) as a RaggedTensor (its row splits are checked
+    by the lookup); any other input as it is."""
+    return tf.RaggedTensor.from_row_splits(x[0], x[1], validate=False) if is_ragged_pair(x) else x
 
 
 def _as_ragged(x, what: str) -> tf.RaggedTensor:

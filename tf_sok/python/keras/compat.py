@@ -44,12 +44,16 @@ def _has_composite_replica_values(batch, strategy) -> bool:
 def _check_no_pairs(batch, strategy) -> None:
     """ValueError naming an input given as a (values, row_splits) pair: Keras cuts each batch among
     the replicas row by row, which cuts a pair's two tensors apart."""
+    from tf_sok.python.lookup import is_ragged_pair
+
+    def first(t):   # replica 0's part of a per-replica value
+        return strategy.experimental_local_results(t)[0] if isinstance(t, tf.distribute.DistributedValues) else t
+
     x = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
     if not isinstance(x, dict):
         return
     for name, v in x.items():
-        if isinstance(v, (tuple, list)) and len(v) == 2 and all(
-                isinstance(t, (tf.Tensor, tf.distribute.DistributedValues)) for t in v):
+        if isinstance(v, tuple) and is_ragged_pair(tuple(first(t) for t in v)):
             raise ValueError(
                 f"model.fit under {type(strategy).__name__}: input {name!r} is a (values, row_splits) pair; Keras "
                 f"splits each batch among the {strategy.num_replicas_in_sync} replicas by rows, which a pair "
