@@ -343,7 +343,7 @@ def main():
                    help="fit also on cached batches copied to the GPU from pageable memory (to_device(pinned=False))")
     p.add_argument("--reader-workers", default="auto",
                    help="the live Parquet pipeline's blocks built by this many processes (read_parquet(workers=)); "
-                        "0: threads of the training process; auto: as the examples (all cores but 4 on a GPU "
+                        "0: threads of the training process; auto: as the examples (half the cores on a GPU "
                         "machine of 8 or more)")
     p.add_argument("--fit-one", nargs=2, metavar=("MODEL", "SPE"), help=argparse.SUPPRESS)
     p.add_argument("--data-dir", help=argparse.SUPPRESS)

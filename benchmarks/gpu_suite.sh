@@ -6,6 +6,7 @@
 #         | fuzz CASES MINUTES | soak MINUTES | dynamic [dynamic_bench args] | tier [tier_bench args]
 #         | readers [reader_scaling args]
 #         (E2E_ARGS: more e2e_bench arguments for e2e-fit)
+# `tests` needs the dev requirements next to TensorFlow (pytest, and tf_keras for test_sok_compat.py).
 set -uo pipefail
 part=$1
 out=${2:-out/gpu}
