@@ -177,7 +177,7 @@ def tf_section(a, device, cardinalities):
         def tf_step(batch):
             rows = [t.rows(x.values) for t, x in zip(tables, batch)]
             with tf.GradientTape() as tape:
-                outs = [tf.nn.embedding_lookup_sparse(t.var, x.with_values(r).to_sparse(), None, combiner="sum")
+                outs = [tf.nn.embedding_lookup_sparse(t.var, x.with_values(r), None, combiner="sum")
                         for t, x, r in zip(tables, batch, rows)]
                 loss = tf.add_n([2.0 * tf.nn.l2_loss(o) for o in outs])
             opt.apply_gradients(zip(tape.gradient(loss, [t.var for t in tables]), [t.var for t in tables]))

@@ -9,7 +9,8 @@
 (b) DLRM-like training step: 26 tables (Criteo Kaggle cardinalities capped at 1e7),
     dim 128, batch 64K, 1 and 10 Zipf(1.05) ids per feature, loss = sum of squared
     pooled outputs (2 x tf.nn.l2_loss per output): tf_sok + lazy Adam / SGD against TensorFlow's
-    fastest sparse path (tf.nn.embedding_lookup_sparse, gradients kept as IndexedSlices, a
+    fastest sparse path (the faster of tf.nn.embedding_lookup_sparse over the RaggedTensor and
+    tf.gather over the ids as a [batch, hot] matrix; gradients kept as IndexedSlices, a
     hand-written scatter update: gpu_common.TFSparseOptimizer; the run fails if TensorFlow
     densifies a gradient), and the step's bandwidth floor.
 (c) step time with a 1e5-row vs a 5e7-row table, same ids.
@@ -110,6 +111,19 @@ def squared_sum(outs):
     return tf.add_n([2.0 * tf.nn.l2_loss(o) for o in outs])
 
 
+# TensorFlow's two fastest forms of the lookup, both with IndexedSlices gradients: the RaggedTensor
+# handed to tf.nn.embedding_lookup_sparse as is (its segment ids are the ragged row ids: no conversion
+# to a SparseTensor, whose kernel runs on the host), and, since (b)'s rows all hold `hot` ids, a
+# plain gather of the ids as a [batch, hot] matrix summed over its second axis. The faster of the two
+# is the baseline.
+def tf_batch_form(batch, form):
+    """(b)'s batch as TensorFlow's form takes it, made before the step (the input pipeline's work):
+    RaggedTensors, or the fixed-hotness ids as [batch, hot] matrices."""
+    if form == "tf_gather":
+        return [tf.reshape(x.values, [x.nrows(), -1]) for x in batch]
+    return batch
+
+
 def make_step(tables, features, opt, path):
     if path == "sok":
         @tf.function
@@ -120,12 +134,14 @@ def make_step(tables, features, opt, path):
             opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
             return loss
     else:
+        ragged = lambda table, x: tf.nn.embedding_lookup_sparse(table, x, None, combiner="sum")  # noqa: E731
+        lookup = {"tf": ragged, "tf_ragged": ragged,
+                  "tf_gather": lambda table, x: tf.reduce_sum(tf.gather(table, x), axis=1)}[path]
+
         @tf.function
         def step(batch):
             with tf.GradientTape() as tape:
-                outs = [tf.nn.embedding_lookup_sparse(tables[t], x.to_sparse(), None, combiner="sum")
-                        for t, x in zip(features, batch)]
-                loss = squared_sum(outs)
+                loss = squared_sum([lookup(tables[t], x) for t, x in zip(features, batch)])
             opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
             return loss
     return step
@@ -188,11 +204,16 @@ def training_section(a, bw):
                 if path == "sok":
                     tables = dlrm_sok_tables("c")
                     opt = sok.optimizers.Adam(lr) if adam else sok.optimizers.SGD(lr)
-                else:
+                    step_fn = make_step(tables, list(range(26)), opt, path)
+                    row[path] = timed(lambda: step_fn(batch), a.iters)
+                else:   # both of TensorFlow's forms on the same tables; the faster is the baseline
                     tables = [tf.Variable(DLRM_INIT((r, dim))) for r in CARDINALITIES]
                     opt = TFSparseOptimizer(name, lr)
-                step_fn = make_step(tables, list(range(26)), opt, path)
-                row[path] = timed(lambda: step_fn(batch), a.iters)
+                    for form in ("tf_ragged", "tf_gather"):
+                        step_fn, inputs = make_step(tables, list(range(26)), opt, form), tf_batch_form(batch, form)
+                        row[form] = timed(lambda: step_fn(inputs), a.iters)
+                        del step_fn
+                    row["tf"] = min(row["tf_ragged"], row["tf_gather"])
                 if path == "sok" and a.loop > 1:
                     looped = steps_in_graph(step_fn, a.loop)
                     row["sok_loop"] = timed(lambda: looped(batch), max(3, a.iters // 2), warmup=1) / a.loop
@@ -204,7 +225,8 @@ def training_section(a, bw):
             res[f"{name}/{hot}"] = {f"{k}_ms": v * 1e3 for k, v in row.items()}
             res[f"{name}/{hot}"]["floor_ms"] = floor * 1e3
             res[f"{name}/{hot}"]["floor_every_id_ms"] = every * 1e3
-            tf_part = (f"TensorFlow {row['tf'] * 1e3:8.2f} ms ({a.batch / row['tf']:12,.0f} samples/s) | "
+            tf_part = (f"TensorFlow {row['tf'] * 1e3:8.2f} ms ({a.batch / row['tf']:12,.0f} samples/s; ragged "
+                       f"{row['tf_ragged'] * 1e3:.2f}, gather {row['tf_gather'] * 1e3:.2f}) | "
                        f"{row['tf'] / row['sok']:5.1f}x | ") if "tf" in row else ""
             print(f"  {hot:2d} id/feature, {name:4s}: {tf_part}tf_sok {row['sok'] * 1e3:7.2f} ms "
                   f"({a.batch / row['sok']:12,.0f} samples/s) | bandwidth floor {floor * 1e3:.2f} ms "

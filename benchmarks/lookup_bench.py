@@ -61,7 +61,7 @@ def tf_path(tables, opt, combiner):
     @tf.function(reduce_retracing=True)
     def step(ids):
         with tf.GradientTape() as tape:
-            outs = [tf.nn.embedding_lookup_sparse(t, x.to_sparse(), None, combiner=combiner)
+            outs = [tf.nn.embedding_lookup_sparse(t, x, None, combiner=combiner)
                     for t, x in zip(tables, ids)]
             loss = tf.add_n([tf.reduce_sum(o * o) for o in outs])
         opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
