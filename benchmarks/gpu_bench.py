@@ -212,7 +212,6 @@ def training_section(a, bw):
                     for form in ("tf_ragged", "tf_gather"):
                         step_fn, inputs = make_step(tables, list(range(26)), opt, form), tf_batch_form(batch, form)
                         row[form] = timed(lambda: step_fn(inputs), a.iters)
-                        del step_fn
                     row["tf"] = min(row["tf_ragged"], row["tf_gather"])
                 if path == "sok" and a.loop > 1:
                     looped = steps_in_graph(step_fn, a.loop)
