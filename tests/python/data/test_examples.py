@@ -181,3 +181,9 @@ def same_weight_models(builds, optimizer):
         model.compile(optimizer=optimizer(), loss="binary_crossentropy")
         models.append(model)
     return models
+
+
+def test_a_pool_of_no_synthetic_rows_is_refused_before_training():
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "dlrm.py"), "--pool-rows", "0"],
+                       capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 2 and "--pool-rows must be positive, got 0" in p.stderr, p.stderr[-2000:]
