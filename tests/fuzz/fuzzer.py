@@ -1,7 +1,8 @@
 """A seeded, bounded fuzzer over tf_sok's public calls: `lookup_sparse` (over static tables, a
 third of them with a host tier), every sparse optimizer's `apply_gradients`, `sok.Variable` and
 `sok.DynamicVariable` (assignments and lookups over random int64 keys, bounded or not, with
-eviction and admission, some with a host tier), eagerly and in `tf.function`.
+eviction, admission and the low-frequency filter, some with a host tier), eagerly and in
+`tf.function`.
 
 Each case is drawn from its seed alone. A valid case must give the independent reference's result
 (NumPy); a faulty one (an id out of range, negative or at the int64 extremes, corrupt row_splits
@@ -238,11 +239,33 @@ def run_variable(case, tf, sok):
     return "ok" if list(v.shape) == shape else "wrong_result"
 
 
+_M64 = (1 << 64) - 1
+
+
+def _mix(x):
+    """splitmix64's finaliser, as the documented draw of the low-frequency filter uses it."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def keeps_new_key(key, clock, ratio):
+    """The low-frequency filter's draw: new key `key` is inserted by the call whose clock is
+    `clock` when the top 53 bits of mix(key ^ mix(clock + 0x51ED27)), as a fraction of 1, are
+    below `ratio` (a float32)."""
+    if ratio >= 1.0:
+        return True
+    x = _mix((key & _M64) ^ _mix((clock + 0x51ED27) & _M64))
+    return (x >> 11) * 2.0**-53 < float(np.float32(ratio))
+
+
 class DynamicModel:
     """Plain-Python model of a dynamic table: per call, found keys are touched; missing keys are
-    admitted on their min_frequency-th sighting (an assignment admits at once) and enter at the
-    initializer's constant, evicting the untouched keys of lowest (score, key) when full (LRU
-    score: the last call; LFU: calls); keys not admitted read zeros."""
+    admitted on their min_frequency-th sighting (an assignment admits at once) and, under the
+    low-frequency filter (ratio < 1), only when the filter's draw keeps them; admitted keys enter
+    at the initializer's constant, evicting the untouched keys of lowest (score, key) when full
+    (LRU score: the last call; LFU: calls); keys not admitted read zeros and count a sighting."""
 
     class Full(Exception):
         pass
@@ -251,11 +274,12 @@ class DynamicModel:
         self.dim, self.const, self.cap, self.evict, self.minf = dim, const, cap, evict, min_frequency
         self.value, self.score, self.seen, self.clock = {}, {}, {}, 0
 
-    def find(self, keys, admit_all=False):
+    def find(self, keys, admit_all=False, ratio=1.0):
         distinct = list(dict.fromkeys(int(k) for k in keys))
         found = [k for k in distinct if k in self.value]
         missing = [k for k in distinct if k not in self.value]
-        admit = [k for k in missing if admit_all or self.seen.get(k, 0) + 1 >= self.minf]
+        admit = [k for k in missing if admit_all or (self.seen.get(k, 0) + 1 >= self.minf
+                                                     and keeps_new_key(k, self.clock + 1, ratio))]
         evicted = []
         if self.cap and len(self.value) + len(admit) > self.cap:
             need = len(self.value) + len(admit) - self.cap
@@ -299,9 +323,15 @@ def run_dynamic(case, tf, sok):
         evict, cap, minf = None, int(rng.integers(2, 10)), 1
     elif fault == "batch_over_capacity":
         evict, cap, minf = evict or "lru", int(rng.integers(2, 10)), 1
-    # an unbounded table has the same contents with a host tier: a cache of 0-5 rows of values
+    # the same contents with a host tier (a cache of 0-5 rows of values): unbounded tables, and bounded
+    # ones evicting by LRU (a hybrid table's bound drops the keys not cached of least recent use)
     tier = dict(var_type="hybrid", max_hbm_for_vectors=int(rng.integers(0, 6)) * dim * 4 / 2**30) \
-        if cap is None and minf == 1 and rng.random() < 0.5 else {}
+        if (cap is None or evict == "lru") and rng.random() < 0.5 else {}
+    # the low-frequency filter in half the cases: new keys inserted with this probability (not where
+    # the fault is a table too full for the last call's new keys: the filter could leave them out)
+    ratio = float(rng.choice([0.0, 0.25, 0.5, 0.75, 1.0])) if rng.random() < 0.5 else None
+    if fault in ("full_table", "batch_over_capacity"):
+        ratio = None
     table = sok.DynamicVariable(dim, initializer=repr(const), max_capacity=cap, evict_strategy=evict,
                                 min_frequency=minf, init_capacity=int(rng.integers(1, 16)), name="fuzz_dynamic",
                                 **tier)
@@ -340,12 +370,14 @@ def run_dynamic(case, tf, sok):
         combiners = [f[2] for f in feats]
 
         def call():
-            return sok.lookup_sparse([table] * F, inputs, combiners=combiners)
+            return sok.lookup_sparse([table] * F, inputs, combiners=combiners,
+                                     **(dict(use_low_frequency_filter=True, filter_ratio=ratio) if ratio is not None
+                                        else {}))
 
         all_keys = np.concatenate([f[1] for f in feats])
         trial = copy.deepcopy(model)
         try:
-            trial.find(all_keys)
+            trial.find(all_keys, ratio=1.0 if ratio is None else ratio)
             full = False
         except DynamicModel.Full:   # a valid call the table must refuse, changing nothing
             full = True
