@@ -187,3 +187,32 @@ def test_a_pool_of_no_synthetic_rows_is_refused_before_training():
     p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "dlrm.py"), "--pool-rows", "0"],
                        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 2 and "--pool-rows must be positive, got 0" in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("cores, gpus, arg, want", [
+    (16, 1, "auto", 8), (9, 1, "auto", 4), (7, 1, "auto", None), (16, 0, "auto", None),
+    (16, 1, "0", None), (16, 0, "3", 3)])
+def test_reader_workers_auto_takes_half_the_cores_of_a_gpu_machine(monkeypatch, cores, gpus, arg, want):
+    """--reader-workers auto: half the cores on a GPU machine of 8 or more cores (an H200's 16 cores fed
+    both models best with 8 reader processes), else threads of the training process (None); a number
+    is taken as is, 0 meaning threads."""
+    import argparse
+    import tensorflow as tf
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import criteo_common
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: ["GPU"] * gpus)
+    assert criteo_common.reader_workers(argparse.Namespace(reader_workers=arg)) == want
+
+
+@pytest.mark.parametrize("arg", ["-1", "many"])
+def test_reader_workers_refuses_what_is_not_a_count(arg):
+    import argparse
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import criteo_common
+
+    with pytest.raises(SystemExit, match="--reader-workers: 'auto' or a number of processes"):
+        criteo_common.reader_workers(argparse.Namespace(reader_workers=arg))
