@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import os
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -178,9 +179,19 @@ def datasets(a, synthetic_config=None, launch=None):
     every = max(2, round(1 / a.holdout))
     if ranks > 1:
         ds = ds.shard(ranks, rank)
+    # named functions, not lambdas sharing a line: AutoGraph reads their source (it warns otherwise)
+    def held_out(i, _):
+        return i % every == 0
+
+    def trains(i, _):
+        return i % every != 0
+
+    def batch_of(_, b):
+        return b
+
     numbered = sd.for_keras(ds, id_dtype=id_dtype(schema)).enumerate()
-    train = numbered.filter(lambda i, b: i % every != 0).map(lambda i, b: b)
-    test = numbered.filter(lambda i, b: i % every == 0).map(lambda i, b: b)
+    train = numbered.filter(trains).map(batch_of)
+    test = numbered.filter(held_out).map(batch_of)
     if ranks > 1:   # every rank must run as many evaluation steps (each exchanges embeddings)
         test = test.repeat().take(max(1, int(a.steps * a.holdout) // a.epochs))
     return launch.feed(train.repeat()), launch.feed(test), schema
@@ -310,8 +321,12 @@ def run(name, build_model, a, optimizer=default_optimizer, synthetic_config=None
     if launch.kind != "none" and first:
         print(f"{name}: {ctx.num_ranks} {'ranks' if launch.hvd else 'replicas'} ({type(ctx.communicator).__name__})")
     t0 = time.time()
-    model.fit(train, epochs=a.epochs, steps_per_epoch=per_epoch, validation_data=test, callbacks=callbacks,
-              verbose=a.verbose if first else 0)
+    with warnings.catch_warnings():
+        # the held-out batches are read to their end each epoch: Keras warns there that the input "ran
+        # out of data" (it cannot know a filtered dataset's length); the training batches repeat
+        warnings.filterwarnings("ignore", message="Your input ran out of data")
+        model.fit(train, epochs=a.epochs, steps_per_epoch=per_epoch, validation_data=test, callbacks=callbacks,
+                  verbose=a.verbose if first else 0, shuffle=False)   # (tf.data batches: nothing to shuffle)
     secs = time.time() - t0
     if launch.hvd:   # held-out results averaged over the ranks' shares
         curves.eval_loss[-1], curves.eval_auc[-1] = launch.mean(curves.eval_loss[-1]), launch.mean(curves.eval_auc[-1])

@@ -10,10 +10,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 SAMPLE = os.path.join(ROOT, "examples", "data", "criteo_sample.tsv")
 
 
+# warnings a newcomer's first run used to print: AutoGraph unable to read the example's lambdas,
+# Keras' "ran out of data" at the end of each epoch's held-out batches, Keras' shuffle note
+NOISE = ("AutoGraph could not transform", "Your input ran out of data", "`shuffle=True` was passed")
+
+
 def run(args, cwd=ROOT):
     p = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd,
                        env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert not [n for n in NOISE if n in p.stdout + p.stderr], p.stderr[-3000:]
     return p.stdout
 
 
