@@ -35,7 +35,7 @@ def main(argv=None):
     test = make_dataset(*make_data(args.eval_rows, seed=2 + 10 * rank), args.batch_size)
     model = build_model()
     t0 = time.time()
-    hist = model.fit(train, epochs=1, verbose=2 if rank == 0 else 0)
+    hist = model.fit(train, epochs=1, verbose=2 if rank == 0 else 0, shuffle=False)
     secs = time.time() - t0
     loss, auc = model.evaluate(test, verbose=0)
     mean_auc = float(hvd.allreduce(tf.constant(auc), op=hvd.Average))

@@ -38,7 +38,7 @@ def main(argv=None):
     train = make_dataset(*make_data(args.steps * args.batch_size, seed=1), args.batch_size)
     test = make_dataset(*make_data(args.eval_rows, seed=2), args.batch_size)
     t0 = time.time()
-    hist = model.fit(train, epochs=1, verbose=2)
+    hist = model.fit(train, epochs=1, verbose=2, shuffle=False)
     secs = time.time() - t0
     loss, auc = model.evaluate(test, verbose=0)
     path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
