@@ -248,7 +248,7 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
     from reader_scaling import CpuUse
 
     # e.g. DCNv2-bf16-xla (-kerasloop: Keras' own multi-step loop; -pinnedslabs: the Parquet readers'
-    # slabs registered with the GPU, TF_SOK_PIN_SLABS=1)
+    # slabs registered with the GPU, TF_SOK_PIN_SLABS=1; DLRM-tf: the baseline, benchmarks/tf_dlrm.py)
     base, *options = name.split("-")
     if "pinnedslabs" in options:
         from tf_sok.python.data import block_workers
@@ -257,7 +257,12 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
     if "bf16" in options:  # Keras' mixed policy for the dense part
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
     jit = "xla" in options  # the dense part compiled by XLA
-    if base == "DLRM":
+    if base == "DLRM" and "tf" in options:   # the same model without tf_sok: TensorFlow's own tables
+        import tf_dlrm
+
+        model, opt = tf_dlrm.TFDLRM(schema, a.dim, jit_dense=jit), tf_dlrm.optimizer()
+        cfg, files = sd.SyntheticConfig(schema=schema), os.path.join(d, "parquet")
+    elif base == "DLRM":
         model, opt = dlrm.DLRM(schema, a.dim, jit_dense=jit), default_optimizer()
         cfg, files = sd.SyntheticConfig(schema=schema), os.path.join(d, "parquet")
     else:
@@ -293,7 +298,7 @@ def fit_section(a, d):
           f"left out; one process per model and setting)", flush=True)
     out = {}
     runs = [r.split(":") for r in a.fit_runs] if a.fit_runs else \
-        [("DLRM", 1), ("DLRM", a.spe), ("DCNv2", 1), ("DCNv2", a.spe), ("DCNv2-bf16", a.spe)]
+        [("DLRM", 1), ("DLRM", a.spe), ("DLRM-tf", a.spe), ("DCNv2", 1), ("DCNv2", a.spe), ("DCNv2-bf16", a.spe)]
     for name, spe in runs:
         args = [sys.executable, os.path.abspath(__file__), "--fit-one", name, str(spe), "--data-dir", d]
         for k in ("batch", "dim", "dcnv2_dim", "max_vocab", "steps"):
@@ -307,6 +312,13 @@ def fit_section(a, d):
         lines = [l for l in p.stdout.splitlines() if l.startswith("  ") or l.startswith("{")]
         print("\n".join(l for l in lines if not l.startswith("{")) or p.stderr[-1500:], flush=True)
         out[f"{name}/spe{spe}"] = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+    for key, base in [(k, k.replace("-tf/", "/")) for k in out if "-tf/" in k]:   # tf_sok vs the baseline
+        ours, theirs = out.get(base) or {}, out[key] or {}
+        shared = [src for src in ("cached", "synthetic", "Parquet") if ours.get(src) and theirs.get(src)]
+        if shared:
+            print(f"  {base.split('/')[0]} with tf_sok vs TensorFlow's own tables ({key.split('/')[0]}, "
+                  f"benchmarks/tf_dlrm.py), {key.split('/')[1]}: " +
+                  ", ".join(f"{src} {ours[src] / theirs[src]:.2f}x" for src in shared), flush=True)
     return out
 
 
@@ -331,10 +343,11 @@ def main():
     p.add_argument("--sections", nargs="+", default=["readers", "embedding", "fit"],
                    choices=["readers", "embedding", "fit"])
     p.add_argument("--fit-runs", nargs="+", metavar="MODEL:SPE",
-                   help="the fit runs (default DLRM:1 DLRM:<spe> DCNv2:1 DCNv2:<spe> DCNv2-bf16:<spe>); a model "
+                   help="the fit runs (default DLRM:1 DLRM:<spe> DLRM-tf:<spe> DCNv2:1 DCNv2:<spe> DCNv2-bf16:<spe>); a model "
                         "name may end in -bf16 (Keras mixed_bfloat16), -xla (the dense part compiled by XLA), "
                         "-pinnedslabs (the Parquet readers' slabs page-locked), -kerasloop (Keras' own "
-                        "multi-step loop instead of sok.keras.loop_on_host)")
+                        "multi-step loop instead of sok.keras.loop_on_host); DLRM-tf: the same DLRM without "
+                        "tf_sok (benchmarks/tf_dlrm.py), its samples/s compared with DLRM's at the same spe")
     p.add_argument("--ragged-tensors", action="store_true",
                    help="the batches' ragged ids copied to the GPU as RaggedTensors (default: as the examples, "
                         "(values, row_splits) pairs from the source on: read_parquet / synthetic(ragged_pairs=True))")

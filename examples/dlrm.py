@@ -22,17 +22,21 @@ class DLRM(keras.Model):
         super().__init__(**kwargs)
         self.dim = dim
         self.names = list(schema.categorical_names)
-        self.embeddings = sok.layers.EmbeddingCollection(
-            tables=[sok.TableConfig(n, v, dim, combiner="mean", initializer=keras.initializers.RandomUniform(-0.05, 0.05),
-                                    max_hbm_for_vectors=max_hbm_for_vectors)
-                    for n, v in zip(self.names, schema.vocab_sizes)],
-            feature_to_table={n: n for n in self.names})
+        self.embeddings = self.make_embeddings(schema, dim, max_hbm_for_vectors)
         self.bottom = keras.Sequential([keras.layers.Dense(64, activation="relu"),
                                         keras.layers.Dense(dim, activation="relu")])
         self.top = keras.Sequential([keras.layers.Dense(128, activation="relu"), keras.layers.Dense(64, activation="relu"),
                                      keras.layers.Dense(1, activation="sigmoid")])
         self.interaction = sok.layers.DotInteraction()
         self.dense_part = tf.function(self._dense_part, jit_compile=True) if jit_dense else self._dense_part
+
+    def make_embeddings(self, schema, dim, max_hbm_for_vectors):
+        """The 26 tables and their mean-pooled lookups: features -> {name: [batch, dim]}."""
+        return sok.layers.EmbeddingCollection(
+            tables=[sok.TableConfig(n, v, dim, combiner="mean", initializer=keras.initializers.RandomUniform(-0.05, 0.05),
+                                    max_hbm_for_vectors=max_hbm_for_vectors)
+                    for n, v in zip(self.names, schema.vocab_sizes)],
+            feature_to_table={n: n for n in self.names})
 
     def build(self, input_shape):
         # the dense layers get their weights here, outside any compiled function

@@ -1,0 +1,61 @@
+"""The small DLRM as a TensorFlow user builds it without tf_sok, in its fastest form: the 26 tables
+as tf.Variables, each feature's ids gathered and mean-pooled by row (`tf.gather` +
+`tf.math.unsorted_segment_sum` over the (values, row_splits) pairs the pipeline feeds), gradients
+kept as `tf.IndexedSlices` and applied by a lazy Adam over the touched rows
+(gpu_common.TFSparseOptimizer: Keras 3's optimizers would densify them), the dense part (the same
+layers as examples/dlrm.py) by Keras' Adam. e2e_bench.py's "DLRM-tf" fit runs train it next to
+tf_sok's DLRM on the same batches."""
+import keras
+import tensorflow as tf
+
+from dlrm import DLRM
+from gpu_common import TFSparseOptimizer
+
+
+class PooledTables:
+    """tf.Variable tables and their mean-pooled lookups: features -> {name: [batch, dim]}."""
+
+    def __init__(self, names, vocab_sizes, dim):
+        self.names = list(names)
+        self.tables = [tf.Variable(tf.random.uniform([v, dim], -0.05, 0.05), name=f"tf_{n}")
+                       for n, v in zip(self.names, vocab_sizes)]
+
+    def __call__(self, features):
+        out = {}
+        for name, table in zip(self.names, self.tables):
+            f = features[name]
+            values, splits = (f.values, f.row_splits) if isinstance(f, tf.RaggedTensor) else f
+            rows = tf.ragged.row_splits_to_segment_ids(splits)
+            n = tf.shape(splits, out_type=rows.dtype)[0] - 1
+            total = tf.math.unsorted_segment_sum(tf.gather(table, values), rows, n)
+            count = tf.math.unsorted_segment_sum(tf.ones_like(rows, tf.float32), rows, n)
+            out[name] = total / tf.maximum(count, 1.0)[:, None]
+        return out
+
+
+class TFDLRM(DLRM):
+    """examples/dlrm.py's model with TensorFlow's own tables and sparse updates (see above)."""
+
+    def __init__(self, schema, dim, sparse_learning_rate=0.01, **kwargs):
+        super().__init__(schema, dim, **kwargs)
+        self.sparse_optimizer = TFSparseOptimizer("adam", sparse_learning_rate)
+
+    def make_embeddings(self, schema, dim, max_hbm_for_vectors):
+        if max_hbm_for_vectors is not None:
+            raise ValueError("TFDLRM: TensorFlow's tables have no host tier")
+        return PooledTables(schema.categorical_names, schema.vocab_sizes, dim)
+
+    def train_step(self, data):
+        x, y = data[:2]
+        tables = self.embeddings.tables
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        dense = self.trainable_variables   # (after the call: it builds the dense layers)
+        grads = tape.gradient(loss, tables + dense)
+        self.sparse_optimizer.apply_gradients(zip(grads[:len(tables)], tables))
+        self.optimizer.apply_gradients(zip(grads[len(tables):], dense))
+        return {"loss": loss}
+
+
+def optimizer():
+    return keras.optimizers.Adam(1e-3)
