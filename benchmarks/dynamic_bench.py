@@ -32,7 +32,7 @@ import tensorflow as tf
 import tf_sok as sok
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import CARDINALITIES, TFSparseOptimizer, fixed_hot_batch  # noqa: E402
+from gpu_common import CARDINALITIES, TF_LOOKUP_FORMS, TFSparseOptimizer, fixed_hot_batch, tf_sum_lookup  # noqa: E402
 
 HASH = np.int64(-7046029254386353131)   # odd: ids -> distinct 64-bit keys
 BATCHES = 4                               # key batches per timed call of the index section
@@ -174,27 +174,19 @@ def tf_section(a, device, cardinalities):
                   for r in cardinalities]
         opt = TFSparseOptimizer("adam", 1e-3)
 
-        def tf_step(form):
-            """TensorFlow's two fast lookups (as gpu_bench.py): embedding_lookup_sparse over the
-            RaggedTensor of rows, or a gather of the rows as a [batch, hotness] matrix (every row of
-            these batches holds `hotness` ids) summed over its second axis."""
-            def lookup(var, x, r):
-                if form == "ragged":
-                    return tf.nn.embedding_lookup_sparse(var, x.with_values(r), None, combiner="sum")
-                return tf.reduce_sum(tf.gather(var, tf.reshape(r, [-1, a.hotness])), axis=1)
-
+        def tf_step(form):   # one of gpu_common's TF_LOOKUP_FORMS over the rows the keys map to
             @tf.function
             def step(batch):
                 rows = [t.rows(x.values) for t, x in zip(tables, batch)]
                 with tf.GradientTape() as tape:
-                    outs = [lookup(t.var, x, r) for t, x, r in zip(tables, batch, rows)]
+                    outs = [tf_sum_lookup(form, t.var, x.with_values(r)) for t, x, r in zip(tables, batch, rows)]
                     loss = tf.add_n([2.0 * tf.nn.l2_loss(o) for o in outs])
                 opt.apply_gradients(zip(tape.gradient(loss, [t.var for t in tables]), [t.var for t in tables]))
                 return loss
             return step
 
         forms = {}
-        for form in ("ragged", "gather"):
+        for form in TF_LOOKUP_FORMS:
             step_fn = tf_step(form)
             forms[form] = timed(lambda: float(step_fn(hashed_ids)), a.iters)
         t_tf = min(forms.values())

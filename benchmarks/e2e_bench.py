@@ -257,13 +257,13 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
     if "bf16" in options:  # Keras' mixed policy for the dense part
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
     jit = "xla" in options  # the dense part compiled by XLA
-    if base == "DLRM" and "tf" in options:   # the same model without tf_sok: TensorFlow's own tables
-        import tf_dlrm
+    if base == "DLRM":
+        if "tf" in options:   # the same model without tf_sok: TensorFlow's own tables
+            import tf_dlrm
 
-        model, opt = tf_dlrm.TFDLRM(schema, a.dim, jit_dense=jit), tf_dlrm.optimizer()
-        cfg, files = sd.SyntheticConfig(schema=schema), os.path.join(d, "parquet")
-    elif base == "DLRM":
-        model, opt = dlrm.DLRM(schema, a.dim, jit_dense=jit), default_optimizer()
+            model, opt = tf_dlrm.TFDLRM(schema, a.dim, jit_dense=jit), tf_dlrm.optimizer()
+        else:
+            model, opt = dlrm.DLRM(schema, a.dim, jit_dense=jit), default_optimizer()
         cfg, files = sd.SyntheticConfig(schema=schema), os.path.join(d, "parquet")
     else:
         model, opt = dcnv2.DCNv2(schema, a.dcnv2_dim, jit_dense=jit), dcnv2.optimizer(0.005)()

@@ -33,7 +33,7 @@ import tensorflow as tf
 import keras
 
 import tf_sok as sok
-from gpu_common import CARDINALITIES, TFSparseOptimizer, fixed_hot_batch, ids_for
+from gpu_common import CARDINALITIES, TF_LOOKUP_FORMS, TFSparseOptimizer, fixed_hot_batch, ids_for, tf_sum_lookup
 
 # The baseline must stay on TensorFlow's sparse path: a densified gradient fails the run.
 warnings.filterwarnings("error", message=".*Converting sparse IndexedSlices.*")
@@ -111,19 +111,6 @@ def squared_sum(outs):
     return tf.add_n([2.0 * tf.nn.l2_loss(o) for o in outs])
 
 
-# TensorFlow's two fastest forms of the lookup, both with IndexedSlices gradients: the RaggedTensor
-# handed to tf.nn.embedding_lookup_sparse as is (its segment ids are the ragged row ids: no conversion
-# to a SparseTensor, whose kernel runs on the host), and, since (b)'s rows all hold `hot` ids, a
-# plain gather of the ids as a [batch, hot] matrix summed over its second axis. The faster of the two
-# is the baseline.
-def tf_batch_form(batch, form):
-    """(b)'s batch as TensorFlow's form takes it, made before the step (the input pipeline's work):
-    RaggedTensors, or the fixed-hotness ids as [batch, hot] matrices."""
-    if form == "tf_gather":
-        return [tf.reshape(x.values, [x.nrows(), -1]) for x in batch]
-    return batch
-
-
 def make_step(tables, features, opt, path):
     if path == "sok":
         @tf.function
@@ -134,14 +121,12 @@ def make_step(tables, features, opt, path):
             opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
             return loss
     else:
-        ragged = lambda table, x: tf.nn.embedding_lookup_sparse(table, x, None, combiner="sum")  # noqa: E731
-        lookup = {"tf": ragged, "tf_ragged": ragged,
-                  "tf_gather": lambda table, x: tf.reduce_sum(tf.gather(table, x), axis=1)}[path]
+        form = "ragged" if path == "tf" else path   # "tf": TensorFlow's ragged lookup, else one of TF_LOOKUP_FORMS
 
         @tf.function
         def step(batch):
             with tf.GradientTape() as tape:
-                loss = squared_sum([lookup(tables[t], x) for t, x in zip(features, batch)])
+                loss = squared_sum([tf_sum_lookup(form, tables[t], x) for t, x in zip(features, batch)])
             opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
             return loss
     return step
@@ -210,16 +195,15 @@ def training_section(a, bw):
                     tables = [tf.Variable(DLRM_INIT((r, dim))) for r in CARDINALITIES]
                     opt = TFSparseOptimizer(name, lr)
                     steps = {}
-                    for form in ("tf_ragged", "tf_gather"):
-                        steps[form] = make_step(tables, list(range(26)), opt, form), tf_batch_form(batch, form)
-                        row[form] = timed(lambda: steps[form][0](steps[form][1]), a.iters)
-                    fastest = min(steps, key=row.get)
-                    row["tf"] = row[fastest]
-                    step_fn, inputs = steps.pop(fastest)
+                    for form in TF_LOOKUP_FORMS:
+                        steps[form] = make_step(tables, list(range(26)), opt, form)
+                        row[f"tf_{form}"] = timed(lambda: steps[form](batch), a.iters)
+                    fastest = min(steps, key=lambda f: row[f"tf_{f}"])
+                    row["tf"], step_fn = row[f"tf_{fastest}"], steps.pop(fastest)
                     del steps
                 if a.loop > 1:   # the step as fit runs it with steps_per_execution (TensorFlow's fastest form)
-                    looped, inputs = steps_in_graph(step_fn, a.loop), batch if path == "sok" else inputs
-                    row[f"{path}_loop"] = timed(lambda: looped(inputs), max(3, a.iters // 2), warmup=1) / a.loop
+                    looped = steps_in_graph(step_fn, a.loop)
+                    row[f"{path}_loop"] = timed(lambda: looped(batch), max(3, a.iters // 2), warmup=1) / a.loop
                     del looped
                 del tables, opt, step_fn
                 gc.collect()  # traced functions hold the tables: free them before the next path

@@ -25,6 +25,22 @@ def fixed_hot_batch(rng, rows, batch, hotness, dist):
     return ids, splits
 
 
+# TensorFlow's two fast sum-pooled lookups over a RaggedTensor of ids whose rows all hold as many ids
+# (the benchmarks' fixed-hotness batches), both with IndexedSlices gradients: the RaggedTensor handed
+# to tf.nn.embedding_lookup_sparse as is (its segment ids are the row ids; no SparseTensor, whose
+# conversion runs on the host), and a gather of the ids as a [batch, hotness] matrix summed over its
+# second axis. The benchmarks time both and take the faster as TensorFlow's baseline.
+TF_LOOKUP_FORMS = ("ragged", "gather")
+
+
+def tf_sum_lookup(form, table, ids):
+    import tensorflow as tf
+
+    if form == "ragged":
+        return tf.nn.embedding_lookup_sparse(table, ids, None, combiner="sum")
+    return tf.reduce_sum(tf.gather(table, tf.reshape(ids.values, [ids.nrows(), -1])), axis=1)
+
+
 class TFSparseOptimizer:
     """The fastest sparse update a TensorFlow user writes by hand for a tf.Variable table and
     its `tf.IndexedSlices` gradient (Keras 3's Adam and SGD densify such gradients): SGD as
