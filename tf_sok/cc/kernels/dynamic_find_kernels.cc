@@ -1,0 +1,427 @@
+// Kernels of the find ops of dynamic tables (TfSokDynamicFind, TfSokDynamicFindMany) and of the
+// row-splits check: keys to rows, inserting, evicting and admitting, the arrays kept in step.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tf_sok/cc/kernels/dynamic_rows.h"
+
+namespace tf_sok {
+namespace dynamic_kernels {
+namespace {
+
+absl::Status EvictedOutputs(tf::OpKernelContext* ctx, const IndexResource& res, int64_t n, tf::Tensor** keys,
+                            tf::Tensor** values) {
+  TF_RETURN_IF_ERROR(ctx->allocate_output(1, tf::TensorShape({n}), keys));
+  return ctx->allocate_output(2, tf::TensorShape({n, res.dim}), values);
+}
+
+#if TF_SOK_WITH_CUDA
+// With TF_SOK_FIND_STAGES=1 in the environment, the GPU finds (one table, or many) time their
+// stages on the host (kernel launches, each wait for counts, the host store's lookups; a last wait
+// takes the device's remaining work) and print their means to stderr every 20 calls: where a
+// dynamic or hybrid table's step goes. The extra wait changes the overlap it measures; for
+// profiling only.
+class StageClock {
+ public:
+  static constexpr int kStages = 9;
+  StageClock(cudaStream_t stream, bool many, bool active = true)
+      : stream_(stream), on_(active && Enabled()), many_(many) {
+    if (on_) last_ = Now();
+  }
+  void Mark(int stage) {
+    if (!on_) return;
+    const double now = Now();
+    Totals(many_).ms[stage] += now - last_;
+    last_ = now;
+  }
+  ~StageClock() {
+    if (!on_) return;
+    cudaStreamSynchronize(stream_);
+    Mark(kStages - 1);
+    Sums& t = Totals(many_);
+    if (++t.calls % 20 != 0) return;
+    static const char* names[kStages] = {"probe",          "wait missing",           "distinct",
+                                         "wait distinct",  "room",                   "wait evictable",
+                                         "commit + wait new keys", "host store lookups / array upkeep launched",
+                                         "arrays + device tail"};
+    std::fprintf(stderr, "tf_sok %s stages (ms per call, mean of 20):", many_ ? "find-many" : "find");
+    for (int i = 0; i < kStages; ++i) std::fprintf(stderr, " %s %.3f;", names[i], t.ms[i] / 20);
+    std::fprintf(stderr, "\n");
+    t = Sums();
+  }
+
+ private:
+  struct Sums {
+    double ms[kStages] = {};
+    int64_t calls = 0;
+  };
+  static bool Enabled() {
+    static const bool on = [] {
+      const char* v = std::getenv("TF_SOK_FIND_STAGES");
+      return v != nullptr && v[0] == '1';
+    }();
+    return on;
+  }
+  static Sums& Totals(bool many) {
+    static Sums sums[2];
+    return sums[many ? 1 : 0];
+  }
+  static double Now() {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  cudaStream_t stream_;
+  bool on_, many_;
+  double last_ = 0;
+};
+#endif
+
+// A hybrid table's evicted outputs: the keys its host tier's bound dropped in the call (with_evicted:
+// else none) and their values, read from the tier's rows (after the call's moves into them).
+absl::Status DroppedOutputs(tf::OpKernelContext* ctx, const impl::CpuDevice&, const IndexResource& res,
+                            const StorePlan& plan, bool with_evicted) {
+  const int64_t n = with_evicted ? static_cast<int64_t>(plan.dropped_keys.size()) : 0;
+  tf::Tensor *keys = nullptr, *values = nullptr;
+  TF_RETURN_IF_ERROR(EvictedOutputs(ctx, res, n, &keys, &values));
+  std::copy(plan.dropped_keys.begin(), plan.dropped_keys.begin() + n, keys->flat<int64_t>().data());
+  impl::GatherRows(res.store->base(0), res.dim, plan.dropped_rows.data(), n, values->flat<float>().data());
+  return absl::OkStatus();
+}
+#if TF_SOK_WITH_CUDA
+absl::Status DroppedOutputs(tf::OpKernelContext* ctx, const impl::GpuDevice& d, const IndexResource& res,
+                            const StorePlan& plan, bool with_evicted) {
+  const int64_t n = with_evicted ? static_cast<int64_t>(plan.dropped_keys.size()) : 0;
+  tf::Tensor *keys = nullptr, *values = nullptr;
+  TF_RETURN_IF_ERROR(EvictedOutputs(ctx, res, n, &keys, &values));
+  if (n == 0) return absl::OkStatus();
+  const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+  auto* rows = static_cast<int64_t*>(d.scratch->Allocate(8 * n));
+  if (!rows) return absl::ResourceExhaustedError("dynamic table '" + res.table + "': out of GPU memory");
+  // (from pageable memory: the copies have read their sources when they return)
+  cudaMemcpyAsync(keys->flat<int64_t>().data(), plan.dropped_keys.data(), 8 * n, cudaMemcpyHostToDevice, stream);
+  cudaMemcpyAsync(rows, plan.dropped_rows.data(), 8 * n, cudaMemcpyHostToDevice, stream);
+  impl::GpuGatherRows(d, res.store->base(0), res.dim, rows, n, values->flat<float>().data());
+  return absl::OkStatus();
+}
+#endif
+
+// Under the low-frequency filter, a hybrid table's cache takes back the keys its host tier holds
+// whatever the filter draws (the filter is for keys new to the table); no hook otherwise.
+impl::HeldKeys HeldOnHost(IndexResource* res, float insert_ratio) {
+  if (!res->store || insert_ratio >= 1.0f) return {};
+  return [res](const int64_t* keys, int64_t n, uint8_t* flags) {
+    std::vector<int64_t> rows(n);
+    res->store->Rows(keys, n, rows.data());
+    for (int64_t j = 0; j < n; ++j) flags[j] = rows[j] >= 0;
+    return std::string();
+  };
+}
+
+#if TF_SOK_WITH_CUDA
+// As HeldOnHost for an index on the GPU: the keys come to the host (a wait) and the flags go back.
+impl::HeldKeys HeldOnGpu(const impl::GpuDevice& d, IndexResource* res, float insert_ratio) {
+  if (!res->store || insert_ratio >= 1.0f) return {};
+  return [&d, res](const int64_t* keys, int64_t n, uint8_t* flags) {
+    const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+    uint8_t* staging = res->Staging(17 * static_cast<size_t>(n));   // [keys | rows | flags]
+    if (!staging) return std::string("ran out of host memory");
+    auto* host_keys = reinterpret_cast<int64_t*>(staging);
+    cudaMemcpyAsync(host_keys, keys, 8 * n, cudaMemcpyDeviceToHost, stream);
+    absl::Status status = CudaWait(stream);
+    if (!status.ok()) return std::string(status.message());
+    auto* rows = host_keys + n;
+    res->store->Rows(host_keys, n, rows);
+    uint8_t* host_flags = staging + 16 * n;
+    for (int64_t j = 0; j < n; ++j) host_flags[j] = rows[j] >= 0;
+    cudaMemcpyAsync(flags, host_flags, n, cudaMemcpyHostToDevice, stream);
+    status = CudaWait(stream);   // the staging buffer is reused (and may be reallocated) later in the call
+    return status.ok() ? std::string() : std::string(status.message());
+  };
+}
+#endif
+
+class FindOp : public tf::OpKernel {
+ public:
+  explicit FindOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("insert", &insert_));
+    OP_REQUIRES_OK(c, c->GetAttr("with_evicted", &with_evicted_));
+    OP_REQUIRES_OK(c, c->GetAttr("admit_all", &admit_all_));
+    OP_REQUIRES_OK(c, c->GetAttr("insert_ratio", &insert_ratio_));
+  }
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<IndexResource> res;
+    OP_REQUIRES_OK(ctx, GetIndex(ctx, &res));
+    const tf::Tensor& keys = ctx->input(1);
+    OP_REQUIRES(ctx, keys.dims() == 1, Failed(*res, ": ", "keys must be a vector, got shape " + keys.shape().DebugString()));
+#if TF_SOK_WITH_CUDA
+    if (res->gpu) {
+      ComputeGpu(ctx, res.get(), keys);
+      return;
+    }
+#endif
+    OP_REQUIRES(ctx, res->host != nullptr, Failed(*res, ": ", "its index lives on a GPU; look it up there"));
+    tf::Tensor* slots = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, keys.shape(), &slots));
+    impl::FindChanges ch;
+    tf::mutex_lock l(res->mu);
+    const std::string error = res->host->Find(keys.flat<int64_t>().data(), keys.NumElements(), insert_,
+                                              slots->flat<int64_t>().data(), &ch, admit_all_, insert_ratio_,
+                                              HeldOnHost(res.get(), insert_ratio_));
+    OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
+    TensorScratch scratch(ctx);
+    const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+    if (res->store) {   // the keys its cache evicts stay in the host tier; those its bound drops leave
+      StorePlan plan;
+      if (insert_) OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res.get(), HostChanges(ch, keys.NumElements()),
+                                                        nullptr, &plan));
+      OP_REQUIRES_OK(ctx, DroppedOutputs(ctx, d, *res, plan, with_evicted_));
+      return;
+    }
+    const int64_t evicted = with_evicted_ ? static_cast<int64_t>(ch.evicted_keys.size()) : 0;
+    tf::Tensor *ev_keys = nullptr, *ev_values = nullptr;
+    OP_REQUIRES_OK(ctx, EvictedOutputs(ctx, *res, evicted, &ev_keys, &ev_values));
+    std::copy(ch.evicted_keys.begin(), ch.evicted_keys.begin() + evicted, ev_keys->flat<int64_t>().data());
+    if (!insert_) return;
+    OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res.get(), HostChanges(ch, keys.NumElements()),
+                                         evicted > 0 ? ev_values->flat<float>().data() : nullptr));
+  }
+
+ private:
+#if TF_SOK_WITH_CUDA
+  void ComputeGpu(tf::OpKernelContext* ctx, IndexResource* res, const tf::Tensor& keys) {
+    TensorScratch scratch(ctx);
+    const impl::GpuDevice d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
+    const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+    tf::Tensor* slots = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, keys.shape(), &slots));
+    impl::GpuFindResult r;
+    tf::mutex_lock l(res->mu);
+    StageClock clock(stream, false, insert_);   // finds that insert
+    const std::string error = res->gpu->Find(d, keys.flat<int64_t>().data(), keys.NumElements(), insert_, &r,
+                                             admit_all_, insert_ratio_, [&clock](int stage) { clock.Mark(stage); },
+                                             HeldOnGpu(d, res, insert_ratio_));
+    OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
+    if (keys.NumElements() > 0)
+      cudaMemcpyAsync(slots->flat<int64_t>().data(), r.slots, 8 * keys.NumElements(), cudaMemcpyDeviceToDevice,
+                      stream);
+    if (res->store) {   // (as on the host)
+      StorePlan plan;
+      if (insert_) OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res, DeviceChanges(r, keys.NumElements()), nullptr,
+                                                        &plan));
+      OP_REQUIRES_OK(ctx, DroppedOutputs(ctx, d, *res, plan, with_evicted_));
+      clock.Mark(7);
+      return;
+    }
+    const int64_t evicted = with_evicted_ ? r.num_evicted : 0;
+    tf::Tensor *ev_keys = nullptr, *ev_values = nullptr;
+    OP_REQUIRES_OK(ctx, EvictedOutputs(ctx, *res, evicted, &ev_keys, &ev_values));
+    if (evicted > 0)
+      cudaMemcpyAsync(ev_keys->flat<int64_t>().data(), r.evicted_keys, 8 * evicted, cudaMemcpyDeviceToDevice, stream);
+    if (!insert_) return;
+    // stream-ordered: the scratch these read is reused only by work queued after them
+    OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res, DeviceChanges(r, keys.NumElements()),
+                                         evicted > 0 ? ev_values->flat<float>().data() : nullptr));
+    clock.Mark(7);
+  }
+#endif
+  bool insert_ = true, with_evicted_ = false, admit_all_ = false;
+  float insert_ratio_ = 1.0f;
+};
+
+
+// TfSokDynamicFindMany: one find (insert) per table; on a GPU the missing-key counts of all
+// tables come back in one wait. Indices are locked in address order (no deadlock with other ops).
+class FindManyOp : public tf::OpKernel {
+ public:
+  explicit FindManyOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("insert_ratio", &insert_ratio_));
+  }
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    const int n = ctx->num_inputs() / 2;
+    std::vector<tf::core::RefCountPtr<IndexResource>> res(n);
+    std::vector<IndexResource*> order;
+    for (int i = 0; i < n; ++i) {
+      OP_REQUIRES_OK(ctx, tf::LookupResource(ctx, tf::HandleFromInput(ctx, i), &res[i]));
+      const tf::Tensor& keys = ctx->input(n + i);
+      OP_REQUIRES(ctx, keys.dims() == 1,
+                  Failed(*res[i], ": ", "keys must be a vector, got shape " + keys.shape().DebugString()));
+      order.push_back(res[i].get());
+    }
+    std::sort(order.begin(), order.end());
+    OP_REQUIRES(ctx, std::adjacent_find(order.begin(), order.end()) == order.end(),
+                absl::InvalidArgumentError("TfSokDynamicFindMany: a dynamic table's index is given twice"));
+    std::vector<std::unique_ptr<tf::mutex_lock>> locks;
+    for (IndexResource* r : order) locks.push_back(std::make_unique<tf::mutex_lock>(r->mu));
+#if TF_SOK_WITH_CUDA
+    if (res[0]->gpu) {
+      ComputeGpu(ctx, res);
+      return;
+    }
+#endif
+    TensorScratch scratch(ctx);
+    const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+    for (int i = 0; i < n; ++i) {
+      IndexResource* r = res[i].get();
+      OP_REQUIRES(ctx, r->host != nullptr, Failed(*r, ": ", "its index lives on a GPU; look it up there"));
+      const tf::Tensor& keys = ctx->input(n + i);
+      tf::Tensor* slots = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, keys.shape(), &slots));
+      impl::FindChanges ch;
+      const std::string error = r->host->Find(keys.flat<int64_t>().data(), keys.NumElements(), true,
+                                              slots->flat<int64_t>().data(), &ch, false, insert_ratio_,
+                                              HeldOnHost(r, insert_ratio_));
+      OP_REQUIRES(ctx, error.empty(), Failed(*r, " ", error));
+      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, HostChanges(ch, keys.NumElements()), nullptr));
+    }
+  }
+
+ private:
+#if TF_SOK_WITH_CUDA
+  void ComputeGpu(tf::OpKernelContext* ctx, const std::vector<tf::core::RefCountPtr<IndexResource>>& res) {
+    const int n = static_cast<int>(res.size());
+    TensorScratch scratch(ctx);
+    const impl::GpuDevice d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
+    const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+    auto* counts = static_cast<int64_t*>(d.scratch->Allocate(8 * static_cast<size_t>(n)));
+    OP_REQUIRES(ctx, counts != nullptr, absl::ResourceExhaustedError("TfSokDynamicFindMany: out of GPU memory"));
+    std::vector<impl::GpuFindResult> found(n);
+    std::vector<impl::GpuFindPending> pending(n);
+    StageClock clock(stream, true);
+    for (int i = 0; i < n; ++i) {
+      OP_REQUIRES(ctx, res[i]->gpu != nullptr, Failed(*res[i], ": ", "its index is on the host; look it up there"));
+      const tf::Tensor& keys = ctx->input(n + i);
+      const std::string error = res[i]->gpu->Probe(d, keys.flat<int64_t>().data(), keys.NumElements(), &found[i],
+                                                   &pending[i], counts + i, insert_ratio_);
+      OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
+    }
+    // each stage of every table's index call, then the counts of all tables read back with one wait
+    // (none when no table has missing keys / must evict); then the hybrid tables' new keys back to the
+    // host with one wait for all, then every table's arrays
+    std::vector<int64_t> missing(n), distinct(n), evictable(n);
+    clock.Mark(0);
+    OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, missing.data()));
+    clock.Mark(1);
+    bool any = false;
+    for (int i = 0; i < n; ++i) {
+      const std::string error = res[i]->gpu->FinishDistinct(d, &pending[i], missing[i], &found[i], counts + i,
+                                                                insert_ratio_);
+      OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
+      any |= missing[i] > 0 && !pending[i].fused;
+    }
+    clock.Mark(2);
+    if (any) OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, distinct.data()));
+    for (int i = 0; i < n; ++i)
+      if (pending[i].fused) distinct[i] = missing[i];   // the probe inserted: its count was of the new keys
+    clock.Mark(3);
+    any = false;
+    for (int i = 0; i < n; ++i) {
+      bool evicts = false;
+      const std::string error =
+          res[i]->gpu->FinishRoom(d, &pending[i], distinct[i], false, insert_ratio_, counts + i, &evicts,
+                                  HeldOnGpu(d, res[i].get(), insert_ratio_));
+      OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
+      if (!evicts) cudaMemsetAsync(counts + i, 0, 8, stream);
+      any |= evicts;
+    }
+    clock.Mark(4);
+    if (any) OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, evictable.data()));
+    clock.Mark(5);
+    std::vector<StorePlan> plans(n);
+    bool wait = false;
+    for (int i = 0; i < n; ++i) {
+      IndexResource* r = res[i].get();
+      const tf::Tensor& keys = ctx->input(n + i);
+      const std::string error = r->gpu->FinishCommit(d, &pending[i], evictable[i], &found[i]);
+      OP_REQUIRES(ctx, error.empty(), Failed(*r, " ", error));
+      tf::Tensor* slots = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, keys.shape(), &slots));
+      if (keys.NumElements() > 0)
+        cudaMemcpyAsync(slots->flat<int64_t>().data(), found[i].slots, 8 * keys.NumElements(),
+                        cudaMemcpyDeviceToDevice, stream);
+      if (r->store) {
+        OP_REQUIRES_OK(ctx, StartStorePlan(ctx, d, r, DeviceChanges(found[i], keys.NumElements()), &plans[i]));
+        plans[i].planned = true;
+        wait |= PlanReadsBack(*r, DeviceChanges(found[i], keys.NumElements()));
+      }
+    }
+    if (wait) OP_REQUIRES_OK(ctx, CudaWait(stream));
+    clock.Mark(6);
+    std::vector<IndexResource*> tables(n);
+    std::vector<int64_t> num_new(n);
+    for (int i = 0; i < n; ++i) {
+      tables[i] = res[i].get();
+      num_new[i] = found[i].num_new;
+    }
+    OP_REQUIRES_OK(ctx, FinishStorePlans(ctx, d, tables, num_new, &plans));
+    clock.Mark(7);
+    for (int i = 0; i < n; ++i) {
+      const Changes c = DeviceChanges(found[i], ctx->input(n + i).NumElements());
+      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res[i].get(), c, nullptr, &plans[i]));
+    }
+  }
+#endif
+  float insert_ratio_ = 1.0f;
+};
+
+template <typename Device>
+class RowSplitsValidOp : public tf::OpKernel {
+ public:
+  using tf::OpKernel::OpKernel;
+  void Compute(tf::OpKernelContext* ctx) override {
+    const int n = ctx->num_inputs() / 2;
+    tf::Tensor* valid = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({n}), &valid));
+    std::vector<const int64_t*> splits(n);
+    std::vector<int64_t> entries(n), counts(n);
+    for (int i = 0; i < n; ++i) {
+      const tf::Tensor& s = ctx->input(i);
+      OP_REQUIRES(ctx, s.dims() == 1,
+                  absl::InvalidArgumentError("row_splits must be a vector, got " + s.shape().DebugString()));
+      splits[i] = s.flat<int64_t>().data();
+      entries[i] = s.NumElements();
+      counts[i] = ctx->input(n + i).NumElements();
+    }
+    Check(ctx, splits, entries, counts, valid->flat<bool>().data());
+  }
+
+ private:
+  void Check(tf::OpKernelContext* ctx, const std::vector<const int64_t*>& splits, const std::vector<int64_t>& n,
+             const std::vector<int64_t>& count, bool* valid);
+};
+
+template <>
+void RowSplitsValidOp<impl::CpuDevice>::Check(tf::OpKernelContext*, const std::vector<const int64_t*>& splits,
+                                              const std::vector<int64_t>& n, const std::vector<int64_t>& count,
+                                              bool* valid) {
+  for (size_t i = 0; i < splits.size(); ++i) valid[i] = impl::RowSplitsValid(splits[i], n[i], count[i]);
+}
+
+#if TF_SOK_WITH_CUDA
+template <>
+void RowSplitsValidOp<impl::GpuDevice>::Check(tf::OpKernelContext* ctx, const std::vector<const int64_t*>& splits,
+                                              const std::vector<int64_t>& n, const std::vector<int64_t>& count,
+                                              bool* valid) {
+  TensorScratch scratch(ctx);
+  impl::GpuRowSplitsValid(MakeDevice<impl::GpuDevice>(ctx, &scratch), splits.data(), n.data(), count.data(),
+                          static_cast<int>(splits.size()), valid);
+}
+#endif
+
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_CPU), FindOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFindMany").Device(tf::DEVICE_CPU), FindManyOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokRowSplitsValid").Device(tf::DEVICE_CPU), RowSplitsValidOp<impl::CpuDevice>);
+#if TF_SOK_WITH_CUDA
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_GPU).HostMemory("index"), FindOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFindMany").Device(tf::DEVICE_GPU).HostMemory("indices"), FindManyOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokRowSplitsValid").Device(tf::DEVICE_GPU), RowSplitsValidOp<impl::GpuDevice>);
+#endif
+
+}  // namespace
+}  // namespace dynamic_kernels
+}  // namespace tf_sok

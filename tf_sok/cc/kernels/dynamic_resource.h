@@ -1,0 +1,151 @@
+// The state of a dynamic table's index as a TensorFlow resource, shared by the dynamic-table
+// kernels (dynamic_kernels.cc, dynamic_find_kernels.cc, hybrid_kernels.cc): the key -> row index
+// (host or GPU), the row arrays it serves and, for a hybrid table, its host tier.
+#ifndef TF_SOK_CC_KERNELS_DYNAMIC_RESOURCE_H_
+#define TF_SOK_CC_KERNELS_DYNAMIC_RESOURCE_H_
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/platform/mutex.h"
+#include "tf_sok/cc/impl/dynamic_index.h"
+#include "tf_sok/cc/impl/host_store.h"
+
+#if TF_SOK_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "tf_sok/cc/impl/dynamic_index_gpu.h"
+#endif
+
+namespace tf_sok {
+namespace dynamic_kernels {
+
+namespace tf = ::tensorflow;
+
+#if TF_SOK_WITH_CUDA
+// Persistent GPU memory of an index, from TensorFlow's allocator of the device.
+class AllocatorMemory : public impl::DeviceMemory {
+ public:
+  explicit AllocatorMemory(tf::Allocator* a) : a_(a) {}
+  void* Allocate(size_t bytes) override { return a_->AllocateRaw(256, std::max<size_t>(bytes, 1)); }
+  void Free(void* p) override { a_->DeallocateRaw(p); }
+
+ private:
+  tf::Allocator* a_;
+};
+#endif
+
+class IndexResource : public tf::ResourceBase {
+ public:
+  IndexResource(const std::string& table, int64_t dim, int init_kind, float a, float b, int64_t seed)
+      : table(table), dim(dim), init_kind(init_kind), a(a), b(b), seed(seed) {}
+  std::string DebugString() const override { return "tf_sok dynamic index of table '" + table + "'"; }
+
+  const std::string table;
+  const int64_t dim;
+  const int init_kind;
+  const float a, b;
+  const int64_t seed;
+  tf::mutex mu;
+  // the row arrays the index serves: the values, then optimizer state as optimizers attach it
+  struct Array {
+    tf::core::RefCountPtr<tf::Var> var;
+    float fill;
+    bool values;
+  };
+  std::vector<Array> arrays;
+  std::unique_ptr<impl::DynamicIndex> host;  // one of the two
+  // hybrid tables: the HBM budget of the arrays, and every key's rows of every array (one store
+  // array per attached array, in the same order)
+  int64_t cache_bytes = -1;
+  int64_t min_frequency = 1;   // admission: sightings a key new to the table needs
+  std::unique_ptr<impl::HostStore> store;
+  // a hybrid table's counters since it was made: finds with insert, key positions looked up, those
+  // not cached, keys taken into the cache, of them first seen, keys written back, bytes each way
+  struct Stats {
+    int64_t calls = 0, lookups = 0, misses = 0, loaded = 0, fresh = 0, evicted = 0, bytes_in = 0, bytes_out = 0;
+    int64_t dropped = 0;   // keys the host tier's bound (max_capacity) dropped from the table
+  } stats;
+  std::vector<uint8_t> staging_host;  // key and row lists (pinned on a GPU: staging_pinned)
+  // per cache row: the store row of the key it holds (a GPU index: store_row_dev, device memory)
+  std::vector<int64_t> store_row_host;
+  int64_t* store_row_dev = nullptr;
+  int64_t store_row_capacity = 0;
+#if TF_SOK_WITH_CUDA
+  std::unique_ptr<impl::DeviceMemory> memory;
+  std::unique_ptr<impl::GpuDynamicIndex> gpu;  // destroyed before `memory`
+  std::unique_ptr<impl::HostMemory> pinned;
+  void* staging_pinned = nullptr;
+  size_t staging_bytes = 0;
+  ~IndexResource() override {
+    gpu.reset();
+    if (staging_pinned) pinned->Free(staging_pinned);
+    if (store_row_dev) memory->Free(store_row_dev);
+  }
+#endif
+  // host memory for `bytes` of key / row lists, reused by the next call (which first waits for the
+  // device's use of it to end)
+  uint8_t* Staging(size_t bytes) {
+#if TF_SOK_WITH_CUDA
+    if (gpu) {
+      if (bytes > staging_bytes) {
+        if (staging_pinned) pinned->Free(staging_pinned);
+        staging_bytes = std::max(bytes, 2 * staging_bytes);
+        staging_pinned = pinned->Allocate(staging_bytes);
+        if (!staging_pinned) staging_bytes = 0;
+      }
+      return static_cast<uint8_t*>(staging_pinned);
+    }
+#endif
+    if (staging_host.size() < bytes) staging_host.resize(bytes);
+    return staging_host.data();
+  }
+  // A hybrid table's bound on cached keys: the budget over the bytes of one row of every array.
+  void UpdateCacheBound() {
+    if (cache_bytes < 0) return;
+    int64_t row_bytes = 0;
+    for (const Array& a : arrays) {
+      const tf::Tensor* t = a.var->tensor();
+      row_bytes += 4 * (t->dims() == 2 ? t->dim_size(1) : 1);
+    }
+    int64_t max_keys = row_bytes > 0 ? cache_bytes / row_bytes : 0;
+    // no more than the table may hold: its bound drops keys the cache wrote back
+    if (store && store->max_keys() > 0) max_keys = std::min(max_keys, store->max_keys());
+#if TF_SOK_WITH_CUDA
+    if (gpu) {
+      gpu->set_max_keys(max_keys);
+      return;
+    }
+#endif
+    host->set_max_keys(max_keys);
+  }
+};
+
+absl::Status GetIndex(tf::OpKernelContext* ctx, tf::core::RefCountPtr<IndexResource>* out);
+// An InvalidArgument error naming the table: "dynamic table '<table>'" + what + error.
+absl::Status Failed(const IndexResource& res, const std::string& what, const std::string& error);
+// The index of input 0, which must be a hybrid table's (one with a host tier).
+absl::Status GetHybridIndex(tf::OpKernelContext* ctx, tf::core::RefCountPtr<IndexResource>* out);
+// Output `output`: the vector v, in host memory.
+void HostVector(tf::OpKernelContext* ctx, int output, const std::vector<int64_t>& v, absl::Status* s);
+// The index's contents, on the host, and their restore (the caller holds res->mu).
+absl::Status ExportIndex(tf::OpKernelContext* ctx, IndexResource* res, impl::DynamicIndexSnapshot* snap);
+absl::Status ImportIndex(tf::OpKernelContext* ctx, IndexResource* res, const impl::DynamicIndexSnapshot& snap);
+// After the store or the cache of a hybrid table was replaced (hybrid_kernels.cc).
+absl::Status RelinkCache(tf::OpKernelContext* ctx, IndexResource* res, bool store_replaced);
+
+#if TF_SOK_WITH_CUDA
+absl::Status CudaWait(cudaStream_t stream);
+// n counts the device left at `counts`, read back (one wait)
+absl::Status ReadCounts(cudaStream_t stream, const int64_t* counts, int n, int64_t* host);
+#endif
+
+}  // namespace dynamic_kernels
+}  // namespace tf_sok
+
+#endif  // TF_SOK_CC_KERNELS_DYNAMIC_RESOURCE_H_

@@ -1,0 +1,338 @@
+// The shared upkeep of dynamic tables' row arrays and host tiers (dynamic_rows.h), and the index
+// resource's helpers (dynamic_resource.h).
+#include "tf_sok/cc/kernels/dynamic_rows.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace tf_sok {
+namespace dynamic_kernels {
+
+absl::Status GetIndex(tf::OpKernelContext* ctx, tf::core::RefCountPtr<IndexResource>* out) {
+  return tf::LookupResource(ctx, tf::HandleFromInput(ctx, 0), out);
+}
+
+absl::Status Failed(const IndexResource& res, const std::string& what, const std::string& error) {
+  return absl::InvalidArgumentError("dynamic table '" + res.table + "'" + what + error);
+}
+
+absl::Status GetHybridIndex(tf::OpKernelContext* ctx, tf::core::RefCountPtr<IndexResource>* out) {
+  TF_RETURN_IF_ERROR(GetIndex(ctx, out));
+  if ((*out)->store == nullptr) return Failed(**out, ": ", "has no host tier (it is not a hybrid table)");
+  return absl::OkStatus();
+}
+
+void HostVector(tf::OpKernelContext* ctx, int output, const std::vector<int64_t>& v, absl::Status* s) {
+  tf::Tensor* t = nullptr;
+  *s = ctx->allocate_output(output, tf::TensorShape({static_cast<int64_t>(v.size())}), &t);
+  if (s->ok()) std::copy(v.begin(), v.end(), t->flat<int64_t>().data());
+}
+
+bool PlanReadsBack(const IndexResource& r, const Changes& c) {
+  return c.num_new > 0 || (r.store->max_keys() > 0 && c.num_evicted > 0);
+}
+
+// After a call's new keys have store rows: they are cached, the keys written back are not, and the
+// bound drops the least recently used others (with admission, the cache forgets that it saw them:
+// forget(keys, n) -> "" or an error).
+template <typename Forget>
+absl::Status TrackCache(IndexResource* res, const int64_t* new_rows, int64_t n, int64_t call, StorePlan* p,
+                        Forget forget) {
+  impl::HostStore& store = *res->store;
+  store.Loaded(new_rows, n, call);
+  if (store.max_keys() <= 0) return absl::OkStatus();
+  store.WrittenBack(p->written_back, p->written_back_calls, p->num_written_back);
+  std::string error = store.Bound(&p->dropped_keys, &p->dropped_rows);
+  if (error.empty() && res->min_frequency > 1 && !p->dropped_keys.empty())
+    error = forget(p->dropped_keys.data(), static_cast<int64_t>(p->dropped_keys.size()));
+  return error.empty() ? absl::OkStatus() : Failed(*res, " ", error);
+}
+
+// The store rows of distinct keys (inserted when absent) into staging [keys | rows | fresh flags].
+absl::Status StoreRowsOnHost(tf::OpKernelContext* ctx, IndexResource* res, const int64_t* keys, int64_t n,
+                             uint8_t* staging, int64_t* fresh_count) {
+  int64_t* rows = reinterpret_cast<int64_t*>(staging + 8 * n);
+  uint8_t* fresh = staging + 16 * n;
+  TensorScratch scratch(ctx);
+  const impl::CpuDevice host = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+  const std::string error = res->store->Insert(keys, n, rows, fresh, &host.parallel_for);
+  if (!error.empty()) return Failed(*res, ": ", error);
+  *fresh_count = 0;
+  for (int64_t j = 0; j < n; ++j) *fresh_count += fresh[j];
+  return absl::OkStatus();
+}
+
+absl::Status StoreRowArray(tf::OpKernelContext*, const impl::CpuDevice&, IndexResource* res, int64_t rows,
+                           int64_t** out) {
+  if (static_cast<int64_t>(res->store_row_host.size()) < rows) res->store_row_host.resize(rows, 0);
+  *out = res->store_row_host.data();
+  return absl::OkStatus();
+}
+
+absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::CpuDevice& d, IndexResource* res, const Changes& c,
+                       StorePlan* p) {
+  TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, c.rows, &p->store_row_of));
+  const int64_t n = c.num_new;
+  p->written_back = c.evicted_keys;
+  p->written_back_calls = c.evicted_touched;
+  p->num_written_back = c.num_evicted;
+  if (!PlanReadsBack(*res, c)) return absl::OkStatus();
+  uint8_t* staging = res->Staging(17 * std::max<int64_t>(n, 1));
+  std::copy(c.new_keys, c.new_keys + n, reinterpret_cast<int64_t*>(staging));
+  TF_RETURN_IF_ERROR(StoreRowsOnHost(ctx, res, reinterpret_cast<int64_t*>(staging), n, staging, &p->fresh_count));
+  p->new_rows = reinterpret_cast<const int64_t*>(staging + 8 * n);
+  p->fresh = staging + 16 * n;
+  return TrackCache(res, p->new_rows, n, res->host->calls(), p, [res](const int64_t* keys, int64_t k) {
+    res->host->ForgetCandidates(keys, k);
+    return std::string();
+  });
+}
+
+void SetStoreRows(const impl::CpuDevice&, int64_t* store_row_of, const int64_t* cache_rows, const int64_t* rows,
+                  int64_t n) {
+  for (int64_t j = 0; j < n; ++j) store_row_of[cache_rows[j]] = rows[j];
+}
+
+#if TF_SOK_WITH_CUDA
+absl::Status CudaWait(cudaStream_t stream) {
+  const cudaError_t e = cudaStreamSynchronize(stream);
+  return e == cudaSuccess ? absl::OkStatus() : absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(e));
+}
+
+absl::Status ReadCounts(cudaStream_t stream, const int64_t* counts, int n, int64_t* host) {
+  cudaMemcpyAsync(host, counts, 8 * static_cast<size_t>(n), cudaMemcpyDeviceToHost, stream);
+  return CudaWait(stream);
+}
+
+absl::Status StoreRowArray(tf::OpKernelContext*, const impl::GpuDevice& d, IndexResource* res, int64_t rows,
+                           int64_t** out) {
+  if (rows > res->store_row_capacity) {
+    const int64_t capacity = std::max(rows, 2 * res->store_row_capacity);
+    auto* fresh = static_cast<int64_t*>(res->memory->Allocate(8 * capacity));
+    if (!fresh) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of GPU memory");
+    const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+    cudaMemsetAsync(fresh, 0, 8 * capacity, stream);
+    if (res->store_row_dev) {
+      cudaMemcpyAsync(fresh, res->store_row_dev, 8 * res->store_row_capacity, cudaMemcpyDeviceToDevice, stream);
+      TF_RETURN_IF_ERROR(CudaWait(stream));   // before the old array goes back to the allocator
+      res->memory->Free(res->store_row_dev);
+    }
+    res->store_row_dev = fresh;
+    res->store_row_capacity = capacity;
+  }
+  *out = res->store_row_dev;
+  return absl::OkStatus();
+}
+
+// The new keys start back to the host (with a bound on the host tier, the keys written back and
+// their last touching calls too); once they are there (the caller waits), FinishStorePlan has the
+// host store give their rows (looked up on the host's threads), which go to the device. Evicted
+// rows need no lookup (store_row_of has them).
+absl::Status StartStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
+                            const Changes& c, StorePlan* p) {
+  TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, c.rows, &p->store_row_of));
+  const int64_t n = c.num_new, k = res->store->max_keys() > 0 ? c.num_evicted : 0;
+  if (n == 0 && k == 0) return absl::OkStatus();
+  const int64_t at = (17 * n + 7) / 8 * 8;   // the written-back lists, 8-byte aligned
+  const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+  p->staging = res->Staging(at + 16 * k);
+  p->on_device = static_cast<uint8_t*>(d.scratch->Allocate(9 * std::max<int64_t>(n, 1)));
+  if (!p->staging || !p->on_device)
+    return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of memory");
+  if (n > 0) cudaMemcpyAsync(p->staging, c.new_keys, 8 * n, cudaMemcpyDeviceToHost, stream);
+  if (k > 0) {
+    auto* lists = reinterpret_cast<int64_t*>(p->staging + at);
+    cudaMemcpyAsync(lists, c.evicted_keys, 8 * k, cudaMemcpyDeviceToHost, stream);
+    cudaMemcpyAsync(lists + k, c.evicted_touched, 8 * k, cudaMemcpyDeviceToHost, stream);
+    p->written_back = lists;
+    p->written_back_calls = lists + k;
+    p->num_written_back = k;
+  }
+  return absl::OkStatus();
+}
+
+// The plans of several tables (num_new[i] new keys each, their keys on the host now): every table's
+// keys looked up in its store by the host's threads together (no store changes meanwhile), then each
+// table's absent keys added and its store rows and fresh flags sent to the device.
+absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
+                              const std::vector<IndexResource*>& res, const std::vector<int64_t>& num_new,
+                              std::vector<StorePlan>* plans) {
+  const size_t tables = res.size();
+  std::vector<int64_t> start(tables + 1, 0);   // table i's keys: [start[i], start[i + 1]) of all
+  for (size_t i = 0; i < tables; ++i) start[i + 1] = start[i] + ((*plans)[i].planned ? num_new[i] : 0);
+  auto keys = [&](size_t i) { return reinterpret_cast<int64_t*>((*plans)[i].staging); };
+  auto rows = [&](size_t i) { return reinterpret_cast<int64_t*>((*plans)[i].staging + 8 * num_new[i]); };
+  auto lookup = [&](int64_t begin, int64_t end) {
+    for (size_t i = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1; begin < end; ++i) {
+      const int64_t stop = std::min(end, start[i + 1]), at = begin - start[i];
+      if (stop > begin) res[i]->store->Rows(keys(i) + at, stop - begin, rows(i) + at);
+      begin = stop;
+    }
+  };
+  TensorScratch scratch(ctx);
+  const impl::CpuDevice host = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+  if (start.back() > 4096)
+    host.parallel_for(start.back(), 200, lookup);
+  else if (start.back() > 0)
+    lookup(0, start.back());
+  for (size_t i = 0; i < tables; ++i) {
+    StorePlan* p = &(*plans)[i];
+    const int64_t n = num_new[i];
+    if (!p->planned) continue;
+    if (n > 0) {
+      uint8_t* fresh = p->staging + 16 * n;
+      const std::string error = res[i]->store->AddAbsent(keys(i), n, rows(i), fresh);
+      if (!error.empty()) return Failed(*res[i], ": ", error);
+      p->fresh_count = std::count(fresh, fresh + n, uint8_t{1});
+      cudaMemcpyAsync(p->on_device, p->staging + 8 * n, 9 * n, cudaMemcpyHostToDevice,   // rows, then fresh flags
+                      static_cast<cudaStream_t>(d.stream));
+      p->new_rows = reinterpret_cast<const int64_t*>(p->on_device);
+      p->fresh = p->on_device + 8 * n;
+    }
+    TF_RETURN_IF_ERROR(TrackCache(res[i], n > 0 ? rows(i) : nullptr, n, res[i]->gpu->calls(), p,
+                                  [&d, r = res[i]](const int64_t* keys, int64_t k) {
+                                    return r->gpu->ForgetCandidates(d, keys, k);
+                                  }));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res, const Changes& c,
+                       StorePlan* p) {
+  TF_RETURN_IF_ERROR(StartStorePlan(ctx, d, res, c, p));
+  if (PlanReadsBack(*res, c)) TF_RETURN_IF_ERROR(CudaWait(static_cast<cudaStream_t>(d.stream)));
+  p->planned = true;
+  std::vector<StorePlan> one = {*p};
+  TF_RETURN_IF_ERROR(FinishStorePlans(ctx, d, {res}, {c.num_new}, &one));
+  *p = one[0];
+  return absl::OkStatus();
+}
+
+void SetStoreRows(const impl::GpuDevice& d, int64_t* store_row_of, const int64_t* cache_rows, const int64_t* rows,
+                  int64_t n) {
+  impl::GpuScatter64(d, cache_rows, rows, n, store_row_of);
+}
+#endif
+
+template <typename Device>
+absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexResource* res, const Changes& c,
+                              float* evicted_values, StorePlan* given) {
+  StorePlan local;
+  StorePlan& plan = given ? *given : local;
+  const bool moves = res->store && (c.num_new > 0 || c.num_evicted > 0);
+  if (res->store && !plan.planned) TF_RETURN_IF_ERROR(PlanStore(ctx, d, res, c, &plan));
+  if (res->store) {
+    int64_t row_bytes = 0;
+    for (int i = 0; i < res->store->num_arrays(); ++i) row_bytes += 4 * res->store->width(i);
+    IndexResource::Stats& st = res->stats;
+    ++st.calls;
+    st.lookups += c.positions;
+    st.misses += c.missing_positions;
+    st.loaded += c.num_new;
+    st.fresh += plan.fresh_count;
+    st.evicted += c.num_evicted;
+    st.dropped += static_cast<int64_t>(plan.dropped_keys.size());
+    st.bytes_in += (c.num_new - plan.fresh_count) * row_bytes;
+    st.bytes_out += c.num_evicted * row_bytes;
+  }
+  for (size_t i = 0; i < res->arrays.size(); ++i) {
+    auto& a = res->arrays[i];
+    tf::mutex_lock l(*a.var->mu());
+    tf::Tensor* t = a.var->tensor();
+    const int64_t width = t->dims() == 2 ? t->dim_size(1) : 1;
+    if (a.values && evicted_values != nullptr && c.num_evicted > 0)
+      GatherRows(d, t->flat<float>().data(), width, c.evicted_slots, c.num_evicted, evicted_values);
+    float* evicted = nullptr;   // written back before new keys take the rows (on a GPU, as they are read in)
+    if (moves && c.num_evicted > 0)
+      TF_RETURN_IF_ERROR(WriteBack(d, t->flat<float>().data(), width, c.evicted_slots, plan.store_row_of,
+                                   c.num_evicted, res->store->base(i), &evicted));
+    const bool unchanged = c.num_new == 0 && t->dim_size(0) >= c.rows && !a.values;
+    if (!unchanged) TF_RETURN_IF_ERROR(GrowArray(ctx, d, *res, a, c.rows));
+    float* base = a.var->tensor()->flat<float>().data();
+    if (a.values) Fill(d, base, width, 0.0f);   // row 0, which keys not inserted read (an update may have moved it)
+    if (moves)
+      StoreRead(d, *res, a, res->store->base(i), width, plan.new_rows, plan.fresh, c.new_keys, c.new_slots,
+                unchanged ? 0 : c.num_new, base, evicted, c.evicted_slots, plan.store_row_of, c.num_evicted);
+    else if (unchanged)
+      continue;
+    else if (a.values)
+      InitialRowsAt(d, *res, c.new_keys, c.new_slots, c.num_new, width, base);
+    else
+      FillRows(d, base, width, c.new_slots, c.num_new, a.fill);
+  }
+  // the evicted keys' store marks: the call that last touched each (before their cache rows go to new keys)
+  if (moves && c.num_evicted > 0)
+    StoreMarks(d, c.evicted_slots, c.evicted_touched, plan.store_row_of, c.num_evicted, res->store->marks());
+  if (moves && c.num_new > 0) SetStoreRows(d, plan.store_row_of, c.new_slots, plan.new_rows, c.num_new);
+  return absl::OkStatus();
+}
+
+Changes HostChanges(const impl::FindChanges& ch, int64_t positions) {
+  Changes c;
+  c.positions = positions;
+  c.rows = ch.rows;
+  c.missing_positions = ch.missing_positions;
+  c.new_keys = ch.new_keys.data();
+  c.new_slots = ch.new_slots.data();
+  c.num_new = static_cast<int64_t>(ch.new_slots.size());
+  c.evicted_keys = ch.evicted_keys.data();
+  c.evicted_slots = ch.evicted_slots.data();
+  c.evicted_touched = ch.evicted_touched.data();
+  c.num_evicted = static_cast<int64_t>(ch.evicted_slots.size());
+  return c;
+}
+
+#if TF_SOK_WITH_CUDA
+Changes DeviceChanges(const impl::GpuFindResult& r, int64_t positions) {
+  Changes c;
+  c.positions = positions;
+  c.rows = r.rows;
+  c.missing_positions = r.missing_positions;
+  c.new_keys = r.new_keys;
+  c.new_slots = r.new_slots;
+  c.num_new = r.num_new;
+  c.evicted_keys = r.evicted_keys;
+  c.evicted_slots = r.evicted_slots;
+  c.evicted_touched = r.evicted_touched;
+  c.num_evicted = r.num_evicted;
+  return c;
+}
+#endif
+
+absl::Status ExportIndex(tf::OpKernelContext* ctx, IndexResource* res, impl::DynamicIndexSnapshot* snap) {
+#if TF_SOK_WITH_CUDA
+  if (res->gpu) {
+    TensorScratch scratch(ctx);
+    const std::string error = res->gpu->Export(MakeDevice<impl::GpuDevice>(ctx, &scratch), snap);
+    return error.empty() ? absl::OkStatus() : Failed(*res, ": exporting its index: ", error);
+  }
+#endif
+  *snap = res->host->Export();
+  return absl::OkStatus();
+}
+
+absl::Status ImportIndex(tf::OpKernelContext* ctx, IndexResource* res, const impl::DynamicIndexSnapshot& snap) {
+  std::string error;
+#if TF_SOK_WITH_CUDA
+  if (res->gpu) {
+    TensorScratch scratch(ctx);
+    error = res->gpu->Import(MakeDevice<impl::GpuDevice>(ctx, &scratch), snap);
+  } else {
+    error = res->host->Import(snap);
+  }
+#else
+  error = res->host->Import(snap);
+#endif
+  return error.empty() ? absl::OkStatus() : Failed(*res, ": restoring its index: ", error);
+}
+
+template absl::Status KeepArraysInStep<impl::CpuDevice>(tf::OpKernelContext*, const impl::CpuDevice&, IndexResource*,
+                                                        const Changes&, float*, StorePlan*);
+#if TF_SOK_WITH_CUDA
+template absl::Status KeepArraysInStep<impl::GpuDevice>(tf::OpKernelContext*, const impl::GpuDevice&, IndexResource*,
+                                                        const Changes&, float*, StorePlan*);
+#endif
+
+}  // namespace dynamic_kernels
+}  // namespace tf_sok

@@ -1,0 +1,198 @@
+// How a dynamic table's row arrays follow its index, shared by the dynamic-table kernels: the
+// arrays grown, new keys' rows set and, for a hybrid table, rows moved between its cache (the
+// arrays) and its host tier, on the host or the device.
+#ifndef TF_SOK_CC_KERNELS_DYNAMIC_ROWS_H_
+#define TF_SOK_CC_KERNELS_DYNAMIC_ROWS_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "tf_sok/cc/impl/optimizer.h"
+#include "tf_sok/cc/kernels/dynamic_resource.h"
+#include "tf_sok/cc/kernels/kernel_util.h"
+
+namespace tf_sok {
+namespace dynamic_kernels {
+
+// The row upkeep of impl, on the host or the device.
+inline void InitialRowsAt(const impl::CpuDevice&, const IndexResource& r, const int64_t* keys, const int64_t* rows, int64_t n,
+                   int64_t width, float* base) {
+  impl::InitialRowsAt(r.init_kind, r.a, r.b, r.seed, keys, rows, n, width, base);
+}
+inline void FillRows(const impl::CpuDevice&, float* base, int64_t width, const int64_t* rows, int64_t n, float fill) {
+  impl::FillRows(base, width, rows, n, fill);
+}
+inline void GatherRows(const impl::CpuDevice&, const float* base, int64_t width, const int64_t* rows, int64_t n, float* out) {
+  impl::GatherRows(base, width, rows, n, out);
+}
+inline void Fill(const impl::CpuDevice&, float* p, int64_t count, float value) { impl::Fill(p, count, value); }
+inline void StoreWrite(const impl::CpuDevice&, const float* cache, int64_t width, const int64_t* cache_rows,
+                const int64_t* store_row_of, int64_t n, float* store) {
+  impl::StoreWrite(cache, width, cache_rows, store_row_of, n, store);
+}
+inline void StoreMarks(const impl::CpuDevice&, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
+                int64_t n, int64_t* marks) {
+  impl::StoreMarks(cache_rows, calls, store_row_of, n, marks);
+}
+// Evicted rows leave for the store: on the host written now (*out = nullptr); on a GPU gathered into
+// device memory (*out), to be written by StoreRead's launch while it reads the new rows in.
+inline absl::Status WriteBack(const impl::CpuDevice&, const float* cache, int64_t width, const int64_t* cache_rows,
+                       const int64_t* store_row_of, int64_t n, float* store, float** out) {
+  impl::StoreWrite(cache, width, cache_rows, store_row_of, n, store);
+  *out = nullptr;
+  return absl::OkStatus();
+}
+// The rows of new keys read from the store (or set to their initial value / fill when fresh); on a
+// GPU, the rows WriteBack gathered (`evicted`, of cache rows evicted_slots) written back in the same
+// launch, so that the host link carries both directions at once.
+inline void StoreRead(const impl::CpuDevice&, const IndexResource& r, const IndexResource::Array& a, float* store,
+               int64_t width, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,
+               const int64_t* cache_rows, int64_t n, float* cache, const float* /*evicted*/,
+               const int64_t* /*evicted_slots*/, const int64_t* /*store_row_of*/, int64_t /*num_evicted*/) {
+  impl::StoreRead(store, width, store_rows, fresh, keys, cache_rows, n, a.values ? r.init_kind : -1, r.a, r.b, r.seed,
+                  a.fill, cache);
+}
+#if TF_SOK_WITH_CUDA
+inline void StoreWrite(const impl::GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
+                const int64_t* store_row_of, int64_t n, float* store) {
+  impl::GpuStoreWrite(d, cache, width, cache_rows, store_row_of, n, store);
+}
+inline void StoreMarks(const impl::GpuDevice& d, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
+                int64_t n, int64_t* marks) {
+  impl::GpuStoreMarks(d, cache_rows, calls, store_row_of, n, marks);
+}
+inline absl::Status WriteBack(const impl::GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
+                       const int64_t* store_row_of, int64_t n, float* store, float** out) {
+  *out = static_cast<float*>(d.scratch->Allocate(sizeof(float) * static_cast<size_t>(n * width)));
+  if (*out == nullptr) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table evicts");
+  impl::GpuGatherRows(d, cache, width, cache_rows, n, *out);
+  return absl::OkStatus();
+}
+inline void StoreRead(const impl::GpuDevice& d, const IndexResource& r, const IndexResource::Array& a, float* store,
+               int64_t width, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,
+               const int64_t* cache_rows, int64_t n, float* cache, const float* evicted, const int64_t* evicted_slots,
+               const int64_t* store_row_of, int64_t num_evicted) {
+  impl::GpuStoreMove(d, evicted, evicted_slots, store_row_of, evicted != nullptr ? num_evicted : 0, store_rows, fresh,
+                     keys, cache_rows, n, width, a.values ? r.init_kind : -1, r.a, r.b, r.seed, a.fill, store, cache);
+}
+inline void InitialRowsAt(const impl::GpuDevice& d, const IndexResource& r, const int64_t* keys, const int64_t* rows,
+                   int64_t n, int64_t width, float* base) {
+  impl::GpuInitialRowsAt(d, r.init_kind, r.a, r.b, r.seed, keys, rows, n, width, base);
+}
+inline void FillRows(const impl::GpuDevice& d, float* base, int64_t width, const int64_t* rows, int64_t n, float fill) {
+  impl::GpuFillRows(d, base, width, rows, n, fill);
+}
+inline void GatherRows(const impl::GpuDevice& d, const float* base, int64_t width, const int64_t* rows, int64_t n,
+                float* out) {
+  impl::GpuGatherRows(d, base, width, rows, n, out);
+}
+inline void Fill(const impl::GpuDevice& d, float* p, int64_t count, float value) { impl::GpuFill(d, p, count, value); }
+#endif
+
+// An attached array grown to `rows` rows (new rows at its fill; values: zeros until a key's row is set).
+template <typename Device>
+inline absl::Status GrowArray(tf::OpKernelContext* ctx, const Device& d, const IndexResource& res,
+                       const IndexResource::Array& a, int64_t rows) {
+  tf::Tensor* t = a.var->tensor();
+  if (!a.var->is_initialized || t->dtype() != tf::DT_FLOAT || t->dims() < 1 || t->dims() > 2)
+    return absl::InvalidArgumentError("dynamic table '" + res.table + "': an attached array must be an initialized "
+                                      "float32 variable [rows] or [rows, width], got " + t->shape().DebugString());
+  if (t->dim_size(0) >= rows) return MakeExclusive(ctx, d, a.var.get());
+  tf::TensorShape shape = t->shape();
+  shape.set_dim(0, rows);
+  tf::Tensor fresh;
+  tf::AllocatorAttributes attr;
+  attr.set_gpu_compatible(true);
+  attr.set_nic_compatible(true);
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(tf::DT_FLOAT, shape, &fresh, attr));
+  const int64_t old = t->NumElements();
+  if (old > 0) impl::DeviceCopy<Device>(d, fresh.data(), t->data(), t->TotalBytes());
+  Fill(d, fresh.flat<float>().data() + old, fresh.NumElements() - old, a.values ? 0.0f : a.fill);
+  *t = fresh;
+  return absl::OkStatus();
+}
+
+
+// What one index call changed (device memory for GPU indices, host memory for CPU ones).
+struct Changes {
+  int64_t rows = 0;  // the row count the arrays must have now
+  int64_t positions = 0, missing_positions = 0;
+  const int64_t* new_keys = nullptr;
+  const int64_t* new_slots = nullptr;
+  int64_t num_new = 0;
+  const int64_t* evicted_keys = nullptr;
+  const int64_t* evicted_slots = nullptr;
+  const int64_t* evicted_touched = nullptr;
+  int64_t num_evicted = 0;
+};
+
+// A hybrid table's store rows for a call's new keys (fresh: the store had no row for the key yet),
+// in memory the call's device reads, and its per-cache-row store rows.
+struct StorePlan {
+  const int64_t* new_rows = nullptr;
+  const uint8_t* fresh = nullptr;
+  int64_t* store_row_of = nullptr;
+  int64_t fresh_count = 0;
+  bool planned = false;
+  uint8_t* staging = nullptr;     // on a GPU: [new keys | their store rows | fresh flags] on the host
+  uint8_t* on_device = nullptr;   // [store rows | fresh flags] on the device
+  // a bounded host tier: the keys the cache wrote back and their last touching calls (on a GPU, in
+  // staging after the new keys' lists), and the keys the bound dropped from the table, with their rows
+  const int64_t* written_back = nullptr;
+  const int64_t* written_back_calls = nullptr;
+  int64_t num_written_back = 0;
+  std::vector<int64_t> dropped_keys, dropped_rows;
+};
+
+// Whether the store plan of a call needs the device's lists on the host (new keys; with a bound,
+
+// Whether the store plan of a call needs the device's lists on the host (new keys; with a bound,
+// the keys written back too).
+bool PlanReadsBack(const IndexResource& r, const Changes& c);
+// The store rows of distinct keys (inserted when absent) into staging [keys | rows | fresh flags].
+absl::Status StoreRowsOnHost(tf::OpKernelContext* ctx, IndexResource* res, const int64_t* keys, int64_t n,
+                             uint8_t* staging, int64_t* fresh_count);
+// Per cache row, the store row of its key (`rows` of them at least), where the device reads it.
+absl::Status StoreRowArray(tf::OpKernelContext* ctx, const impl::CpuDevice& d, IndexResource* res, int64_t rows,
+                           int64_t** out);
+// The store plan of one call (the store rows of its new keys, the bound applied).
+absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::CpuDevice& d, IndexResource* res, const Changes& c,
+                       StorePlan* p);
+// store_row_of[cache_rows[j]] = rows[j]
+void SetStoreRows(const impl::CpuDevice& d, int64_t* store_row_of, const int64_t* cache_rows, const int64_t* rows,
+                  int64_t n);
+#if TF_SOK_WITH_CUDA
+absl::Status StoreRowArray(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res, int64_t rows,
+                           int64_t** out);
+absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res, const Changes& c,
+                       StorePlan* p);
+void SetStoreRows(const impl::GpuDevice& d, int64_t* store_row_of, const int64_t* cache_rows, const int64_t* rows,
+                  int64_t n);
+// A GPU call's store plan in two halves (several tables' with one wait between): StartStorePlan
+// sends the new keys (and with a bound, the keys written back) to the host; once they are there
+// (the caller waits), FinishStorePlans looks them up in each table's store and sends their rows to
+// the device.
+absl::Status StartStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
+                            const Changes& c, StorePlan* p);
+absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
+                              const std::vector<IndexResource*>& res, const std::vector<int64_t>& num_new,
+                              std::vector<StorePlan>* plans);
+#endif
+
+// After an index call: every attached array grown to `c.rows` and the rows of new keys set (hybrid
+// tables: evicted rows written to the host store first, new keys' rows read from it);
+// evicted_values (when given): the evicted rows' values, read before anything is written.
+// planned: the store plan when the caller made it (several tables' with one wait).
+template <typename Device>
+absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexResource* res, const Changes& c,
+                              float* evicted_values, StorePlan* given = nullptr);
+
+Changes HostChanges(const impl::FindChanges& ch, int64_t positions);
+#if TF_SOK_WITH_CUDA
+Changes DeviceChanges(const impl::GpuFindResult& r, int64_t positions);
+#endif
+
+}  // namespace dynamic_kernels
+}  // namespace tf_sok
+
+#endif  // TF_SOK_CC_KERNELS_DYNAMIC_ROWS_H_
