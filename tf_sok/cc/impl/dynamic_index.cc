@@ -23,73 +23,85 @@ int64_t PowerOfTwoAtLeast(int64_t n) {
 
 KeyMap::KeyMap(int64_t expected) {
   const int64_t buckets = PowerOfTwoAtLeast(expected * 2);
-  key_.assign(buckets, 0);
-  value_.assign(buckets, 0);
-  used_.assign(buckets, 0);
+  buckets_.assign(buckets, Bucket{0, kEmpty});
   mask_ = buckets - 1;
 }
 
+int64_t KeyMap::Home(int64_t key) const {
+  return static_cast<int64_t>(Mix(static_cast<uint64_t>(key)) & static_cast<uint64_t>(mask_));
+}
+
 int64_t KeyMap::Position(int64_t key) const {
-  int64_t pos = static_cast<int64_t>(Mix(static_cast<uint64_t>(key)) & static_cast<uint64_t>(mask_));
-  while (used_[pos] && key_[pos] != key) pos = (pos + 1) & mask_;
+  int64_t pos = Home(key);
+  while (buckets_[pos].value != kEmpty && buckets_[pos].key != key) pos = (pos + 1) & mask_;
   return pos;
 }
 
 int64_t KeyMap::Get(int64_t key, int64_t missing) const {
-  const int64_t pos = Position(key);
-  return used_[pos] ? value_[pos] : missing;
+  const Bucket& b = buckets_[Position(key)];
+  return b.value != kEmpty ? b.value : missing;
+}
+
+void KeyMap::GetMany(const int64_t* keys, int64_t n, int64_t missing, int64_t* out) const {
+  constexpr int64_t kAhead = 16;   // keys whose first bucket is on its way from memory
+  int64_t home[kAhead];
+  const int64_t first = std::min(n, kAhead);
+  for (int64_t j = 0; j < first; ++j) {
+    home[j] = Home(keys[j]);
+    __builtin_prefetch(&buckets_[home[j]]);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t pos = home[j % kAhead];
+    if (j + kAhead < n) {
+      const int64_t next = Home(keys[j + kAhead]);
+      home[j % kAhead] = next;
+      __builtin_prefetch(&buckets_[next]);
+    }
+    while (buckets_[pos].value != kEmpty && buckets_[pos].key != keys[j]) pos = (pos + 1) & mask_;
+    out[j] = buckets_[pos].value != kEmpty ? buckets_[pos].value : missing;
+  }
 }
 
 void KeyMap::Grow() {
-  std::vector<int64_t> keys, values;
-  keys.reserve(count_);
-  values.reserve(count_);
-  ForEach([&](int64_t k, int64_t v) {
-    keys.push_back(k);
-    values.push_back(v);
-  });
-  const int64_t buckets = static_cast<int64_t>(used_.size()) * 2;
-  key_.assign(buckets, 0);
-  value_.assign(buckets, 0);
-  used_.assign(buckets, 0);
-  mask_ = buckets - 1;
+  std::vector<Bucket> old;
+  old.swap(buckets_);
+  buckets_.assign(old.size() * 2, Bucket{0, kEmpty});
+  mask_ = static_cast<int64_t>(buckets_.size()) - 1;
   count_ = 0;
-  for (size_t i = 0; i < keys.size(); ++i) Put(keys[i], values[i]);
+  for (const Bucket& b : old)
+    if (b.value != kEmpty) Put(b.key, b.value);
 }
 
 void KeyMap::Put(int64_t key, int64_t value) {
   int64_t pos = Position(key);
-  if (used_[pos]) {
-    value_[pos] = value;
+  if (buckets_[pos].value != kEmpty) {
+    buckets_[pos].value = value;
     return;
   }
-  if ((count_ + 1) * 4 > static_cast<int64_t>(used_.size()) * 3) {  // load factor bound 0.75
+  if ((count_ + 1) * 4 > static_cast<int64_t>(buckets_.size()) * 3) {  // load factor bound 0.75
     Grow();
     pos = Position(key);
   }
-  used_[pos] = 1;
-  key_[pos] = key;
-  value_[pos] = value;
+  buckets_[pos] = Bucket{key, value};
   ++count_;
 }
 
 void KeyMap::Erase(int64_t key) {
   int64_t hole = Position(key);
-  if (!used_[hole]) return;
+  if (buckets_[hole].value == kEmpty) return;
   // backward shift: move later members of the run into the hole when their home allows it
   int64_t j = hole;
   while (true) {
     j = (j + 1) & mask_;
-    if (!used_[j]) break;
-    const int64_t home = static_cast<int64_t>(Mix(static_cast<uint64_t>(key_[j])) & static_cast<uint64_t>(mask_));
+    if (buckets_[j].value == kEmpty) break;
+    const int64_t home = Home(buckets_[j].key);
     // j's entry may move to `hole` unless its home lies cyclically in (hole, j]
     const bool stays = hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
     if (stays) continue;
-    key_[hole] = key_[j];
-    value_[hole] = value_[j];
+    buckets_[hole] = buckets_[j];
     hole = j;
   }
-  used_[hole] = 0;
+  buckets_[hole].value = kEmpty;
   --count_;
 }
 
@@ -119,8 +131,8 @@ void DynamicIndex::EnsureRows(int64_t needed) {
 
 std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* ch,
                                bool admit_all, float insert_ratio, const HeldKeys& held) {
+  slot_of_key_.GetMany(keys, n, -1, slots);
   if (!insert) {
-    for (int64_t i = 0; i < n; ++i) slots[i] = slot_of_key_.Get(keys[i], -1);
     ch->rows = rows_;
     return "";
   }
@@ -128,10 +140,12 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
   call_times_.Record(call);
   // 1. found keys (their distinct rows) and distinct missing keys, in order of first sight
   std::vector<int64_t> found_rows, missing;
-  KeyMap missing_index(std::min<int64_t>(n, 1 << 20));
+  const int64_t missing_positions = std::count_if(slots, slots + n, [](int64_t s) { return s < 0; });
+  KeyMap missing_index(std::max<int64_t>(missing_positions, 8));
+  constexpr int64_t kAhead = 16;   // rows whose marks are fetched ahead
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t s = slot_of_key_.Get(keys[i], -1);
-    slots[i] = s;
+    if (i + kAhead < n && slots[i + kAhead] >= 0) __builtin_prefetch(&touched_[slots[i + kAhead]]);
+    const int64_t s = slots[i];
     if (s >= 0) {
       if (touched_[s] != call) {
         touched_[s] = call;
@@ -190,7 +204,12 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
   }
   // 4. commit
   ++clock_;
-  for (int64_t s : found_rows) score_[s] = config_.evict == Evict::kLfu ? score_[s] + 1 : clock_;
+  const int64_t found = static_cast<int64_t>(found_rows.size());
+  for (int64_t j = 0; j < found; ++j) {
+    if (j + kAhead < found) __builtin_prefetch(&score_[found_rows[j + kAhead]], 1);
+    const int64_t s = found_rows[j];
+    score_[s] = config_.evict == Evict::kLfu ? score_[s] + 1 : clock_;
+  }
   for (int64_t s : victims) {
     ch->evicted_keys.push_back(slot_key_[s]);
     ch->evicted_slots.push_back(s);

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -70,25 +71,34 @@ struct DynamicIndexSnapshot {
   int64_t clock = 0, rows = 0, next_free = 0;
 };
 
-// An open-addressing map int64 -> int64 (linear probing, backward-shift deletion).
+// An open-addressing map int64 -> int64 (linear probing, backward-shift deletion). A bucket holds
+// its key and value side by side (one cache line per probe); INT64_MIN marks an empty bucket, so
+// it is the one value a map cannot hold.
 class KeyMap {
  public:
+  static constexpr int64_t kEmpty = std::numeric_limits<int64_t>::min();
   explicit KeyMap(int64_t expected = 8);
   int64_t Get(int64_t key, int64_t missing) const;
-  void Put(int64_t key, int64_t value);  // inserts or overwrites
+  // out[j] = Get(keys[j], missing) for j < n, the buckets of later keys fetched ahead (a large map's
+  // lookups wait on memory, not on the probe).
+  void GetMany(const int64_t* keys, int64_t n, int64_t missing, int64_t* out) const;
+  void Put(int64_t key, int64_t value);  // inserts or overwrites; value != kEmpty
   void Erase(int64_t key);               // no-op when absent
   int64_t size() const { return count_; }
   template <typename F>
   void ForEach(F f) const {
-    for (size_t i = 0; i < used_.size(); ++i)
-      if (used_[i]) f(key_[i], value_[i]);
+    for (const Bucket& b : buckets_)
+      if (b.value != kEmpty) f(b.key, b.value);
   }
 
  private:
+  struct Bucket {
+    int64_t key, value;
+  };
+  int64_t Home(int64_t key) const;
   int64_t Position(int64_t key) const;  // of key, or the empty bucket ending its run
   void Grow();
-  std::vector<int64_t> key_, value_;
-  std::vector<uint8_t> used_;
+  std::vector<Bucket> buckets_;
   int64_t mask_ = 0, count_ = 0;
 };
 

@@ -110,7 +110,7 @@ std::string HostStore::AddAbsent(const int64_t* keys, int64_t n, int64_t* rows, 
 }
 
 void HostStore::Rows(const int64_t* keys, int64_t n, int64_t* rows) const {
-  for (int64_t j = 0; j < n; ++j) rows[j] = row_of_key_.Get(keys[j], -1);
+  row_of_key_.GetMany(keys, n, -1, rows);
 }
 
 std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector<const float*>& data) {
