@@ -9,7 +9,8 @@
     throughput in keys/s, batches of --keys distinct random 64-bit keys, at a load factor (keys
     held / max_capacity) of 0.5 and 0.75.
     Anchor: HierarchicalKV reports find 1.98 G-KV/s and insert 0.83 G-KV/s (dim 64, load factor
-    0.5, A100 80 GB).
+    0.5, A100 80 GB). Beside it, TensorFlow's find of the same keys: a DenseHashTable key -> row and
+    a gather of the rows (the ratio printed).
 (b) the DLRM-like training step of gpu_bench.py (26 tables, Criteo Kaggle cardinalities capped,
     Zipf(1.05) ids, lazy Adam, loss = sum of squared pooled outputs) with every table dynamic
     (the same ids hashed to 64-bit keys) against every table static: time per step and ratio.
@@ -71,6 +72,7 @@ def index_section(a, device):
             keys = rng.integers(-2**63, 2**63 - 1, held + a.keys * (3 * BATCHES + 1), dtype=np.int64,
                                 endpoint=True)
             keys = np.unique(keys)
+            keys = keys[keys > -2**63 + 1]   # DenseHashTable's empty and deleted keys
             rng.shuffle(keys)
             filled = 0
             with tf.device(device):
@@ -90,16 +92,38 @@ def index_section(a, device):
                 t_find = timed(lambda: sync(find(next(it))[-1]), a.iters) / BATCHES
                 t_upsert = timed(lambda: sync(upsert(next(it))[-1]), a.iters) / BATCHES
                 t_insert = timed(lambda: sync(insert(next(fresh))[-1]), 2, warmup=1) / BATCHES
+            del table, find, upsert, insert
+            gc.collect()
+            t_tf = tf_find_time(a, device, dim, keys[:held], present)
             row = {"find_keys_per_s": a.keys / t_find, "find_or_insert_keys_per_s": a.keys / t_upsert,
-                   "insert_keys_per_s": a.keys / t_insert}
+                   "insert_keys_per_s": a.keys / t_insert, "tf_find_keys_per_s": a.keys / t_tf,
+                   "find_vs_tf": t_tf / t_find}
             res[f"dim{dim}/load{load}"] = row
             print(f"  dim {dim:3d}, load factor {load:.2f}: find {row['find_keys_per_s'] / 1e9:6.3f} G-keys/s "
                   f"({t_find * 1e3:6.3f} ms); find-or-insert of held keys "
                   f"{row['find_or_insert_keys_per_s'] / 1e9:6.3f} G-keys/s ({t_upsert * 1e3:6.3f} ms); "
-                  f"insert {row['insert_keys_per_s'] / 1e9:6.3f} G-keys/s ({t_insert * 1e3:6.3f} ms)")
-            del table, find, upsert, insert
-            gc.collect()   # the table's memory back before the next one's (tf.functions hold cycles)
+                  f"insert {row['insert_keys_per_s'] / 1e9:6.3f} G-keys/s ({t_insert * 1e3:6.3f} ms); "
+                  f"TensorFlow's DenseHashTable find {row['tf_find_keys_per_s'] / 1e9:6.3f} G-keys/s "
+                  f"({t_tf * 1e3:6.3f} ms): tf_sok's find {row['find_vs_tf']:.1f}x")
     return res
+
+
+def tf_find_time(a, device, dim, held, batches):
+    """TensorFlow's find of the same batches, as a user writes it: a DenseHashTable key -> row of a
+    tf.Variable holding the `held` keys' values (a CPU table: TensorFlow has no GPU hash table), the
+    rows gathered; per batch, as index_section's."""
+    table = tf.lookup.experimental.DenseHashTable(tf.int64, tf.int64, default_value=-1, empty_key=np.int64(-2**63),
+                                                  deleted_key=np.int64(-2**63 + 1))
+    for i in range(0, len(held), 1 << 20):
+        table.insert(tf.constant(held[i:i + (1 << 20)]), tf.range(i, min(len(held), i + (1 << 20)), dtype=tf.int64))
+    with tf.device(device):
+        values = tf.Variable(tf.zeros([len(held), dim]))
+        find = tf.function(lambda ks: [tf.gather(values, table.lookup(k)) for k in ks])
+        it = iter(batches * (a.iters + 4))
+        t = timed(lambda: sync(find(next(it))[-1]), a.iters) / BATCHES
+    del table, values, find
+    gc.collect()   # the memory back before the next table's (tf.functions hold cycles)
+    return t
 
 
 def dlrm_batch(batch, hotness, cardinalities):
