@@ -143,6 +143,27 @@ def test_eviction_follows_the_policy_and_returns_evicted_values(rng, policy):
     assert table.size.numpy()[0] == max_keys
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_eviction_over_many_calls_and_a_restore_follows_the_policy(rng, tmp_path, policy):
+    """Hundreds of calls on a bounded table (a first call filling it at once: one score shared by all
+    its keys), restored from a checkpoint half-way into a new table: the keys each call evicts are
+    the model's, as are the keys held at the end."""
+    pool = random_keys(rng, 150)
+    max_keys = 50
+    batches = [pool[:max_keys]] + [rng.choice(pool, rng.integers(1, 30)) for _ in range(300)]
+    want_keys, want_evicted = _reference_model(max_keys, policy, batches)
+    table = sok.DynamicVariable(2, initializer="ones", max_capacity=max_keys, evict_strategy=policy, name="long")
+    for i, (b, want) in enumerate(zip(batches, want_evicted)):
+        if i == 150:
+            path = tf.train.Checkpoint(table=table).write(str(tmp_path / "ck"))
+            table = sok.DynamicVariable(2, initializer="ones", max_capacity=max_keys, evict_strategy=policy,
+                                        name="long_restored")
+            tf.train.Checkpoint(table=table).read(path).assert_consumed()
+        _, ev_keys, _ = sok.sparse_read_and_evict(table, tf.constant(b))
+        assert sorted(ev_keys.numpy().tolist()) == want, f"call {i}"
+    assert set(held(table)) == want_keys
+
+
 def test_evicted_key_returns_with_fresh_value_and_optimizer_state(rng):
     keys = random_keys(rng, 3)
     table = sok.DynamicVariable(2, initializer="ones", max_capacity=2, evict_strategy="lru", name="small")

@@ -111,6 +111,7 @@ DynamicIndex::DynamicIndex(const DynamicIndexConfig& config)
     : config_(config), slot_of_key_(std::max<int64_t>(config.init_rows, 8)), candidates_(8) {
   reserved_ = 1;  // row 0: what keys not inserted (not admitted, filtered) read
   next_free_ = reserved_;
+  lru_in_order_ = config_.bounded() && config_.evict == Evict::kLru;
   int64_t rows = std::max<int64_t>(config_.init_rows, reserved_ + 1);
   if (config_.bounded()) rows = std::max(reserved_ + 1, std::min(rows, config_.max_keys + reserved_));
   rows_ = 0;
@@ -187,20 +188,13 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
              " keys held and this batch brings " + std::to_string(admitted) +
              " new ones; give evict_strategy (\"lru\" or \"lfu\") or a larger max_capacity";
     }
-    std::vector<std::tuple<int64_t, int64_t, int64_t>> candidates;  // (score, key, row)
-    candidates.reserve(live_);
-    for (int64_t s = reserved_; s < next_free_; ++s)
-      if (live_row_[s] && touched_[s] != call) candidates.emplace_back(score_[s], slot_key_[s], s);
-    if (config_.cache) need = std::min<int64_t>(need, static_cast<int64_t>(candidates.size()));
-    if (static_cast<int64_t>(candidates.size()) < need) {
+    const int64_t available = Victims(call, need, &victims);
+    if (config_.cache) need = std::min(need, available);
+    if (available < need) {
       return "cannot hold this batch's keys: it uses " + std::to_string(found_rows.size() + admitted) +
              " distinct keys and max_capacity is " + std::to_string(config_.max_keys);
     }
-    if (need > 0) {
-      std::nth_element(candidates.begin(), candidates.begin() + (need - 1), candidates.end());
-      std::sort(candidates.begin(), candidates.begin() + need);
-    }
-    for (int64_t v = 0; v < need; ++v) victims.push_back(std::get<2>(candidates[v]));
+    victims.resize(need);
   }
   // 4. commit
   ++clock_;
@@ -209,6 +203,7 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
     if (j + kAhead < found) __builtin_prefetch(&score_[found_rows[j + kAhead]], 1);
     const int64_t s = found_rows[j];
     score_[s] = config_.evict == Evict::kLfu ? score_[s] + 1 : clock_;
+    if (lru_in_order_) lru_.emplace_back(clock_, s);
   }
   for (int64_t s : victims) {
     ch->evicted_keys.push_back(slot_key_[s]);
@@ -243,6 +238,7 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
     ++live_;
     ++generation_[s];
     score_[s] = config_.evict == Evict::kLfu ? 1 : clock_;
+    if (lru_in_order_) lru_.emplace_back(clock_, s);
     touched_[s] = call;
     slot_of_missing[j] = s;
     ch->new_slots.push_back(s);
@@ -251,7 +247,66 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
   for (int64_t i = 0; i < n; ++i)
     if (slots[i] < 0) slots[i] = slot_of_missing[missing_index.Get(keys[i], 0)];
   ch->rows = rows_;
+  TrimLruOrder();
   return "";
+}
+
+bool DynamicIndex::LruEntryLive(const std::pair<int64_t, int64_t>& e) const {
+  return live_row_[e.second] && score_[e.second] == e.first;
+}
+
+int64_t DynamicIndex::Victims(int64_t call, int64_t need, std::vector<int64_t>* victims) const {
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> candidates;  // (score, key, row)
+  if (lru_in_order_) {
+    // the untouched live rows in score order, up to the need-th and those tied with it
+    // (entries before lru_sorted_ are in (score, key) order: the need-th of them ends the scan)
+    for (size_t i = lru_head_; i < lru_.size(); ++i) {
+      const int64_t row = lru_[i].second;
+      if (!LruEntryLive(lru_[i]) || touched_[row] == call) continue;
+      if (static_cast<int64_t>(candidates.size()) >= need && lru_[i].first != std::get<0>(candidates[need - 1]))
+        break;
+      candidates.emplace_back(lru_[i].first, slot_key_[row], row);
+      if (static_cast<int64_t>(candidates.size()) == need && i < lru_sorted_) break;
+    }
+  } else {
+    candidates.reserve(live_);
+    for (int64_t s = reserved_; s < next_free_; ++s)
+      if (live_row_[s] && touched_[s] != call) candidates.emplace_back(score_[s], slot_key_[s], s);
+  }
+  const int64_t take = std::min(need, static_cast<int64_t>(candidates.size()));
+  if (take > 0) {
+    std::nth_element(candidates.begin(), candidates.begin() + (take - 1), candidates.end());
+    std::sort(candidates.begin(), candidates.begin() + take);
+  }
+  for (int64_t v = 0; v < take; ++v) victims->push_back(std::get<2>(candidates[v]));
+  return static_cast<int64_t>(candidates.size());
+}
+
+void DynamicIndex::TrimLruOrder() {
+  if (!lru_in_order_) return;
+  while (lru_head_ < lru_.size() && !LruEntryLive(lru_[lru_head_])) ++lru_head_;
+  const size_t held = lru_.size() - lru_head_;
+  if (lru_head_ * 2 >= lru_.size() || held > 2 * static_cast<size_t>(live_) + 4096) {
+    size_t kept = 0, sorted = 0;   // the live entries, in order
+    for (size_t i = lru_head_; i < lru_.size(); ++i) {
+      if (i == lru_sorted_) sorted = kept;
+      if (LruEntryLive(lru_[i])) lru_[kept++] = lru_[i];
+    }
+    lru_sorted_ = lru_sorted_ >= lru_.size() ? kept : (lru_sorted_ <= lru_head_ ? 0 : sorted);
+    lru_.resize(kept);
+    lru_head_ = 0;
+  }
+  if (lru_sorted_ > lru_head_ || lru_head_ == lru_.size()) return;
+  // the front score's live entries sorted by key, once: the victims of the next calls in order
+  const int64_t score = lru_[lru_head_].first;
+  size_t end = lru_head_;
+  std::vector<std::pair<int64_t, int64_t>> group;   // (key, row)
+  for (; end < lru_.size() && lru_[end].first == score; ++end)
+    if (LruEntryLive(lru_[end])) group.emplace_back(slot_key_[lru_[end].second], lru_[end].second);
+  std::sort(group.begin(), group.end());
+  lru_head_ = end - group.size();
+  for (size_t j = 0; j < group.size(); ++j) lru_[lru_head_ + j] = {score, group[j].second};
+  lru_sorted_ = end;
 }
 
 void CallTimes::Record(int64_t call) {
@@ -330,6 +385,16 @@ std::string DynamicIndex::Import(const DynamicIndexSnapshot& s) {
   fresh.next_free_ = s.next_free;
   fresh.call_ = call_;   // touch marks of the import start clean, calls keep counting
   fresh.clock_ = s.clock;
+  if (fresh.lru_in_order_) {
+    for (size_t i = 0; i < n; ++i) fresh.lru_.emplace_back(s.scores[i], s.slots[i]);
+    std::sort(fresh.lru_.begin(), fresh.lru_.end());
+    fresh.TrimLruOrder();
+    // later touches append their clock: in order only while no imported score is above it
+    if (!fresh.lru_.empty() && fresh.lru_.back().first > s.clock) {
+      fresh.lru_in_order_ = false;
+      fresh.lru_.clear();
+    }
+  }
   *this = std::move(fresh);
   return "";
 }

@@ -153,6 +153,12 @@ class DynamicIndex {
 
  private:
   void EnsureRows(int64_t needed);
+  // Rows to evict for `need` keys: the untouched (by `call`) live rows of lowest (score, key), in that
+  // order, into victims (fewer when fewer are untouched); returns how many untouched rows there were
+  // (LRU tables in order: at least min(need, that count) of them).
+  int64_t Victims(int64_t call, int64_t need, std::vector<int64_t>* victims) const;
+  bool LruEntryLive(const std::pair<int64_t, int64_t>& e) const;
+  void TrimLruOrder();   // drops the entries of lru_ no longer live, sorts the front score's
 
   DynamicIndexConfig config_;
   int64_t reserved_ = 0;
@@ -164,6 +170,15 @@ class DynamicIndex {
   std::vector<int64_t> free_;
   int64_t next_free_ = 0, rows_ = 0, live_ = 0, clock_ = 0, call_ = 0;
   CallTimes call_times_;
+  // A bounded LRU index's rows in the order of their scores: (score, row) appended as a call scores a
+  // row (scores only grow), an entry live while its row is and has that score; eviction reads the
+  // untouched live rows from the front instead of scanning every row. Off (every row scanned) after
+  // an import whose scores exceed its clock.
+  // The entries before lru_sorted_ (the front score's, sorted once it is at the front) are in
+  // (score, key) order.
+  bool lru_in_order_ = false;
+  std::vector<std::pair<int64_t, int64_t>> lru_;
+  size_t lru_head_ = 0, lru_sorted_ = 0;
 };
 
 // splitmix64's finaliser: the hash of keys and the initializer's random bits.
