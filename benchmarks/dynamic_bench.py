@@ -19,6 +19,8 @@
     the faster of tf.nn.embedding_lookup_sparse over the RaggedTensor of rows and a gather of the
     rows as a [batch, hotness] matrix, and the hand-written sparse Adam of gpu_common (Keras' Adam
     densifies IndexedSlices gradients), the same tables and ids.
+(d) eviction: finds whose keys are 10% new into a table full at max_capacity (LRU, LFU), against
+    the same finds into an unbounded table.
 """
 import argparse
 import gc
@@ -224,6 +226,37 @@ def tf_section(a, device, cardinalities):
             "sok_ms": t_sok * 1e3, "speedup": t_tf / t_sok}
 
 
+def evict_section(a, device):
+    """(d): a find whose keys are 10% new into a table full at max_capacity (it evicts as many
+    keys), against the same find into an unbounded table: what eviction adds per call."""
+    capacity, batch = (8 << 20, 1 << 20) if a.keys >= 1 << 20 else (1 << 20, 65536)
+    print(f"\n(d) eviction on {device}: finds of {batch:,} keys (10% new) into a table of {capacity:,} keys, "
+          f"full at max_capacity (as many keys evicted) vs unbounded")
+    rng = np.random.default_rng(2)
+    pool = rng.integers(-2**62, 2**62, 3 * capacity, dtype=np.int64)
+    res = {}
+    for policy in ("none", "lru", "lfu"):
+        bound = {} if policy == "none" else dict(max_capacity=capacity, evict_strategy=policy)
+        with tf.device(device):
+            table = sok.DynamicVariable(16, initializer="zeros", init_capacity=capacity + 16, name=f"evict_{policy}",
+                                        **bound)
+            for i in range(0, capacity, batch):
+                sync(table.rows_for(tf.constant(pool[i:i + batch])))
+            old = int(batch * 0.9)
+            calls = [tf.constant(np.concatenate([rng.choice(pool[:capacity], old),
+                                                 pool[capacity + i * (batch - old):capacity + (i + 1) * (batch - old)]]))
+                     for i in range(a.iters + 3)]
+            it = iter(calls)
+            find = tf.function(lambda k: table.rows_for(k))
+            res[policy] = timed(lambda: sync(find(next(it))), a.iters)
+        del table, find
+        gc.collect()
+    for policy in ("lru", "lfu"):
+        print(f"  {policy}: {res[policy] * 1e3:8.2f} ms per find | unbounded {res['none'] * 1e3:8.2f} ms | "
+              f"{res[policy] / res['none']:.2f}x")
+    return {k + "_ms": v * 1e3 for k, v in res.items()}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small shapes (a CPU smoke run)")
@@ -233,7 +266,7 @@ def main():
     p.add_argument("--hotness", type=int, default=1)
     p.add_argument("--dim", type=int, default=None)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--parts", default="index,step,tf")
+    p.add_argument("--parts", default="index,step,tf,evict")
     p.add_argument("--profile", action="store_true", help="(b): also print where each step's time goes")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -254,6 +287,8 @@ def main():
         res["step"] = step_section(a, device, cards)
     if "tf" in parts:
         res["tf"] = tf_section(a, device, cards)
+    if "evict" in parts:
+        res["evict"] = evict_section(a, device)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
