@@ -164,6 +164,29 @@ def test_eviction_over_many_calls_and_a_restore_follows_the_policy(rng, tmp_path
     assert set(held(table)) == want_keys
 
 
+def test_large_batches_find_the_values_assigned_to_their_keys(rng):
+    """Batches large enough to be looked up on several host threads: each position reads the value
+    assigned to its key (a dict's), missing keys -1 without insert; with insert, the missing keys
+    enter at their initial value and the held ones keep theirs."""
+    keys = random_keys(rng, 60_000)
+    held_keys, new_keys = keys[:40_000], keys[40_000:]
+    values = rng.standard_normal((len(held_keys), 3)).astype(np.float32)
+    table = sok.DynamicVariable(3, initializer="zeros", name="large")
+    sok.assign(table, tf.constant(held_keys), tf.constant(values))
+    want = dict(zip(held_keys.tolist(), values))
+    batch = rng.choice(keys, 50_000)
+    rows = table.rows_for(tf.constant(batch), insert=False).numpy()
+    assert ((rows < 0) == ~np.isin(batch, held_keys)).all()
+    got = table.sparse_read_rows(tf.constant(np.where(rows < 0, 0, rows))).numpy()
+    for k, r, v in zip(batch, rows, got):
+        if r >= 0:
+            np.testing.assert_array_equal(v, want[int(k)])
+    out = tf.gather(table, tf.constant(batch)).numpy()   # inserts the missing keys
+    np.testing.assert_array_equal(out, [want.get(int(k), np.zeros(3, np.float32)) for k in batch])
+    assert table.size.numpy()[0] == len(set(held_keys.tolist()) | set(batch.tolist()))
+    assert len(set(new_keys.tolist()) & set(batch.tolist())) > 0
+
+
 def test_evicted_key_returns_with_fresh_value_and_optimizer_state(rng):
     keys = random_keys(rng, 3)
     table = sok.DynamicVariable(2, initializer="ones", max_capacity=2, evict_strategy="lru", name="small")

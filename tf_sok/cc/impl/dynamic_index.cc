@@ -131,8 +131,13 @@ void DynamicIndex::EnsureRows(int64_t needed) {
 }
 
 std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* ch,
-                               bool admit_all, float insert_ratio, const HeldKeys& held) {
-  slot_of_key_.GetMany(keys, n, -1, slots);
+                               bool admit_all, float insert_ratio, const HeldKeys& held,
+                               const ParallelFor* parallel_for) {
+  auto lookup = [&](int64_t begin, int64_t end) { slot_of_key_.GetMany(keys + begin, end - begin, -1, slots + begin); };
+  if (parallel_for != nullptr && n > 16384)
+    (*parallel_for)(n, 100, lookup);   // lookups only: the map is not changed while they run
+  else
+    lookup(0, n);
   if (!insert) {
     ch->rows = rows_;
     return "";

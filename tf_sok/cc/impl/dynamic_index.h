@@ -126,8 +126,10 @@ class DynamicIndex {
   // insert_ratio < 1: a new key that passes admission is inserted only if
   // KeepNewKey(key, call clock, insert_ratio) (else it counts as not admitted); `held` (a cache's):
   // keys its host tier holds are inserted whatever the draw.
+  // parallel_for (optional): the keys are looked up on the host's threads.
   std::string Find(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* changes,
-                   bool admit_all = false, float insert_ratio = 1.0f, const HeldKeys& held = {});
+                   bool admit_all = false, float insert_ratio = 1.0f, const HeldKeys& held = {},
+                   const ParallelFor* parallel_for = nullptr);
 
   int64_t size() const { return live_; }
   int64_t rows() const { return rows_; }

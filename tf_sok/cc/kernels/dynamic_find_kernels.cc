@@ -168,13 +168,13 @@ class FindOp : public tf::OpKernel {
     tf::Tensor* slots = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, keys.shape(), &slots));
     impl::FindChanges ch;
+    TensorScratch scratch(ctx);
+    const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
     tf::mutex_lock l(res->mu);
     const std::string error = res->host->Find(keys.flat<int64_t>().data(), keys.NumElements(), insert_,
                                               slots->flat<int64_t>().data(), &ch, admit_all_, insert_ratio_,
-                                              HeldOnHost(res.get(), insert_ratio_));
+                                              HeldOnHost(res.get(), insert_ratio_), &d.parallel_for);
     OP_REQUIRES(ctx, error.empty(), Failed(*res, " ", error));
-    TensorScratch scratch(ctx);
-    const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
     if (res->store) {   // the keys its cache evicts stay in the host tier; those its bound drops leave
       StorePlan plan;
       if (insert_) OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res.get(), HostChanges(ch, keys.NumElements()),
@@ -275,7 +275,7 @@ class FindManyOp : public tf::OpKernel {
       impl::FindChanges ch;
       const std::string error = r->host->Find(keys.flat<int64_t>().data(), keys.NumElements(), true,
                                               slots->flat<int64_t>().data(), &ch, false, insert_ratio_,
-                                              HeldOnHost(r, insert_ratio_));
+                                              HeldOnHost(r, insert_ratio_), &d.parallel_for);
       OP_REQUIRES(ctx, error.empty(), Failed(*r, " ", error));
       OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, HostChanges(ch, keys.NumElements()), nullptr));
     }
