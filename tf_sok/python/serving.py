@@ -194,6 +194,8 @@ def export_saved_model(model, path: str, inputs) -> None:
     `.serve(batch)` takes what the model takes; the `serving_default` signature takes plain tensors.
     """
     from tf_sok.python import dump as dump_lib
+    from tf_sok.python.dump_format import Ranks
+    from tf_sok.python.dump_load import Reader
     from tf_sok.python.dynamic_variable import DynamicVariable
 
     layers = _table_layers(model)
@@ -203,13 +205,13 @@ def export_saved_model(model, path: str, inputs) -> None:
     for layer in layers:
         for name, var in _layer_tables(layer).items():
             tables[name] = (layer, var)
-    ranks = dump_lib._Ranks()   # noqa: SLF001
+    ranks = Ranks()
     tmp = ranks.agree(tempfile.mkdtemp(prefix="tf_sok_export_") if ranks.lead else "")
     try:
         dump_lib.dump(tmp, [v for _, v in tables.values()])
         if not ranks.lead:
             return
-        reader = dump_lib._Reader(tmp)   # noqa: SLF001
+        reader = Reader(tmp)
         serving = {}
         for name, (layer, var) in tables.items():
             entry = reader.entry(name)
