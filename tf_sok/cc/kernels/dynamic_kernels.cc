@@ -5,6 +5,7 @@
 // This file: the index resource's creation, attaching arrays, size, export / import of the index.
 // The finds are in dynamic_find_kernels.cc, the host tier's ops in hybrid_kernels.cc.
 #include <algorithm>
+#include <array>
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,6 +15,13 @@
 namespace tf_sok {
 namespace dynamic_kernels {
 namespace {
+
+// The six vectors of an index snapshot, in the order of the export op's outputs / import op's inputs.
+using SnapshotParts = std::array<std::vector<int64_t>*, 6>;
+SnapshotParts PartsOf(impl::DynamicIndexSnapshot* snap) {
+  return {&snap->keys, &snap->slots, &snap->scores, &snap->generations, &snap->candidate_keys,
+          &snap->candidate_counts};
+}
 
 class IndexOp : public tf::OpKernel {
  public:
@@ -162,8 +170,7 @@ class ExportOp : public tf::OpKernel {
       OP_REQUIRES_OK(ctx, ExportIndex(ctx, res.get(), &snap));
     }
     absl::Status s;
-    const std::vector<int64_t>* parts[] = {&snap.keys,         &snap.slots,          &snap.scores,
-                                           &snap.generations, &snap.candidate_keys, &snap.candidate_counts};
+    const SnapshotParts parts = PartsOf(&snap);
     for (int i = 0; i < 6; ++i) {
       HostVector(ctx, i, *parts[i], &s);
       OP_REQUIRES_OK(ctx, s);
@@ -212,8 +219,7 @@ class ImportOp : public tf::OpKernel {
     tf::core::RefCountPtr<IndexResource> res;
     OP_REQUIRES_OK(ctx, GetIndex(ctx, &res));
     impl::DynamicIndexSnapshot snap;
-    std::vector<int64_t>* parts[] = {&snap.keys,         &snap.slots,          &snap.scores,
-                                     &snap.generations, &snap.candidate_keys, &snap.candidate_counts};
+    const SnapshotParts parts = PartsOf(&snap);
     for (int i = 0; i < 6; ++i) {
       const tf::Tensor& t = ctx->input(1 + i);
       OP_REQUIRES(ctx, t.dims() == 1, Failed(*res, ": restoring its index: part ", std::to_string(i) + " is not a vector"));

@@ -7,6 +7,18 @@ namespace tf_sok {
 
 using ::tensorflow::shape_inference::InferenceContext;
 
+namespace {
+
+// A hybrid table's store rows: keys [n], rows [n, sum(widths)], widths [arrays].
+absl::Status StoreRowsShape(InferenceContext* c) {
+  c->set_output(0, c->Vector(c->UnknownDim()));
+  c->set_output(1, c->Matrix(c->UnknownDim(), c->UnknownDim()));
+  c->set_output(2, c->Vector(c->UnknownDim()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 REGISTER_OP("TfSokDynamicIndex")
     .Output("handle: resource")
     .Attr("container: string = ''")
@@ -190,12 +202,7 @@ REGISTER_OP("TfSokDynamicStoreTouchedSince")
     .Output("rows: float")
     .Output("widths: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(c->UnknownDim()));
-      c->set_output(1, c->Matrix(c->UnknownDim(), c->UnknownDim()));
-      c->set_output(2, c->Vector(c->UnknownDim()));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(StoreRowsShape)
     .Doc(R"doc(
 TfSokDynamicStoreExport's outputs for the keys of a hybrid table that a find with
 insert touched at or after `since` (ns since the epoch), since the table was made
@@ -209,12 +216,7 @@ REGISTER_OP("TfSokDynamicStoreExport")
     .Output("rows: float")
     .Output("widths: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(c->UnknownDim()));
-      c->set_output(1, c->Matrix(c->UnknownDim(), c->UnknownDim()));
-      c->set_output(2, c->Vector(c->UnknownDim()));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(StoreRowsShape)
     .Doc(R"doc(
 A hybrid table's every key and its rows, after the cached rows are written back
 to the host store (they stay cached). rows [n, sum(widths)]: each key's row of
