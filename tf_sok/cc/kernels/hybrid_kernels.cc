@@ -12,41 +12,72 @@ namespace tf_sok {
 namespace dynamic_kernels {
 namespace {
 
+// Host lists of n int64 each where device `d` reads them, in `out`: on the host as they are; on a
+// GPU copied into the call's scratch memory (ordered before the work queued after them).
+absl::Status ListsForDevice(const impl::CpuDevice&, const IndexResource&, const std::vector<const int64_t*>& lists,
+                            int64_t, std::vector<const int64_t*>* out) {
+  *out = lists;
+  return absl::OkStatus();
+}
+int64_t IndexRows(const impl::CpuDevice&, const IndexResource& res) { return res.host->rows(); }
+absl::Status Done(const impl::CpuDevice&) { return absl::OkStatus(); }
+#if TF_SOK_WITH_CUDA
+absl::Status ListsForDevice(const impl::GpuDevice& d, const IndexResource& res,
+                            const std::vector<const int64_t*>& lists, int64_t n, std::vector<const int64_t*>* out) {
+  auto* buffer = static_cast<int64_t*>(d.scratch->Allocate(8 * lists.size() * std::max<int64_t>(n, 1)));
+  if (!buffer) return absl::ResourceExhaustedError("dynamic table '" + res.table + "': out of GPU memory");
+  out->clear();
+  for (size_t i = 0; i < lists.size(); ++i) {
+    if (n > 0)
+      cudaMemcpyAsync(buffer + i * n, lists[i], 8 * n, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(d.stream));
+    out->push_back(buffer + i * n);
+  }
+  return absl::OkStatus();
+}
+int64_t IndexRows(const impl::GpuDevice&, const IndexResource& res) { return res.gpu->rows(); }
+absl::Status Done(const impl::GpuDevice& d) { return CudaWait(static_cast<cudaStream_t>(d.stream)); }
+#endif
+
+// Writes the cached rows of a hybrid table (snapshot `snap` of its cache) back to its host store.
+template <typename Device>
+absl::Status WriteCacheBack(tf::OpKernelContext* ctx, const Device& d, IndexResource* res,
+                            const impl::DynamicIndexSnapshot& snap) {
+  const int64_t n = static_cast<int64_t>(snap.keys.size());
+  int64_t* store_row_of = nullptr;
+  TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, IndexRows(d, *res), &store_row_of));
+  std::vector<const int64_t*> slots;
+  TF_RETURN_IF_ERROR(ListsForDevice(d, *res, {snap.slots.data()}, n, &slots));
+  for (size_t i = 0; i < res->arrays.size(); ++i) {
+    tf::mutex_lock l(*res->arrays[i].var->mu());
+    const tf::Tensor* t = res->arrays[i].var->tensor();
+    StoreWrite(d, t->flat<float>().data(), res->store->width(i), slots[0], store_row_of, n, res->store->base(i));
+  }
+  return Done(d);
+}
+
+// Every cached key's store row (`rows`, per snapshot key) recorded for its cache row.
+template <typename Device>
+absl::Status SetCacheStoreRows(tf::OpKernelContext* ctx, const Device& d, IndexResource* res,
+                               const impl::DynamicIndexSnapshot& snap, const int64_t* rows) {
+  const int64_t n = static_cast<int64_t>(snap.keys.size());
+  int64_t* store_row_of = nullptr;
+  TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, IndexRows(d, *res), &store_row_of));
+  std::vector<const int64_t*> lists;
+  TF_RETURN_IF_ERROR(ListsForDevice(d, *res, {snap.slots.data(), rows}, n, &lists));
+  SetStoreRows(d, store_row_of, lists[0], lists[1], n);
+  return Done(d);
+}
+
 // Writes every cached row of a hybrid table back to its host store (the rows stay cached).
 absl::Status Flush(tf::OpKernelContext* ctx, IndexResource* res) {
   impl::DynamicIndexSnapshot snap;
   TF_RETURN_IF_ERROR(ExportIndex(ctx, res, &snap));
-  const int64_t n = static_cast<int64_t>(snap.keys.size());
   TensorScratch scratch(ctx);
 #if TF_SOK_WITH_CUDA
-  if (res->gpu) {
-    const impl::GpuDevice d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
-    int64_t* store_row_of = nullptr;
-    TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, res->gpu->rows(), &store_row_of));
-    auto* slots = static_cast<int64_t*>(d.scratch->Allocate(8 * std::max<int64_t>(n, 1)));
-    if (!slots) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of GPU memory");
-    const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
-    if (n > 0) cudaMemcpyAsync(slots, snap.slots.data(), 8 * n, cudaMemcpyHostToDevice, stream);
-    for (size_t i = 0; i < res->arrays.size(); ++i) {
-      tf::mutex_lock l(*res->arrays[i].var->mu());
-      const tf::Tensor* t = res->arrays[i].var->tensor();
-      StoreWrite(d, t->flat<float>().data(), res->store->width(i), slots, store_row_of, n, res->store->base(i));
-    }
-    return CudaWait(stream);
-  }
+  if (res->gpu) return WriteCacheBack(ctx, MakeDevice<impl::GpuDevice>(ctx, &scratch), res, snap);
 #endif
-  const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
-  int64_t* store_row_of = nullptr;
-  TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, res->host->rows(), &store_row_of));
-  for (size_t i = 0; i < res->arrays.size(); ++i) {
-    tf::mutex_lock l(*res->arrays[i].var->mu());
-    const tf::Tensor* t = res->arrays[i].var->tensor();
-    StoreWrite(d, t->flat<float>().data(), res->store->width(i), snap.slots.data(), store_row_of, n,
-               res->store->base(i));
-  }
-  return absl::OkStatus();
+  return WriteCacheBack(ctx, MakeDevice<impl::CpuDevice>(ctx, &scratch), res, snap);
 }
-
 
 }  // namespace
 
@@ -90,26 +121,9 @@ absl::Status RelinkCache(tf::OpKernelContext* ctx, IndexResource* res, bool stor
   }
   TensorScratch scratch(ctx);
 #if TF_SOK_WITH_CUDA
-  if (res->gpu) {
-    const impl::GpuDevice d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
-    int64_t* store_row_of = nullptr;
-    TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, res->gpu->rows(), &store_row_of));
-    auto* lists = static_cast<int64_t*>(d.scratch->Allocate(16 * std::max<int64_t>(n, 1)));
-    if (!lists) return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of GPU memory");
-    const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
-    if (n > 0) {
-      cudaMemcpyAsync(lists, snap.slots.data(), 8 * n, cudaMemcpyHostToDevice, stream);
-      cudaMemcpyAsync(lists + n, rows, 8 * n, cudaMemcpyHostToDevice, stream);
-    }
-    SetStoreRows(d, store_row_of, lists, lists + n, n);
-    return CudaWait(stream);
-  }
+  if (res->gpu) return SetCacheStoreRows(ctx, MakeDevice<impl::GpuDevice>(ctx, &scratch), res, snap, rows);
 #endif
-  const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
-  int64_t* store_row_of = nullptr;
-  TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, res->host->rows(), &store_row_of));
-  SetStoreRows(d, store_row_of, snap.slots.data(), rows, n);
-  return absl::OkStatus();
+  return SetCacheStoreRows(ctx, MakeDevice<impl::CpuDevice>(ctx, &scratch), res, snap, rows);
 }
 
 namespace {
