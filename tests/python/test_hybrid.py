@@ -381,8 +381,10 @@ def test_low_frequency_filter_on_a_hybrid_table_equals_the_table_without_a_tier(
     pool = random_keys(rng, 80)
     zeros = came_back = 0
     for step in range(12):
-        # the first batch: 40 samples of one new key each, so that some read zeros (all 40 kept: 2**-40)
-        lens, keys = (np.ones(40, np.int64), pool[:40]) if step == 0 else _batches(rng, pool, 1, batch=8)[0]
+        # the first batch: a sample of one new key each, 40 (or max_capacity: the most a batch may keep),
+        # so that some read zeros (all kept: 2**-40, 2**-25)
+        first = min(40, capacity or 40)
+        lens, keys = (np.ones(first, np.int64), pool[:first]) if step == 0 else _batches(rng, pool, 1, batch=8)[0]
         rows = rng.integers(0, 30, int(lens.sum()))
         outs = []
         for table, opt in zip((plain, hybrid), opts):
