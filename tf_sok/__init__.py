@@ -12,6 +12,7 @@ from tf_sok.python.dump import dump, incremental_model_dump, load
 from tf_sok.python.dynamic_variable import (DynamicVariable, assign, cache_stats, export, host_link_bandwidth,
                                             sparse_read_and_evict)
 from tf_sok.python.lookup import lookup_sparse
+from tf_sok.python.prefetch import prefetch
 from tf_sok.python.serving import export_saved_model
 from tf_sok.python.ops.loader import build_info
 from tf_sok.python.variable import (ReplicaTable, Variable, broadcast_variables, filter_variables, local_shard,
@@ -42,7 +43,7 @@ _SOK_ONLY = {
     "set_comm_tool": "sok.init(comm_tool=...)",
 }
 
-__all__ = ["init", "context", "Variable", "DynamicVariable", "export", "assign", "sparse_read_and_evict", "cache_stats", "host_link_bandwidth", "dump", "load", "incremental_model_dump", "export_saved_model", "ReplicaTable", "TableConfig", "lookup_sparse", "filter_variables",
+__all__ = ["init", "context", "Variable", "DynamicVariable", "export", "assign", "sparse_read_and_evict", "cache_stats", "prefetch", "host_link_bandwidth", "dump", "load", "incremental_model_dump", "export_saved_model", "ReplicaTable", "TableConfig", "lookup_sparse", "filter_variables",
            "broadcast_variables", "local_shard", "table_meta", "build_info", "restore", "optimizers", "OptimizerWrapper",
            "SGD", "layers", "keras", "tf_version"]
 

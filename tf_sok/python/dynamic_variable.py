@@ -518,7 +518,7 @@ def rows_for_tables(variables, keys, insert_ratio: float = 1.0) -> list:
 
 
 _STAT_NAMES = ("finds", "lookups", "misses", "loaded", "new_keys", "evicted", "bytes_to_device", "bytes_to_host",
-               "dropped")
+               "dropped", "prefetched")
 
 
 def cache_stats(var) -> dict:
@@ -527,7 +527,8 @@ def cache_stats(var) -> dict:
     `hit_rate` (1 - misses / lookups), `loaded` (keys taken into the cache), `new_keys` (of those, keys
     the table had never held), `evicted` (keys written back to host memory to make room),
     `bytes_to_device` / `bytes_to_host` (rows of values and optimizer state moved), `dropped` (keys
-    the table's max_capacity removed from it), `keys` (held in all), `cached` (held in device memory).
+    the table's max_capacity removed from it), `prefetched` (of `loaded`, keys `sok.prefetch` took in:
+    their ids count as hits when a lookup uses them), `keys` (held in all), `cached` (held in device memory).
 
     Example:
         >>> v = sok.DynamicVariable(dimension=16, var_type="hybrid", max_hbm_for_vectors=0.5)

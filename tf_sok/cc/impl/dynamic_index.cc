@@ -133,6 +133,18 @@ void DynamicIndex::EnsureRows(int64_t needed) {
 std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* ch,
                                bool admit_all, float insert_ratio, const HeldKeys& held,
                                const ParallelFor* parallel_for) {
+  return Run(keys, n, insert, slots, ch, admit_all, insert_ratio, held, parallel_for, false);
+}
+
+std::string DynamicIndex::Prefetch(const int64_t* keys, int64_t n, int64_t* slots, FindChanges* ch,
+                                   const HeldKeys& held, const ParallelFor* parallel_for) {
+  if (!config_.cache || !held) return "prefetch is for the cache of a host tier";
+  return Run(keys, n, true, slots, ch, false, 0.0f, held, parallel_for, true);
+}
+
+std::string DynamicIndex::Run(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* ch,
+                              bool admit_all, float insert_ratio, const HeldKeys& held,
+                              const ParallelFor* parallel_for, bool prefetch) {
   auto lookup = [&](int64_t begin, int64_t end) { slot_of_key_.GetMany(keys + begin, end - begin, -1, slots + begin); };
   if (parallel_for != nullptr && n > 16384)
     (*parallel_for)(n, 100, lookup);   // lookups only: the map is not changed while they run
@@ -142,8 +154,12 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
     ch->rows = rows_;
     return "";
   }
-  const int64_t call = ++call_;  // marks rows this call touched
-  call_times_.Record(call);
+  // marks rows this call touched; a prefetch extends the last call (its rows count as that call's)
+  const int64_t call = prefetch ? call_ : ++call_;
+  if (!prefetch) call_times_.Record(call);
+  // rows touched at or after `floor` are not evicted: the call's own and, for a prefetch, those of
+  // every call since the last prefetch (steps whose updates may still be under way)
+  const int64_t floor = prefetch ? std::min(last_prefetch_, call) : call;
   // 1. found keys (their distinct rows) and distinct missing keys, in order of first sight
   std::vector<int64_t> found_rows, missing;
   const int64_t missing_positions = std::count_if(slots, slots + n, [](int64_t s) { return s < 0; });
@@ -172,9 +188,10 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
       if (!error.empty()) return error;
     }
     admitted = 0;
-    for (size_t j = 0; j < missing.size(); ++j) {
+    for (size_t j = 0; j < missing.size(); ++j) {   // (a prefetch: the keys the tier holds, no others)
       admit[j] = in_tier[j] ||
-                 ((config_.min_frequency <= 1 || candidates_.Get(missing[j], 0) + 1 >= config_.min_frequency) &&
+                 (!prefetch &&
+                  (config_.min_frequency <= 1 || candidates_.Get(missing[j], 0) + 1 >= config_.min_frequency) &&
                   KeepNewKey(missing[j], clock_ + 1, insert_ratio));
       admitted += admit[j];
     }
@@ -193,7 +210,7 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
              " keys held and this batch brings " + std::to_string(admitted) +
              " new ones; give evict_strategy (\"lru\" or \"lfu\") or a larger max_capacity";
     }
-    const int64_t available = Victims(call, need, &victims);
+    const int64_t available = Victims(floor, need, &victims);
     if (config_.cache) need = std::min(need, available);
     if (available < need) {
       return "cannot hold this batch's keys: it uses " + std::to_string(found_rows.size() + admitted) +
@@ -201,9 +218,25 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
     }
     victims.resize(need);
   }
+  if (prefetch) {   // no growth (the arrays are in use): only the keys that fit in the rows as they are
+    const int64_t unused = static_cast<int64_t>(free_.size()) + rows_ - next_free_;
+    const int64_t fit = std::max<int64_t>(0, std::min(admitted, static_cast<int64_t>(victims.size()) +
+                                                                   std::min(config_.max_keys - live_, unused)));
+    for (size_t j = 0, kept = 0; j < missing.size(); ++j) {
+      if (!admit[j]) continue;
+      if (static_cast<int64_t>(kept) < fit) {
+        ++kept;
+      } else {
+        admit[j] = 0;
+      }
+    }
+    admitted = fit;
+    victims.resize(std::min<int64_t>(victims.size(), std::max<int64_t>(0, live_ + fit - config_.max_keys)));
+    last_prefetch_ = call;
+  }
   // 4. commit
-  ++clock_;
-  const int64_t found = static_cast<int64_t>(found_rows.size());
+  if (!prefetch) ++clock_;
+  const int64_t found = prefetch ? 0 : static_cast<int64_t>(found_rows.size());   // (a prefetch scores nothing)
   for (int64_t j = 0; j < found; ++j) {
     if (j + kAhead < found) __builtin_prefetch(&score_[found_rows[j + kAhead]], 1);
     const int64_t s = found_rows[j];
@@ -225,7 +258,7 @@ std::string DynamicIndex::Find(const int64_t* keys, int64_t n, bool insert, int6
   for (size_t j = 0; j < missing.size(); ++j) {
     const int64_t key = missing[j];
     if (!admit[j]) {
-      if (config_.min_frequency > 1) candidates_.Put(key, candidates_.Get(key, 0) + 1);
+      if (config_.min_frequency > 1 && !prefetch) candidates_.Put(key, candidates_.Get(key, 0) + 1);
       continue;
     }
     if (config_.min_frequency > 1) candidates_.Erase(key);
@@ -260,14 +293,14 @@ bool DynamicIndex::LruEntryLive(const std::pair<int64_t, int64_t>& e) const {
   return live_row_[e.second] && score_[e.second] == e.first;
 }
 
-int64_t DynamicIndex::Victims(int64_t call, int64_t need, std::vector<int64_t>* victims) const {
+int64_t DynamicIndex::Victims(int64_t floor, int64_t need, std::vector<int64_t>* victims) const {
   std::vector<std::tuple<int64_t, int64_t, int64_t>> candidates;  // (score, key, row)
   if (lru_in_order_) {
     // the untouched live rows in score order, up to the need-th and those tied with it
     // (entries before lru_sorted_ are in (score, key) order: the need-th of them ends the scan)
     for (size_t i = lru_head_; i < lru_.size(); ++i) {
       const int64_t row = lru_[i].second;
-      if (!LruEntryLive(lru_[i]) || touched_[row] == call) continue;
+      if (!LruEntryLive(lru_[i]) || touched_[row] >= floor) continue;
       if (static_cast<int64_t>(candidates.size()) >= need && lru_[i].first != std::get<0>(candidates[need - 1]))
         break;
       candidates.emplace_back(lru_[i].first, slot_key_[row], row);
@@ -276,7 +309,7 @@ int64_t DynamicIndex::Victims(int64_t call, int64_t need, std::vector<int64_t>* 
   } else {
     candidates.reserve(live_);
     for (int64_t s = reserved_; s < next_free_; ++s)
-      if (live_row_[s] && touched_[s] != call) candidates.emplace_back(score_[s], slot_key_[s], s);
+      if (live_row_[s] && touched_[s] < floor) candidates.emplace_back(score_[s], slot_key_[s], s);
   }
   const int64_t take = std::min(need, static_cast<int64_t>(candidates.size()));
   if (take > 0) {

@@ -131,6 +131,15 @@ class DynamicIndex {
                    bool admit_all = false, float insert_ratio = 1.0f, const HeldKeys& held = {},
                    const ParallelFor* parallel_for = nullptr);
 
+  // A cache's (hybrid tables') prefetch of the rows of keys a later call will use: the keys `held`
+  // says its host tier holds are taken in as if the last find had used them too (touched by it, at
+  // its score; new keys are left alone: no admission counts, no insertion), making room by evicting
+  // rows no call since the last prefetch touched (a step whose find ran since may still be updating
+  // its rows), and no more keys than the arrays' rows hold as they are (no growth). The values a
+  // caller sees do not change; `changes` lists the moves (new_keys: the keys taken in).
+  std::string Prefetch(const int64_t* keys, int64_t n, int64_t* slots, FindChanges* changes, const HeldKeys& held,
+                       const ParallelFor* parallel_for = nullptr);
+
   int64_t size() const { return live_; }
   int64_t rows() const { return rows_; }
   int64_t reserved_rows() const { return reserved_; }
@@ -154,11 +163,13 @@ class DynamicIndex {
   void ForgetCandidates(const int64_t* keys, int64_t n);
 
  private:
+  std::string Run(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* changes, bool admit_all,
+                  float insert_ratio, const HeldKeys& held, const ParallelFor* parallel_for, bool prefetch);
   void EnsureRows(int64_t needed);
-  // Rows to evict for `need` keys: the untouched (by `call`) live rows of lowest (score, key), in that
-  // order, into victims (fewer when fewer are untouched); returns how many untouched rows there were
-  // (LRU tables in order: at least min(need, that count) of them).
-  int64_t Victims(int64_t call, int64_t need, std::vector<int64_t>* victims) const;
+  // Rows to evict for `need` keys: the live rows untouched since call `floor` of lowest (score, key), in
+  // that order, into victims (fewer when fewer are untouched); returns how many untouched rows there
+  // were (LRU tables in order: at least min(need, that count) of them).
+  int64_t Victims(int64_t floor, int64_t need, std::vector<int64_t>* victims) const;
   bool LruEntryLive(const std::pair<int64_t, int64_t>& e) const;
   void TrimLruOrder();   // drops the entries of lru_ no longer live, sorts the front score's
 
@@ -171,6 +182,7 @@ class DynamicIndex {
   std::vector<uint8_t> live_row_;
   std::vector<int64_t> free_;
   int64_t next_free_ = 0, rows_ = 0, live_ = 0, clock_ = 0, call_ = 0;
+  int64_t last_prefetch_ = 0;   // the call the last prefetch extended
   CallTimes call_times_;
   // A bounded LRU index's rows in the order of their scores: (score, row) appended as a call scores a
   // row (scores only grow), an entry live while its row is and has that score; eviction reads the

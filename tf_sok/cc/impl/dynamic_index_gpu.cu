@@ -264,10 +264,11 @@ __global__ void IncrementKernel(const int64_t* in, int64_t n, int64_t* out) {
   if (i < n) out[i] = (in[i] < 0 ? 0 : in[i]) + 1;
 }
 
-__global__ void EvictableFlagsKernel(const uint8_t* live, const int64_t* touched, int64_t call, int64_t begin,
+// live rows untouched since call `floor`
+__global__ void EvictableFlagsKernel(const uint8_t* live, const int64_t* touched, int64_t floor, int64_t begin,
                                      int64_t end, uint8_t* flags) {
   const int64_t r = begin + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (r < end) flags[r - begin] = live[r] && touched[r] != call;
+  if (r < end) flags[r - begin] = live[r] && touched[r] < floor;
 }
 
 __global__ void GatherKernel(const int64_t* from, const int64_t* index, int64_t n, int64_t* out) {
@@ -666,8 +667,10 @@ std::string GpuDynamicIndex::Finish(const GpuDevice& d, GpuFindPending* p, int64
 }
 
 std::string GpuDynamicIndex::Probe(const GpuDevice& d, const int64_t* keys, int64_t n, GpuFindResult* out,
-                                   GpuFindPending* p, int64_t* count, float insert_ratio) {
+                                   GpuFindPending* p, int64_t* count, float insert_ratio, bool prefetch) {
   if (!init_error_.empty()) return init_error_;
+  if (prefetch && !config_.cache) return "prefetch is for the cache of a host tier";
+  p->prefetch = prefetch;
   cudaStream_t s = StreamOf(d);
   out->rows = rows_;
   out->slots = gpu::Alloc<int64_t>(d, n);
@@ -678,11 +681,13 @@ std::string GpuDynamicIndex::Probe(const GpuDevice& d, const int64_t* keys, int6
     cudaMemsetAsync(count, 0, sizeof(int64_t), s);
     return "";
   }
-  p->call = ++call_;
-  call_times_.Record(p->call);
+  // a prefetch extends the last call; rows touched since `floor` are not evicted (see DynamicIndex)
+  p->call = prefetch ? call_ : ++call_;
+  if (!prefetch) call_times_.Record(p->call);
+  p->floor = prefetch ? std::min(last_prefetch_, call_) : p->call;
   // every key let in, and room and rows for every position without growing: found and inserted in
   // one pass; the count left at *count is then that of the new keys (no missing positions' count)
-  p->fused = !config_.cache && config_.min_frequency <= 1 && insert_ratio >= 1.0f &&
+  p->fused = !prefetch && !config_.cache && config_.min_frequency <= 1 && insert_ratio >= 1.0f &&
              (!config_.bounded() || live_ + n <= config_.max_keys) && (keys_.used + n) * 2 <= keys_.buckets &&
              next_free_ + std::max<int64_t>(0, n - free_count_) <= rows_;
   if (p->fused) {
@@ -732,7 +737,7 @@ std::string GpuDynamicIndex::FinishDistinct(const GpuDevice& d, GpuFindPending* 
     cudaMemsetAsync(count, 0, sizeof(int64_t), s);
     return "";
   }
-  p->direct = config_.min_frequency <= 1 && insert_ratio >= 1.0f &&
+  p->direct = !p->prefetch && config_.min_frequency <= 1 && insert_ratio >= 1.0f &&
               (!config_.bounded() || live_ + mp <= config_.max_keys);
   if (p->direct) {   // room and rows for every missing position: at least as many as new keys
     std::string error = Room(d, &keys_, live_, mp);
@@ -808,6 +813,7 @@ std::string GpuDynamicIndex::FinishRoom(const GpuDevice& d, GpuFindPending* p, i
     Compact(d, where, wait, m, waiting_where, &error);
     if (!error.empty()) return error;
   }
+  if (p->prefetch) waiting_count = 0;   // (no sightings counted)
   p->admitted = admitted;
   p->a = a;
   p->waiting = waiting;
@@ -828,7 +834,7 @@ std::string GpuDynamicIndex::FinishRoom(const GpuDevice& d, GpuFindPending* p, i
   auto* all_rows = gpu::Alloc<int64_t>(d, span);
   p->evictable = gpu::Alloc<int64_t>(d, span);
   if (!flags || !all_rows || !p->evictable) return "ran out of GPU memory";
-  EvictableFlagsKernel<<<Blocks(span), kThreads, 0, s>>>(live_row_, touched_, call, reserved_, next_free_, flags);
+  EvictableFlagsKernel<<<Blocks(span), kThreads, 0, s>>>(live_row_, touched_, p->floor, reserved_, next_free_, flags);
   IotaKernel64<<<Blocks(span), kThreads, 0, s>>>(all_rows, span, reserved_);
   if (!CompactCount(d, all_rows, flags, span, p->evictable, count)) return "ran out of GPU memory";
   *evicts = true;
@@ -840,7 +846,8 @@ std::string GpuDynamicIndex::FinishRoom(const GpuDevice& d, GpuFindPending* p, i
 std::string GpuDynamicIndex::FinishCommit(const GpuDevice& d, GpuFindPending* p, int64_t c, GpuFindResult* out) {
   if (p->n == 0) return "";
   cudaStream_t s = StreamOf(d);
-  const int64_t n = p->n, call = p->call, mp = p->mp, m = p->m, a = p->a, waiting_count = p->waiting_count;
+  const int64_t n = p->n, call = p->call, mp = p->mp, m = p->m, waiting_count = p->waiting_count;
+  int64_t a = p->a;
   const int64_t* keys = p->keys;
   int64_t* slot = out->slots;
   int64_t *admitted = p->admitted, *waiting = p->waiting, *waiting_seen = p->waiting_seen;
@@ -877,15 +884,23 @@ std::string GpuDynamicIndex::FinishCommit(const GpuDevice& d, GpuFindPending* p,
     while (bits < 63 && (int64_t{1} << bits) <= top) ++bits;
     if (!SortPairs(d, scores, scores_sorted, rows_by_key, victims, c, bits)) return "ran out of GPU memory";
   }
+  if (p->prefetch) {   // no growth (the arrays are in use): the keys that fit in the rows as they are
+    const int64_t unused = free_count_ + rows_ - next_free_;
+    a = std::max<int64_t>(0, std::min(a, k + std::min(config_.max_keys - live_, unused)));
+    k = std::min(k, std::max<int64_t>(0, live_ + a - config_.max_keys));   // (the first k victims: lowest first)
+    last_prefetch_ = call;
+  }
   // 5. commit
   error = Room(d, &keys_, live_, a);
   if (!error.empty()) return error;
   const int64_t taken = std::min(a, free_count_ + k);
   error = EnsureRows(d, next_free_ + (a - taken));
   if (!error.empty()) return error;
-  ++clock_;
   const bool lfu = config_.evict == Evict::kLfu;
-  ScoreFoundKernel<<<Blocks(n), kThreads, 0, s>>>(slot, n, touched_, call, score_, clock_, lfu);
+  if (!p->prefetch) {   // (a prefetch scores nothing: its keys take the last call's score)
+    ++clock_;
+    ScoreFoundKernel<<<Blocks(n), kThreads, 0, s>>>(slot, n, touched_, call, score_, clock_, lfu);
+  }
   out->num_evicted = k;
   out->evicted_keys = gpu::Alloc<int64_t>(d, k);
   out->evicted_slots = gpu::Alloc<int64_t>(d, k);

@@ -62,6 +62,8 @@ struct GpuFindPending {
   int64_t* evictable = nullptr;   // rows this call did not touch, compacted
   bool direct = false;            // the missing keys were inserted as they were told apart (no sort)
   bool fused = false;             // ... by the probe itself: Probe's count is that of the new keys
+  bool prefetch = false;          // a prefetch (see DynamicIndex::Prefetch)
+  int64_t floor = 0;              // rows touched at or after this call are not evicted
 };
 
 class GpuDynamicIndex {
@@ -84,8 +86,9 @@ class GpuDynamicIndex {
   // When every key is let in (`insert_ratio` 1, no admission, not a cache) and the table has room and
   // rows for n new keys as it is, Probe inserts them itself (p->fused) and *count is the count of
   // new keys: FinishDistinct then leaves it, and the distinct count is the one read back.
+  // prefetch: DynamicIndex::Prefetch in stages (with insert_ratio 0 and `held` given to FinishRoom).
   std::string Probe(const GpuDevice& d, const int64_t* keys, int64_t n, GpuFindResult* out, GpuFindPending* p,
-                    int64_t* count, float insert_ratio = 1.0f);
+                    int64_t* count, float insert_ratio = 1.0f, bool prefetch = false);
   std::string Finish(const GpuDevice& d, GpuFindPending* p, int64_t missing, GpuFindResult* out,
                      bool admit_all = false, float insert_ratio = 1.0f, const std::function<void(int)>& mark = {},
                      const HeldKeys& held = {});
@@ -110,6 +113,8 @@ class GpuDynamicIndex {
   // A cache's bound (hybrid tables: the HBM budget over the bytes of a row of every array); the
   // next find evicts down to it.
   void set_max_keys(int64_t max_keys) { config_.max_keys = max_keys; }
+  // The memory of later allocations (a prefetch on a stream of its own wraps TensorFlow's).
+  void set_memory(DeviceMemory* memory) { memory_ = memory; }
 
   std::string Export(const GpuDevice& d, DynamicIndexSnapshot* s);
   // As DynamicIndex::TouchedSince (host vectors; reads the row marks back, one wait).
@@ -139,6 +144,7 @@ class GpuDynamicIndex {
   int64_t* free_ = nullptr;
   uint8_t* live_row_ = nullptr;
   int64_t free_count_ = 0, next_free_ = 0, rows_ = 0, live_ = 0, clock_ = 0, call_ = 0;
+  int64_t last_prefetch_ = 0;   // the call the last prefetch extended
   int64_t imported_score_ = 0;  // the largest score an import brought
   CallTimes call_times_;
   std::string init_error_;

@@ -234,8 +234,125 @@ class FindOp : public tf::OpKernel {
 };
 
 
+// Locks the indices of the inputs [0, n) of an op over several dynamic tables, in address order (no
+// deadlock with other ops); an index given twice is an error.
+absl::Status LockIndices(tf::OpKernelContext* ctx, int n, const char* op,
+                         std::vector<tf::core::RefCountPtr<IndexResource>>* res,
+                         std::vector<std::unique_ptr<tf::mutex_lock>>* locks) {
+  res->resize(n);
+  std::vector<IndexResource*> order;
+  for (int i = 0; i < n; ++i) {
+    TF_RETURN_IF_ERROR(tf::LookupResource(ctx, tf::HandleFromInput(ctx, i), &(*res)[i]));
+    const tf::Tensor& keys = ctx->input(n + i);
+    if (keys.dims() != 1) return Failed(*(*res)[i], ": ", "keys must be a vector, got shape " + keys.shape().DebugString());
+    order.push_back((*res)[i].get());
+  }
+  std::sort(order.begin(), order.end());
+  if (std::adjacent_find(order.begin(), order.end()) != order.end())
+    return absl::InvalidArgumentError(std::string(op) + ": a dynamic table's index is given twice");
+  for (IndexResource* r : order) locks->push_back(std::make_unique<tf::mutex_lock>(r->mu));
+  return absl::OkStatus();
+}
+
+#if TF_SOK_WITH_CUDA
+// The finds of several tables on a GPU (TfSokDynamicFindMany, or with `prefetch` TfSokDynamicPrefetch
+// on a stream of its own): each stage of every table's index call, then the counts of all tables
+// read back with one wait (none when no table has missing keys / must evict); then the hybrid
+// tables' new keys back to the host with one wait for all, then every table's arrays. Finds write
+// output i (the rows of keys[i]); prefetches the keys each table took in.
+absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
+                           const std::vector<IndexResource*>& res, const std::vector<const tf::Tensor*>& key_lists,
+                           float insert_ratio, bool prefetch, std::vector<int64_t>* taken_in) {
+  const int n = static_cast<int>(res.size());
+  const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+  auto* counts = static_cast<int64_t*>(d.scratch->Allocate(8 * static_cast<size_t>(n)));
+  if (counts == nullptr) return absl::ResourceExhaustedError("TfSokDynamicFindMany: out of GPU memory");
+  std::vector<impl::GpuFindResult> found(n);
+  std::vector<impl::GpuFindPending> pending(n);
+  auto check = [&](int i, const std::string& error) {
+    return error.empty() ? absl::OkStatus() : Failed(*res[i], prefetch ? " prefetch: " : " ", error);
+  };
+  // a prefetch admits the keys the host tier holds, no others
+  const float ratio = prefetch ? 0.0f : insert_ratio;
+  StageClock clock(stream, true, !prefetch);
+  for (int i = 0; i < n; ++i) {
+    if (res[i]->gpu == nullptr) return Failed(*res[i], ": ", "its index is on the host; look it up there");
+    const tf::Tensor& keys = *key_lists[i];
+    TF_RETURN_IF_ERROR(check(i, res[i]->gpu->Probe(d, keys.flat<int64_t>().data(), keys.NumElements(), &found[i],
+                                                   &pending[i], counts + i, ratio, prefetch)));
+  }
+  std::vector<int64_t> missing(n), distinct(n), evictable(n);
+  clock.Mark(0);
+  TF_RETURN_IF_ERROR(ReadCounts(stream, counts, n, missing.data()));
+  clock.Mark(1);
+  bool any = false;
+  for (int i = 0; i < n; ++i) {
+    TF_RETURN_IF_ERROR(check(i, res[i]->gpu->FinishDistinct(d, &pending[i], missing[i], &found[i], counts + i,
+                                                            ratio)));
+    any |= missing[i] > 0 && !pending[i].fused;
+  }
+  clock.Mark(2);
+  if (any) TF_RETURN_IF_ERROR(ReadCounts(stream, counts, n, distinct.data()));
+  for (int i = 0; i < n; ++i)
+    if (pending[i].fused) distinct[i] = missing[i];   // the probe inserted: its count was of the new keys
+  clock.Mark(3);
+  any = false;
+  for (int i = 0; i < n; ++i) {
+    bool evicts = false;
+    TF_RETURN_IF_ERROR(check(i, res[i]->gpu->FinishRoom(d, &pending[i], distinct[i], false, ratio, counts + i,
+                                                        &evicts, HeldOnGpu(d, res[i], ratio))));
+    if (!evicts) cudaMemsetAsync(counts + i, 0, 8, stream);
+    any |= evicts;
+  }
+  clock.Mark(4);
+  if (any) TF_RETURN_IF_ERROR(ReadCounts(stream, counts, n, evictable.data()));
+  clock.Mark(5);
+  std::vector<StorePlan> plans(n);
+  std::vector<Changes> changes(n);
+  bool wait = false;
+  for (int i = 0; i < n; ++i) {
+    IndexResource* r = res[i];
+    const tf::Tensor& keys = *key_lists[i];
+    TF_RETURN_IF_ERROR(check(i, r->gpu->FinishCommit(d, &pending[i], evictable[i], &found[i])));
+    changes[i] = DeviceChanges(found[i], keys.NumElements());
+    changes[i].prefetch = prefetch;
+    if (prefetch) {
+      (*taken_in)[i] = found[i].num_new;
+    } else {
+      tf::Tensor* slots = nullptr;
+      TF_RETURN_IF_ERROR(ctx->allocate_output(i, keys.shape(), &slots));
+      if (keys.NumElements() > 0)
+        cudaMemcpyAsync(slots->flat<int64_t>().data(), found[i].slots, 8 * keys.NumElements(),
+                        cudaMemcpyDeviceToDevice, stream);
+    }
+    if (r->store) {
+      TF_RETURN_IF_ERROR(StartStorePlan(ctx, d, r, changes[i], &plans[i]));
+      plans[i].planned = true;
+      wait |= PlanReadsBack(*r, changes[i]);
+    }
+  }
+  if (wait) TF_RETURN_IF_ERROR(CudaWait(stream));
+  clock.Mark(6);
+  std::vector<int64_t> num_new(n);
+  for (int i = 0; i < n; ++i) num_new[i] = found[i].num_new;
+  TF_RETURN_IF_ERROR(FinishStorePlans(ctx, d, res, num_new, &plans));
+  clock.Mark(7);
+  for (int i = 0; i < n; ++i) TF_RETURN_IF_ERROR(KeepArraysInStep(ctx, d, res[i], changes[i], nullptr, &plans[i]));
+  return absl::OkStatus();
+}
+#endif
+
+// The tables `at` of an op over several dynamic tables (indices, then keys), and their keys.
+void TablesAt(tf::OpKernelContext* ctx, const std::vector<tf::core::RefCountPtr<IndexResource>>& res,
+              const std::vector<int>& at, std::vector<IndexResource*>* tables, std::vector<const tf::Tensor*>* keys) {
+  for (int i : at) {
+    tables->push_back(res[i].get());
+    keys->push_back(&ctx->input(static_cast<int>(res.size()) + i));
+  }
+}
+
 // TfSokDynamicFindMany: one find (insert) per table; on a GPU the missing-key counts of all
-// tables come back in one wait. Indices are locked in address order (no deadlock with other ops).
+// tables come back in one wait.
 class FindManyOp : public tf::OpKernel {
  public:
   explicit FindManyOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
@@ -244,27 +361,22 @@ class FindManyOp : public tf::OpKernel {
 
   void Compute(tf::OpKernelContext* ctx) override {
     const int n = ctx->num_inputs() / 2;
-    std::vector<tf::core::RefCountPtr<IndexResource>> res(n);
-    std::vector<IndexResource*> order;
-    for (int i = 0; i < n; ++i) {
-      OP_REQUIRES_OK(ctx, tf::LookupResource(ctx, tf::HandleFromInput(ctx, i), &res[i]));
-      const tf::Tensor& keys = ctx->input(n + i);
-      OP_REQUIRES(ctx, keys.dims() == 1,
-                  Failed(*res[i], ": ", "keys must be a vector, got shape " + keys.shape().DebugString()));
-      order.push_back(res[i].get());
-    }
-    std::sort(order.begin(), order.end());
-    OP_REQUIRES(ctx, std::adjacent_find(order.begin(), order.end()) == order.end(),
-                absl::InvalidArgumentError("TfSokDynamicFindMany: a dynamic table's index is given twice"));
+    std::vector<tf::core::RefCountPtr<IndexResource>> res;
     std::vector<std::unique_ptr<tf::mutex_lock>> locks;
-    for (IndexResource* r : order) locks.push_back(std::make_unique<tf::mutex_lock>(r->mu));
+    OP_REQUIRES_OK(ctx, LockIndices(ctx, n, "TfSokDynamicFindMany", &res, &locks));
+    TensorScratch scratch(ctx);
 #if TF_SOK_WITH_CUDA
     if (res[0]->gpu) {
-      ComputeGpu(ctx, res);
+      std::vector<int> all(n);
+      for (int i = 0; i < n; ++i) all[i] = i;
+      std::vector<IndexResource*> tables;
+      std::vector<const tf::Tensor*> keys;
+      TablesAt(ctx, res, all, &tables, &keys);
+      OP_REQUIRES_OK(ctx, FindManyOnGpu(ctx, MakeDevice<impl::GpuDevice>(ctx, &scratch), tables, keys, insert_ratio_,
+                                        false, nullptr));
       return;
     }
 #endif
-    TensorScratch scratch(ctx);
     const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
     for (int i = 0; i < n; ++i) {
       IndexResource* r = res[i].get();
@@ -282,91 +394,194 @@ class FindManyOp : public tf::OpKernel {
   }
 
  private:
+  float insert_ratio_ = 1.0f;
+};
+
 #if TF_SOK_WITH_CUDA
-  void ComputeGpu(tf::OpKernelContext* ctx, const std::vector<tf::core::RefCountPtr<IndexResource>>& res) {
-    const int n = static_cast<int>(res.size());
-    TensorScratch scratch(ctx);
-    const impl::GpuDevice d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
-    const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
-    auto* counts = static_cast<int64_t*>(d.scratch->Allocate(8 * static_cast<size_t>(n)));
-    OP_REQUIRES(ctx, counts != nullptr, absl::ResourceExhaustedError("TfSokDynamicFindMany: out of GPU memory"));
-    std::vector<impl::GpuFindResult> found(n);
-    std::vector<impl::GpuFindPending> pending(n);
-    StageClock clock(stream, true);
-    for (int i = 0; i < n; ++i) {
-      OP_REQUIRES(ctx, res[i]->gpu != nullptr, Failed(*res[i], ": ", "its index is on the host; look it up there"));
-      const tf::Tensor& keys = ctx->input(n + i);
-      const std::string error = res[i]->gpu->Probe(d, keys.flat<int64_t>().data(), keys.NumElements(), &found[i],
-                                                   &pending[i], counts + i, insert_ratio_);
-      OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
+// A stream of a prefetch op's own, with the memory its work uses. TensorFlow's allocator hands out
+// memory in the order of its own stream: a block freed by an op whose kernels are still queued there
+// is safe for work queued after them on that stream, not for this one. So this stream waits for
+// TensorFlow's after each allocation from that allocator (WaitForCompute), scratch comes from an
+// arena of this stream's (allocated rarely), and memory is freed only once this stream is idle.
+class SideStream : public impl::ScratchAllocator {
+ public:
+  ~SideStream() override {
+    if (stream_ == nullptr) return;
+    cudaStreamSynchronize(stream_);
+    for (const Chunk& c : chunks_) allocator_->DeallocateRaw(c.base);
+    cudaEventDestroy(event_);
+    cudaStreamDestroy(stream_);
+  }
+  // Ready for a call on ctx's device: this stream has waited for the work queued on TensorFlow's.
+  absl::Status Begin(tf::OpKernelContext* ctx, cudaStream_t compute) {
+    if (stream_ == nullptr) {
+      allocator_ = ctx->device()->GetAllocator(tf::AllocatorAttributes());
+      if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess ||
+          cudaEventCreateWithFlags(&event_, cudaEventDisableTiming) != cudaSuccess)
+        return absl::InternalError("TfSokDynamicPrefetch: cannot create a CUDA stream");
     }
-    // each stage of every table's index call, then the counts of all tables read back with one wait
-    // (none when no table has missing keys / must evict); then the hybrid tables' new keys back to the
-    // host with one wait for all, then every table's arrays
-    std::vector<int64_t> missing(n), distinct(n), evictable(n);
-    clock.Mark(0);
-    OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, missing.data()));
-    clock.Mark(1);
-    bool any = false;
-    for (int i = 0; i < n; ++i) {
-      const std::string error = res[i]->gpu->FinishDistinct(d, &pending[i], missing[i], &found[i], counts + i,
-                                                                insert_ratio_);
-      OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
-      any |= missing[i] > 0 && !pending[i].fused;
+    compute_ = compute;
+    WaitForCompute();
+    return CudaWait(stream_);   // (the host lists of the last find, which its copies read, are free too)
+  }
+  cudaStream_t stream() const { return stream_; }
+  void WaitForCompute() {
+    cudaEventRecord(event_, compute_);
+    cudaStreamWaitEvent(stream_, event_, 0);
+  }
+  void* Allocate(size_t bytes) override {
+    bytes = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
+    if (!chunks_.empty() && chunks_.back().used + bytes <= chunks_.back().size) {
+      Chunk& c = chunks_.back();
+      c.used += bytes;
+      return static_cast<char*>(c.base) + c.used - bytes;
     }
-    clock.Mark(2);
-    if (any) OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, distinct.data()));
-    for (int i = 0; i < n; ++i)
-      if (pending[i].fused) distinct[i] = missing[i];   // the probe inserted: its count was of the new keys
-    clock.Mark(3);
-    any = false;
-    for (int i = 0; i < n; ++i) {
-      bool evicts = false;
-      const std::string error =
-          res[i]->gpu->FinishRoom(d, &pending[i], distinct[i], false, insert_ratio_, counts + i, &evicts,
-                                  HeldOnGpu(d, res[i].get(), insert_ratio_));
-      OP_REQUIRES(ctx, error.empty(), Failed(*res[i], " ", error));
-      if (!evicts) cudaMemsetAsync(counts + i, 0, 8, stream);
-      any |= evicts;
-    }
-    clock.Mark(4);
-    if (any) OP_REQUIRES_OK(ctx, ReadCounts(stream, counts, n, evictable.data()));
-    clock.Mark(5);
-    std::vector<StorePlan> plans(n);
-    bool wait = false;
-    for (int i = 0; i < n; ++i) {
-      IndexResource* r = res[i].get();
-      const tf::Tensor& keys = ctx->input(n + i);
-      const std::string error = r->gpu->FinishCommit(d, &pending[i], evictable[i], &found[i]);
-      OP_REQUIRES(ctx, error.empty(), Failed(*r, " ", error));
-      tf::Tensor* slots = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, keys.shape(), &slots));
-      if (keys.NumElements() > 0)
-        cudaMemcpyAsync(slots->flat<int64_t>().data(), found[i].slots, 8 * keys.NumElements(),
-                        cudaMemcpyDeviceToDevice, stream);
-      if (r->store) {
-        OP_REQUIRES_OK(ctx, StartStorePlan(ctx, d, r, DeviceChanges(found[i], keys.NumElements()), &plans[i]));
-        plans[i].planned = true;
-        wait |= PlanReadsBack(*r, DeviceChanges(found[i], keys.NumElements()));
+    const size_t size = std::max(bytes, chunks_.empty() ? size_t{64} << 20 : 2 * chunks_.back().size);
+    void* p = allocator_->AllocateRaw(256, size);
+    if (p == nullptr) return nullptr;
+    WaitForCompute();
+    chunks_.push_back({p, size, bytes});
+    return p;
+  }
+  // After a call: waits for this stream; the arena is one chunk again, as large as the call needed.
+  absl::Status End() {
+    const absl::Status status = CudaWait(stream_);
+    if (chunks_.size() > 1) {
+      size_t total = 0;
+      for (const Chunk& c : chunks_) {
+        total += c.size;
+        allocator_->DeallocateRaw(c.base);
       }
+      chunks_.clear();
+      void* p = allocator_->AllocateRaw(256, total);   // (the next Begin waits for TensorFlow's stream)
+      if (p != nullptr) chunks_.push_back({p, total, 0});
     }
-    if (wait) OP_REQUIRES_OK(ctx, CudaWait(stream));
-    clock.Mark(6);
-    std::vector<IndexResource*> tables(n);
-    std::vector<int64_t> num_new(n);
+    for (Chunk& c : chunks_) c.used = 0;
+    return status;
+  }
+
+ private:
+  struct Chunk {
+    void* base;
+    size_t size, used;
+  };
+  tf::Allocator* allocator_ = nullptr;
+  cudaStream_t stream_ = nullptr, compute_ = nullptr;
+  cudaEvent_t event_ = nullptr;
+  std::vector<Chunk> chunks_;
+};
+
+// An index's persistent memory while a prefetch runs on a SideStream (see there).
+class SideStreamMemory : public impl::DeviceMemory {
+ public:
+  SideStreamMemory(impl::DeviceMemory* inner, SideStream* side) : inner_(inner), side_(side) {}
+  void* Allocate(size_t bytes) override {
+    void* p = inner_->Allocate(bytes);
+    side_->WaitForCompute();
+    return p;
+  }
+  void Free(void* p) override {
+    cudaStreamSynchronize(side_->stream());
+    inner_->Free(p);
+  }
+
+ private:
+  impl::DeviceMemory* inner_;
+  SideStream* side_;
+};
+#endif
+
+// TfSokDynamicPrefetch: the rows of keys a later find will use brought into hybrid tables' caches (see
+// DynamicIndex::Prefetch). Tables without a host tier, or whose tier has a bound (max_capacity: the
+// order in which it drops keys follows the cache's), are left alone.
+class PrefetchOp : public tf::OpKernel {
+ public:
+  using tf::OpKernel::OpKernel;
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    const int n = ctx->num_inputs() / 2;
+    std::vector<tf::core::RefCountPtr<IndexResource>> res;
+    std::vector<std::unique_ptr<tf::mutex_lock>> locks;
+    OP_REQUIRES_OK(ctx, LockIndices(ctx, n, "TfSokDynamicPrefetch", &res, &locks));
+    tf::Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({n}), &out));
+    std::vector<int> at;
     for (int i = 0; i < n; ++i) {
-      tables[i] = res[i].get();
-      num_new[i] = found[i].num_new;
+      const IndexResource& r = *res[i];
+      if (r.store && r.store->max_keys() == 0 && ctx->input(n + i).NumElements() > 0) at.push_back(i);
     }
-    OP_REQUIRES_OK(ctx, FinishStorePlans(ctx, d, tables, num_new, &plans));
-    clock.Mark(7);
-    for (int i = 0; i < n; ++i) {
-      const Changes c = DeviceChanges(found[i], ctx->input(n + i).NumElements());
-      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res[i].get(), c, nullptr, &plans[i]));
+    std::vector<IndexResource*> tables;
+    std::vector<const tf::Tensor*> keys;
+    TablesAt(ctx, res, at, &tables, &keys);
+    std::vector<int64_t> taken(tables.size(), 0);
+    if (!tables.empty()) {
+#if TF_SOK_WITH_CUDA
+      if (tables[0]->gpu) {
+        ComputeGpu(ctx, tables, keys, &taken);
+      } else  // NOLINT
+#endif
+        ComputeCpu(ctx, tables, keys, &taken);
+    }
+    auto counts = out->flat<int64_t>();
+    counts.setZero();
+    for (size_t t = 0; t < at.size(); ++t) counts(at[t]) = taken[t];
+  }
+
+ private:
+  void ComputeCpu(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& tables,
+                  const std::vector<const tf::Tensor*>& key_lists, std::vector<int64_t>* taken) {
+    TensorScratch scratch(ctx);
+    const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+    for (size_t t = 0; t < tables.size(); ++t) {
+      IndexResource* r = tables[t];
+      OP_REQUIRES(ctx, r->host != nullptr, Failed(*r, ": ", "its index lives on a GPU; prefetch there"));
+      const tf::Tensor& keys = *key_lists[t];
+      std::vector<int64_t> slots(keys.NumElements());
+      impl::FindChanges ch;
+      const std::string error = r->host->Prefetch(keys.flat<int64_t>().data(), keys.NumElements(), slots.data(),
+                                                  &ch, HeldOnHost(r, 0.0f), &d.parallel_for);
+      OP_REQUIRES(ctx, error.empty(), Failed(*r, " prefetch: ", error));
+      Changes c = HostChanges(ch, keys.NumElements());
+      c.prefetch = true;
+      std::vector<std::unique_ptr<tf::mutex_lock>> arrays;   // (KeepArraysInStep's contract for prefetches)
+      for (auto& a : r->arrays) arrays.push_back(std::make_unique<tf::mutex_lock>(*a.var->mu()));
+      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, c, nullptr));
+      (*taken)[t] = c.num_new;
     }
   }
+
+#if TF_SOK_WITH_CUDA
+  void ComputeGpu(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& tables,
+                  const std::vector<const tf::Tensor*>& keys, std::vector<int64_t>* taken) {
+    tf::mutex_lock l(mu_);   // (one stream and arena per kernel)
+    const impl::GpuDevice compute = MakeDevice<impl::GpuDevice>(ctx, nullptr);
+    OP_REQUIRES_OK(ctx, side_.Begin(ctx, static_cast<cudaStream_t>(compute.stream)));
+    impl::GpuDevice d;
+    d.stream = side_.stream();
+    d.scratch = &side_;
+    std::vector<std::unique_ptr<SideStreamMemory>> memory;
+    for (IndexResource* r : tables) {
+      memory.push_back(std::make_unique<SideStreamMemory>(r->memory.get(), &side_));
+      r->gpu->set_memory(memory.back().get());
+    }
+    // every array's lock (in address order, as TensorFlow's ops take them) until this stream is done
+    // with them: an update that copies an array first (copy-on-write) copies the rows moved in
+    std::vector<tf::mutex*> mus;
+    for (IndexResource* r : tables)
+      for (auto& a : r->arrays) mus.push_back(a.var->mu());
+    std::sort(mus.begin(), mus.end());
+    mus.erase(std::unique(mus.begin(), mus.end()), mus.end());
+    std::vector<std::unique_ptr<tf::mutex_lock>> arrays;
+    for (tf::mutex* m : mus) arrays.push_back(std::make_unique<tf::mutex_lock>(*m));
+    const absl::Status status = FindManyOnGpu(ctx, d, tables, keys, 1.0f, true, taken);
+    const absl::Status done = side_.End();
+    for (IndexResource* r : tables) r->gpu->set_memory(r->memory.get());
+    OP_REQUIRES_OK(ctx, status);
+    OP_REQUIRES_OK(ctx, done);
+  }
+  tf::mutex mu_;
+  SideStream side_;
 #endif
-  float insert_ratio_ = 1.0f;
 };
 
 template <typename Device>
@@ -415,10 +630,13 @@ void RowSplitsValidOp<impl::GpuDevice>::Check(tf::OpKernelContext* ctx, const st
 
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_CPU), FindOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFindMany").Device(tf::DEVICE_CPU), FindManyOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicPrefetch").Device(tf::DEVICE_CPU), PrefetchOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokRowSplitsValid").Device(tf::DEVICE_CPU), RowSplitsValidOp<impl::CpuDevice>);
 #if TF_SOK_WITH_CUDA
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_GPU).HostMemory("index"), FindOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFindMany").Device(tf::DEVICE_GPU).HostMemory("indices"), FindManyOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicPrefetch").Device(tf::DEVICE_GPU).HostMemory("indices").HostMemory("prefetched"),
+                        PrefetchOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokRowSplitsValid").Device(tf::DEVICE_GPU), RowSplitsValidOp<impl::GpuDevice>);
 #endif
 

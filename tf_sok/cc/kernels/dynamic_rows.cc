@@ -3,6 +3,7 @@
 #include "tf_sok/cc/kernels/dynamic_rows.h"
 
 #include <algorithm>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -226,9 +227,13 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
     int64_t row_bytes = 0;
     for (int i = 0; i < res->store->num_arrays(); ++i) row_bytes += 4 * res->store->width(i);
     IndexResource::Stats& st = res->stats;
-    ++st.calls;
-    st.lookups += c.positions;
-    st.misses += c.missing_positions;
+    if (c.prefetch) {
+      st.prefetched += c.num_new;
+    } else {
+      ++st.calls;
+      st.lookups += c.positions;
+      st.misses += c.missing_positions;
+    }
     st.loaded += c.num_new;
     st.fresh += plan.fresh_count;
     st.evicted += c.num_evicted;
@@ -238,7 +243,8 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
   }
   for (size_t i = 0; i < res->arrays.size(); ++i) {
     auto& a = res->arrays[i];
-    tf::mutex_lock l(*a.var->mu());
+    std::unique_ptr<tf::mutex_lock> l;
+    if (!c.prefetch) l = std::make_unique<tf::mutex_lock>(*a.var->mu());
     tf::Tensor* t = a.var->tensor();
     const int64_t width = t->dims() == 2 ? t->dim_size(1) : 1;
     if (a.values && evicted_values != nullptr && c.num_evicted > 0)
@@ -248,9 +254,12 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
       TF_RETURN_IF_ERROR(WriteBack(d, t->flat<float>().data(), width, c.evicted_slots, plan.store_row_of,
                                    c.num_evicted, res->store->base(i), &evicted));
     const bool unchanged = c.num_new == 0 && t->dim_size(0) >= c.rows && !a.values;
-    if (!unchanged) TF_RETURN_IF_ERROR(GrowArray(ctx, d, *res, a, c.rows));
+    // (a prefetch writes in place: its rows are none a running step reads or writes)
+    if (!unchanged && !c.prefetch) TF_RETURN_IF_ERROR(GrowArray(ctx, d, *res, a, c.rows));
+    if (c.prefetch && t->dim_size(0) < c.rows)
+      return absl::InternalError("dynamic table '" + res->table + "': a prefetch would grow the arrays");
     float* base = a.var->tensor()->flat<float>().data();
-    if (a.values) Fill(d, base, width, 0.0f);   // row 0, which keys not inserted read (an update may have moved it)
+    if (a.values && !c.prefetch) Fill(d, base, width, 0.0f);   // row 0, which keys not inserted read (an update may have moved it)
     if (moves)
       StoreRead(d, *res, a, res->store->base(i), width, plan.new_rows, plan.fresh, c.new_keys, c.new_slots,
                 unchanged ? 0 : c.num_new, base, evicted, c.evicted_slots, plan.store_row_of, c.num_evicted);

@@ -124,6 +124,7 @@ struct Changes {
   const int64_t* evicted_slots = nullptr;
   const int64_t* evicted_touched = nullptr;
   int64_t num_evicted = 0;
+  bool prefetch = false;   // a prefetch's: the caller holds every array's lock, the arrays keep their buffers
 };
 
 // A hybrid table's store rows for a call's new keys (fresh: the store had no row for the key yet),

@@ -228,14 +228,40 @@ REGISTER_OP("TfSokDynamicCacheStats")
     .Output("stats: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(9));
+      c->set_output(0, c->Vector(10));
       return absl::OkStatus();
     })
     .Doc(R"doc(
 A hybrid table's counters since it was made, in this order: finds, key positions
 looked up, positions whose key was not cached, keys taken into the cache, keys
 of those the table had never held, keys written back to host memory, bytes read
-from host memory, bytes written to it, keys its bound (max_capacity) dropped.
+from host memory, bytes written to it, keys its bound (max_capacity) dropped,
+keys of those taken in that prefetches took in.
+)doc");
+
+REGISTER_OP("TfSokDynamicPrefetch")
+    .Input("indices: N * resource")
+    .Input("keys: N * int64")
+    .Output("prefetched: int64")
+    .Attr("N: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      int n = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      for (int i = 0; i < n; ++i) {
+        ::tensorflow::shape_inference::ShapeHandle keys;
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(n + i), 1, &keys));
+      }
+      c->set_output(0, c->Vector(n));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Brings the rows of keys a later lookup will use into the caches of hybrid tables
+(each index a hybrid table's, once): the keys each table's host tier holds are
+taken in as if its last find had used them, evicting rows no find since the last
+prefetch touched; keys new to a table are left to the find. No value changes. On
+a GPU the work runs on a stream of its own, beside the step that is running.
+prefetched: per table, the keys taken in.
 )doc");
 
 REGISTER_OP("TfSokHostLinkBandwidth")

@@ -1,0 +1,113 @@
+"""sok.prefetch: the next batch's rows brought into hybrid tables' caches during a step. Training
+with it equals the table without a tier (it moves rows, never values); the keys it brought in are
+hits at the next lookup (against a plain-Python set of the keys seen so far); tables it passes
+over and the errors of bad arguments."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sok as sok
+from tests.helpers import to_ragged
+from tests.python.test_dynamic import random_keys
+from tests.python.test_hybrid import DIM, OPTIMIZERS, _assert_same_tables, _batches, _gib, _tables
+
+
+def _train(table, opt, batches, rng_target, with_prefetch):
+    """Steps over batches (lens, keys); with_prefetch: each step prefetches the next batch's ids
+    after its lookup. Returns the outputs."""
+    @tf.function
+    def step(ids, next_ids, target):
+        with tf.GradientTape() as tape:
+            out = sok.lookup_sparse(table, ids, combiners="sum")
+            loss = tf.reduce_sum(out * target)
+        if with_prefetch:
+            sok.prefetch([table], [next_ids])
+        opt.apply_gradients([(tape.gradient(loss, table), table)])
+        return out
+
+    outs = []
+    for i, (lens, keys) in enumerate(batches):
+        nxt = batches[(i + 1) % len(batches)]
+        target = tf.constant(rng_target.standard_normal((len(lens), DIM)).astype(np.float32))
+        outs.append(step(to_ragged(lens, keys), to_ragged(*nxt), target).numpy())
+    return outs
+
+
+# budgets of no row, one row, less than a batch's keys (the prefetch finds no room: every cached row
+# belongs to the step or the one before) and of a few batches' keys, with several optimizers
+@pytest.mark.parametrize("case,budget_rows", [("sgd", 0), ("adam", 1), ("adagrad", 16), ("ftrl", 60),
+                                              ("adam", 80), ("rmsprop", 10**6)])
+def test_training_with_prefetch_equals_the_table_without_a_tier(rng, case, budget_rows):
+    cls, hp = OPTIMIZERS[case]
+    pool = random_keys(rng, 300)
+    plain, hybrid, (opt_p, opt_h) = _tables(f"pf_{case}_{budget_rows}", budget_rows, cls, hp)
+    batches = _batches(rng, pool, 12)
+    seed = int(rng.integers(1 << 30))
+    out_h = _train(hybrid, opt_h, batches, np.random.default_rng(seed), True)
+    out_p = _train(plain, opt_p, batches, np.random.default_rng(seed), False)
+    for a, b in zip(out_h, out_p):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    _assert_same_tables(plain, hybrid, opt_p, opt_h)
+    stats = sok.cache_stats(hybrid)
+    assert stats["prefetched"] <= stats["loaded"]
+    if budget_rows == 0 or budget_rows == 10**6:
+        assert stats["prefetched"] == 0   # no row to take a key into / every key the table holds is cached
+
+
+def test_prefetched_keys_are_hits_at_the_next_lookup(rng):
+    # a cache of 150 rows, batches of at most 36 distinct keys over 300: a prefetch always finds room
+    # among the rows no lookup since the last prefetch used, so every id of the next batch whose key
+    # the table holds is cached when that batch is looked up: its misses are the ids of new keys
+    pool = random_keys(rng, 300)
+    table = sok.DynamicVariable(DIM, initializer="uniform", name="pf_hits", var_type="hybrid",
+                                max_hbm_for_vectors=_gib(150, [DIM]))
+    batches = [rng.choice(pool, rng.integers(1, 36), replace=True) for _ in range(30)]
+
+    @tf.function
+    def step(ids, next_ids):
+        out = tf.nn.embedding_lookup(table, ids)
+        with tf.control_dependencies([out]):
+            taken = sok.prefetch([table], [next_ids])
+        return out, taken
+
+    seen = set()
+    before = sok.cache_stats(table)
+    taken_total = 0
+    for i, b in enumerate(batches):
+        nxt = batches[i + 1] if i + 1 < len(batches) else batches[0][:0]
+        _, taken = step(tf.constant(b), tf.constant(nxt))
+        taken_total += int(taken.numpy()[0])
+        now = sok.cache_stats(table)
+        new_positions = sum(1 for k in b.tolist() if k not in seen)
+        if i > 0:   # (the first prefetch may use free rows only: it follows no other)
+            assert now["misses"] - before["misses"] == new_positions, f"batch {i}"
+        before = now
+        seen.update(b.tolist())
+    stats = sok.cache_stats(table)
+    assert stats["prefetched"] == taken_total > 0
+    assert stats["keys"] == len(seen)
+
+
+def test_prefetch_passes_over_tables_without_a_tier_or_with_a_bound(rng):
+    keys = random_keys(rng, 20)
+    plain = sok.DynamicVariable(DIM, name="pf_plain")
+    bounded = sok.DynamicVariable(DIM, name="pf_bounded", var_type="hybrid", max_hbm_for_vectors=_gib(2, [DIM]),
+                                  max_capacity=50)
+    static = sok.Variable(shape=[30, DIM], initializer="uniform", name="pf_static")
+    for t in (plain, bounded):
+        t.rows_for(tf.constant(keys))
+    before = bounded.export_state([bounded])
+    taken = sok.prefetch([plain, bounded, static], [tf.constant(keys), tf.constant(keys), tf.constant([1, 2])])
+    np.testing.assert_array_equal(taken.numpy(), [0, 0, 0])
+    after = bounded.export_state([bounded])
+    np.testing.assert_array_equal(np.sort(after[0].numpy()), np.sort(before[0].numpy()))
+
+
+def test_bad_prefetch_arguments_are_clear_errors(rng):
+    table = sok.DynamicVariable(DIM, name="pf_bad", var_type="hybrid", max_hbm_for_vectors=_gib(4, [DIM]))
+    with pytest.raises(ValueError, match="1 tables and 2 id lists"):
+        sok.prefetch([table], [tf.constant([1]), tf.constant([2])])
+    with pytest.raises(TypeError, match="ids of 'pf_bad' must be int32 or int64, got float32"):
+        sok.prefetch([table], [tf.constant([1.5])])
+    with pytest.raises(TypeError, match="is not a tf_sok table"):
+        sok.prefetch([tf.Variable([1.0])], [tf.constant([1])])
