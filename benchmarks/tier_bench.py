@@ -14,7 +14,8 @@ rest lives in pinned host memory. Printed per distribution: ms per step of both,
 <= 2x at Zipf 1.05), the cache's hit rate over the timed steps, bytes moved over the host link
 per step and the rate that makes, against the link's bandwidth measured in the same run
 (`sok.host_link_bandwidth`: pinned memory copied each way, and read / written in place by a
-kernel, as the hybrid tables move rows).
+kernel, as the hybrid tables move rows). A third run (unless `--no-prefetch`) trains new hybrid
+tables with `sok.prefetch` of the next batch's ids in each step, its ratio printed beside.
 """
 import argparse
 import json
@@ -66,41 +67,49 @@ def make_tables(a, device, hybrid: bool, tag: str):
     return tables
 
 
-def run(a, device, tables, data, profile=False):
+def run(a, device, tables, data, profile=False, prefetch=False):
+    """Median ms per step (and the cache's counters); prefetch: each step prefetches the next batch's
+    ids after its lookup (`sok.prefetch`), as a training loop fed by a pipeline that holds them."""
     opt = sok.optimizers.Adagrad(0.01)
     hybrid = getattr(tables[0], "hybrid", False)
 
     @tf.function
-    def step(batch):
+    def step(batch, next_batch):
         with tf.GradientTape() as tape:
             outs = sok.lookup_sparse(tables, list(batch), combiners="sum")
             loss = tf.add_n([tf.reduce_sum(o * o) for o in outs])
+        if prefetch:
+            sok.prefetch(tables, list(next_batch))
         opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
         return loss
 
+    def call(i):
+        return float(step(data[i], data[min(i + 1, len(data) - 1)]))
+
     with tf.device(device):
-        for b in data[:a.warmup]:
-            float(step(b))
+        for i in range(a.warmup):
+            call(i)
         before = [sok.cache_stats(t) for t in tables] if hybrid else None
         times = []
-        for b in data[a.warmup:]:
+        for i in range(a.warmup, a.warmup + a.iters):
             t0 = time.perf_counter()
-            float(step(b))
+            call(i)
             times.append(time.perf_counter() - t0)
         after = [sok.cache_stats(t) for t in tables] if hybrid else None
         if profile:   # where the step's time goes, per op and kernel (TensorFlow's profiler)
             from profile_step import profile as profile_steps
 
-            print(f"  -- {'hybrid' if hybrid else 'all-HBM'} step, profiled:")
-            profile_steps(lambda i: float(step(data[a.warmup + a.iters + i])), steps=PROFILED, top=40)
+            print(f"  -- {'hybrid' if hybrid else 'all-HBM'} step{' with prefetch' if prefetch else ''}, profiled:")
+            profile_steps(lambda i: call(a.warmup + a.iters + i), steps=PROFILED, top=40)
     res = {"ms": float(np.median(times)) * 1e3}
     if before:
         d = {k: sum(x[k] - y[k] for x, y in zip(after, before)) for k in ("lookups", "misses", "bytes_to_device",
-                                                                           "bytes_to_host", "loaded", "evicted")}
+                                                                           "bytes_to_host", "loaded", "evicted",
+                                                                           "prefetched")}
         steps = len(times)
         res.update(hit_rate=1 - d["misses"] / d["lookups"], mb_per_step=(d["bytes_to_device"] + d["bytes_to_host"]) /
                    steps / 1e6, loaded_per_step=d["loaded"] / steps, evicted_per_step=d["evicted"] / steps,
-                   cached=sum(x["cached"] for x in after))
+                   prefetched_per_step=d["prefetched"] / steps, cached=sum(x["cached"] for x in after))
     return res
 
 
@@ -119,6 +128,7 @@ def main():
     p.add_argument("--profile", action="store_true", help="also profile both steps of the first distribution")
     p.add_argument("--static", action="store_true",
                    help="static tables (sok.Variable with max_hbm_for_vectors) against plain sok.Variables")
+    p.add_argument("--no-prefetch", action="store_true", help="skip the hybrid run with sok.prefetch")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json")
     a = p.parse_args()
@@ -141,11 +151,12 @@ def main():
     for dist in a.dists:
         data = batches(a, dist, a.warmup + a.iters + PROFILED)   # the profile's batches are new to the cache too
         res = {}
-        for kind in ("hbm", "hybrid"):
+        for kind in ("hbm", "hybrid") + (() if a.no_prefetch else ("prefetch",)):
             t0 = time.perf_counter()
-            tables = make_tables(a, device, kind == "hybrid", f"{kind}_{dist.replace(':', '')}_")
+            tables = make_tables(a, device, kind != "hbm", f"{kind}_{dist.replace(':', '')}_")
             fill = time.perf_counter() - t0
-            res[kind] = run(a, device, tables, data, profile=a.profile and dist == a.dists[0])
+            res[kind] = run(a, device, tables, data, profile=a.profile and dist == a.dists[0],
+                            prefetch=kind == "prefetch")
             res[kind]["fill_s"] = fill
             del tables
         h, c = res["hbm"], res["hybrid"]
@@ -156,6 +167,13 @@ def main():
               f"({rate:.1f} GB/s while stepping) | tables filled in {h['fill_s']:.1f} / {c['fill_s']:.1f} s",
               flush=True)
         out[dist] = {"hbm": h, "hybrid": c, "ratio": c["ms"] / h["ms"]}
+        if "prefetch" in res:
+            f = res["prefetch"]
+            print(f"  {'':10s} hybrid with sok.prefetch of the next batch {f['ms']:8.2f} ms = "
+                  f"{f['ms'] / h['ms']:.2f}x all in device memory, {c['ms'] / f['ms']:.2f}x faster than without | "
+                  f"hit rate at the lookups {f['hit_rate']:.4f} | {f['prefetched_per_step']:,.0f} keys prefetched "
+                  f"per step, {f['mb_per_step']:.1f} MB over the link", flush=True)
+            out[dist].update(prefetch=f, prefetch_ratio=f["ms"] / h["ms"])
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -54,16 +54,18 @@ def test_training_with_prefetch_equals_the_table_without_a_tier(rng, case, budge
         assert stats["prefetched"] == 0   # no row to take a key into / every key the table holds is cached
 
 
-def test_prefetched_keys_are_hits_at_the_next_lookup(rng):
-    # a cache of 150 rows, batches of at most 36 distinct keys over 300: a prefetch always finds room
-    # among the rows no lookup since the last prefetch used, so every id of the next batch whose key
-    # the table holds is cached when that batch is looked up: its misses are the ids of new keys
-    pool = random_keys(rng, 300)
-    table = sok.DynamicVariable(DIM, initializer="uniform", name="pf_hits", var_type="hybrid",
-                                max_hbm_for_vectors=_gib(150, [DIM]))
-    batches = [rng.choice(pool, rng.integers(1, 36), replace=True) for _ in range(30)]
+def check_prefetched_keys_are_hits(rng, device, name, keys=300, cache_rows=150, batch=36, steps=30):
+    """A cache of cache_rows rows, batches of at most `batch` distinct keys out of `keys` (a prefetch
+    always finds room among the rows no lookup since the last prefetch used): every id of the next
+    batch whose key the table holds is cached when that batch is looked up, so its misses are the
+    ids of keys new to the table (a plain-Python set of the keys seen)."""
+    pool = random_keys(rng, keys)
+    with tf.device(device):
+        table = sok.DynamicVariable(DIM, initializer="uniform", name=name, var_type="hybrid",
+                                    max_hbm_for_vectors=_gib(cache_rows, [DIM]))
+    batches = [rng.choice(pool, rng.integers(1, batch), replace=True) for _ in range(steps)]
 
-    @tf.function
+    @tf.function(reduce_retracing=True)
     def step(ids, next_ids):
         out = tf.nn.embedding_lookup(table, ids)
         with tf.control_dependencies([out]):
@@ -73,19 +75,24 @@ def test_prefetched_keys_are_hits_at_the_next_lookup(rng):
     seen = set()
     before = sok.cache_stats(table)
     taken_total = 0
-    for i, b in enumerate(batches):
-        nxt = batches[i + 1] if i + 1 < len(batches) else batches[0][:0]
-        _, taken = step(tf.constant(b), tf.constant(nxt))
-        taken_total += int(taken.numpy()[0])
-        now = sok.cache_stats(table)
-        new_positions = sum(1 for k in b.tolist() if k not in seen)
-        if i > 0:   # (the first prefetch may use free rows only: it follows no other)
-            assert now["misses"] - before["misses"] == new_positions, f"batch {i}"
-        before = now
-        seen.update(b.tolist())
+    with tf.device(device):
+        for i, b in enumerate(batches):
+            nxt = batches[i + 1] if i + 1 < len(batches) else batches[0][:0]
+            _, taken = step(tf.constant(b), tf.constant(nxt))
+            taken_total += int(taken.numpy()[0])
+            now = sok.cache_stats(table)
+            new_positions = sum(1 for k in b.tolist() if k not in seen)
+            if i > 0:   # (the first prefetch may use free rows only: it follows no other)
+                assert now["misses"] - before["misses"] == new_positions, f"batch {i}"
+            before = now
+            seen.update(b.tolist())
     stats = sok.cache_stats(table)
     assert stats["prefetched"] == taken_total > 0
     assert stats["keys"] == len(seen)
+
+
+def test_prefetched_keys_are_hits_at_the_next_lookup(rng):
+    check_prefetched_keys_are_hits(rng, "/CPU:0", "pf_hits")
 
 
 def test_prefetch_passes_over_tables_without_a_tier_or_with_a_bound(rng):
