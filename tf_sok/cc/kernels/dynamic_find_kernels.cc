@@ -255,6 +255,39 @@ absl::Status LockIndices(tf::OpKernelContext* ctx, int n, const char* op,
 }
 
 #if TF_SOK_WITH_CUDA
+// For a prefetch: per table, whether its host tier holds each of its distinct missing keys (n[i] of
+// them at missing[i], device memory), for all tables with one wait, looked up on the host's threads.
+absl::Status HeldByTiers(tf::OpKernelContext* ctx, cudaStream_t stream, const std::vector<IndexResource*>& res,
+                         const std::vector<const int64_t*>& missing, const std::vector<int64_t>& n,
+                         std::vector<std::vector<uint8_t>>* flags) {
+  const size_t tables = res.size();
+  std::vector<std::vector<int64_t>> keys(tables), rows(tables);
+  std::vector<int64_t> start(tables + 1, 0);
+  for (size_t i = 0; i < tables; ++i) {
+    keys[i].resize(n[i]);
+    rows[i].resize(n[i]);
+    (*flags)[i].resize(n[i]);
+    start[i + 1] = start[i] + n[i];
+    if (n[i] > 0) cudaMemcpyAsync(keys[i].data(), missing[i], 8 * n[i], cudaMemcpyDeviceToHost, stream);
+  }
+  TF_RETURN_IF_ERROR(CudaWait(stream));
+  auto lookup = [&](int64_t begin, int64_t end) {
+    for (size_t i = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1; begin < end; ++i) {
+      const int64_t stop = std::min(end, start[i + 1]), at = begin - start[i];
+      if (stop > begin) res[i]->store->Rows(keys[i].data() + at, stop - begin, rows[i].data() + at);
+      for (int64_t j = at; j < at + stop - begin; ++j) (*flags)[i][j] = rows[i][j] >= 0;
+      begin = stop;
+    }
+  };
+  TensorScratch scratch(ctx);
+  const impl::CpuDevice host = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+  if (start.back() > 4096)
+    host.parallel_for(start.back(), 200, lookup);
+  else if (start.back() > 0)
+    lookup(0, start.back());
+  return absl::OkStatus();
+}
+
 // The finds of several tables on a GPU (TfSokDynamicFindMany, or with `prefetch` TfSokDynamicPrefetch
 // on a stream of its own): each stage of every table's index call, then the counts of all tables
 // read back with one wait (none when no table has missing keys / must evict); then the hybrid
@@ -296,11 +329,27 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
   for (int i = 0; i < n; ++i)
     if (pending[i].fused) distinct[i] = missing[i];   // the probe inserted: its count was of the new keys
   clock.Mark(3);
+  // a prefetch takes in the keys the host tiers hold: asked of all tiers at once (a find under the
+  // low-frequency filter asks table by table)
+  std::vector<std::vector<uint8_t>> held(n);
+  if (prefetch) {
+    std::vector<const int64_t*> lists(n);
+    for (int i = 0; i < n; ++i) lists[i] = pending[i].missing;
+    TF_RETURN_IF_ERROR(HeldByTiers(ctx, stream, res, lists, distinct, &held));
+  }
   any = false;
   for (int i = 0; i < n; ++i) {
     bool evicts = false;
+    impl::HeldKeys hook = HeldOnGpu(d, res[i], ratio);
+    if (prefetch) {
+      hook = [&flags = held[i], stream](const int64_t*, int64_t count, uint8_t* out) {
+        // (from pageable memory: the copy has read its source when it returns)
+        if (count > 0) cudaMemcpyAsync(out, flags.data(), count, cudaMemcpyHostToDevice, stream);
+        return std::string();
+      };
+    }
     TF_RETURN_IF_ERROR(check(i, res[i]->gpu->FinishRoom(d, &pending[i], distinct[i], false, ratio, counts + i,
-                                                        &evicts, HeldOnGpu(d, res[i], ratio))));
+                                                        &evicts, hook)));
     if (!evicts) cudaMemsetAsync(counts + i, 0, 8, stream);
     any |= evicts;
   }
@@ -337,8 +386,19 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
   for (int i = 0; i < n; ++i) num_new[i] = found[i].num_new;
   TF_RETURN_IF_ERROR(FinishStorePlans(ctx, d, res, num_new, &plans));
   clock.Mark(7);
+  // a prefetch holds every array's lock (in address order, as TensorFlow's ops take them) while its
+  // stream moves rows: an update that copies an array first (copy-on-write) copies the rows moved in
+  std::vector<std::unique_ptr<tf::mutex_lock>> locks;
+  if (prefetch) {
+    std::vector<tf::mutex*> mus;
+    for (IndexResource* r : res)
+      for (auto& a : r->arrays) mus.push_back(a.var->mu());
+    std::sort(mus.begin(), mus.end());
+    mus.erase(std::unique(mus.begin(), mus.end()), mus.end());
+    for (tf::mutex* m : mus) locks.push_back(std::make_unique<tf::mutex_lock>(*m));
+  }
   for (int i = 0; i < n; ++i) TF_RETURN_IF_ERROR(KeepArraysInStep(ctx, d, res[i], changes[i], nullptr, &plans[i]));
-  return absl::OkStatus();
+  return prefetch ? CudaWait(stream) : absl::OkStatus();
 }
 #endif
 
@@ -564,15 +624,6 @@ class PrefetchOp : public tf::OpKernel {
       memory.push_back(std::make_unique<SideStreamMemory>(r->memory.get(), &side_));
       r->gpu->set_memory(memory.back().get());
     }
-    // every array's lock (in address order, as TensorFlow's ops take them) until this stream is done
-    // with them: an update that copies an array first (copy-on-write) copies the rows moved in
-    std::vector<tf::mutex*> mus;
-    for (IndexResource* r : tables)
-      for (auto& a : r->arrays) mus.push_back(a.var->mu());
-    std::sort(mus.begin(), mus.end());
-    mus.erase(std::unique(mus.begin(), mus.end()), mus.end());
-    std::vector<std::unique_ptr<tf::mutex_lock>> arrays;
-    for (tf::mutex* m : mus) arrays.push_back(std::make_unique<tf::mutex_lock>(*m));
     const absl::Status status = FindManyOnGpu(ctx, d, tables, keys, 1.0f, true, taken);
     const absl::Status done = side_.End();
     for (IndexResource* r : tables) r->gpu->set_memory(r->memory.get());
