@@ -214,6 +214,7 @@ class FindOp : public tf::OpKernel {
       if (insert_) OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res, DeviceChanges(r, keys.NumElements()), nullptr,
                                                         &plan));
       OP_REQUIRES_OK(ctx, DroppedOutputs(ctx, d, *res, plan, with_evicted_));
+      if (insert_) res->RecordFind(stream);
       clock.Mark(7);
       return;
     }
@@ -226,6 +227,7 @@ class FindOp : public tf::OpKernel {
     // stream-ordered: the scratch these read is reused only by work queued after them
     OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res, DeviceChanges(r, keys.NumElements()),
                                          evicted > 0 ? ev_values->flat<float>().data() : nullptr));
+    res->RecordFind(stream);
     clock.Mark(7);
   }
 #endif
@@ -398,7 +400,9 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
     for (tf::mutex* m : mus) locks.push_back(std::make_unique<tf::mutex_lock>(*m));
   }
   for (int i = 0; i < n; ++i) TF_RETURN_IF_ERROR(KeepArraysInStep(ctx, d, res[i], changes[i], nullptr, &plans[i]));
-  return prefetch ? CudaWait(stream) : absl::OkStatus();
+  if (prefetch) return CudaWait(stream);
+  for (IndexResource* r : res) r->RecordFind(stream);
+  return absl::OkStatus();
 }
 #endif
 
@@ -472,8 +476,11 @@ class SideStream : public impl::ScratchAllocator {
     cudaEventDestroy(event_);
     cudaStreamDestroy(stream_);
   }
-  // Ready for a call on ctx's device: this stream has waited for the work queued on TensorFlow's.
-  absl::Status Begin(tf::OpKernelContext* ctx, cudaStream_t compute) {
+  // Ready for a call on ctx's device over `tables`: this stream has waited for their last finds (and
+  // so for every step queued before them), or, when some other op changed an index since, or this
+  // stream's arena is new, for all the work queued on TensorFlow's stream. Not for the step running
+  // now: its lookups and updates use rows the prefetch leaves alone.
+  absl::Status Begin(tf::OpKernelContext* ctx, cudaStream_t compute, const std::vector<IndexResource*>& tables) {
     if (stream_ == nullptr) {
       allocator_ = ctx->device()->GetAllocator(tf::AllocatorAttributes());
       if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess ||
@@ -481,8 +488,17 @@ class SideStream : public impl::ScratchAllocator {
         return absl::InternalError("TfSokDynamicPrefetch: cannot create a CUDA stream");
     }
     compute_ = compute;
-    WaitForCompute();
-    return CudaWait(stream_);   // (the host lists of the last find, which its copies read, are free too)
+    bool all_found = true;
+    for (IndexResource* r : tables) {
+      if (r->found_event != nullptr && r->found_call == r->gpu->calls()) {
+        cudaStreamWaitEvent(stream_, r->found_event, 0);
+      } else {
+        all_found = false;
+      }
+    }
+    if (!all_found || fresh_memory_) WaitForCompute();
+    fresh_memory_ = false;
+    return CudaWait(stream_);   // (the host lists of the last finds, which their copies read, are free too)
   }
   cudaStream_t stream() const { return stream_; }
   void WaitForCompute() {
@@ -513,8 +529,9 @@ class SideStream : public impl::ScratchAllocator {
         allocator_->DeallocateRaw(c.base);
       }
       chunks_.clear();
-      void* p = allocator_->AllocateRaw(256, total);   // (the next Begin waits for TensorFlow's stream)
+      void* p = allocator_->AllocateRaw(256, total);
       if (p != nullptr) chunks_.push_back({p, total, 0});
+      fresh_memory_ = true;   // (the next Begin waits for TensorFlow's stream)
     }
     for (Chunk& c : chunks_) c.used = 0;
     return status;
@@ -529,6 +546,7 @@ class SideStream : public impl::ScratchAllocator {
   cudaStream_t stream_ = nullptr, compute_ = nullptr;
   cudaEvent_t event_ = nullptr;
   std::vector<Chunk> chunks_;
+  bool fresh_memory_ = false;
 };
 
 // An index's persistent memory while a prefetch runs on a SideStream (see there).
@@ -553,7 +571,8 @@ class SideStreamMemory : public impl::DeviceMemory {
 
 // TfSokDynamicPrefetch: the rows of keys a later find will use brought into hybrid tables' caches (see
 // DynamicIndex::Prefetch). Tables without a host tier, or whose tier has a bound (max_capacity: the
-// order in which it drops keys follows the cache's), are left alone.
+// order in which it drops keys follows the cache's), are left alone. (TF_SOK_REQUIRES: Detached runs
+// it on the GPU.)
 class PrefetchOp : public tf::OpKernel {
  public:
   using tf::OpKernel::OpKernel;
@@ -562,9 +581,9 @@ class PrefetchOp : public tf::OpKernel {
     const int n = ctx->num_inputs() / 2;
     std::vector<tf::core::RefCountPtr<IndexResource>> res;
     std::vector<std::unique_ptr<tf::mutex_lock>> locks;
-    OP_REQUIRES_OK(ctx, LockIndices(ctx, n, "TfSokDynamicPrefetch", &res, &locks));
+    TF_SOK_REQUIRES_OK(ctx, LockIndices(ctx, n, "TfSokDynamicPrefetch", &res, &locks));
     tf::Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({n}), &out));
+    TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({n}), &out));
     std::vector<int> at;
     for (int i = 0; i < n; ++i) {
       const IndexResource& r = *res[i];
@@ -594,18 +613,18 @@ class PrefetchOp : public tf::OpKernel {
     const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
     for (size_t t = 0; t < tables.size(); ++t) {
       IndexResource* r = tables[t];
-      OP_REQUIRES(ctx, r->host != nullptr, Failed(*r, ": ", "its index lives on a GPU; prefetch there"));
+      TF_SOK_REQUIRES(ctx, r->host != nullptr, Failed(*r, ": ", "its index lives on a GPU; prefetch there"));
       const tf::Tensor& keys = *key_lists[t];
       std::vector<int64_t> slots(keys.NumElements());
       impl::FindChanges ch;
       const std::string error = r->host->Prefetch(keys.flat<int64_t>().data(), keys.NumElements(), slots.data(),
                                                   &ch, HeldOnHost(r, 0.0f), &d.parallel_for);
-      OP_REQUIRES(ctx, error.empty(), Failed(*r, " prefetch: ", error));
+      TF_SOK_REQUIRES(ctx, error.empty(), Failed(*r, " prefetch: ", error));
       Changes c = HostChanges(ch, keys.NumElements());
       c.prefetch = true;
       std::vector<std::unique_ptr<tf::mutex_lock>> arrays;   // (KeepArraysInStep's contract for prefetches)
       for (auto& a : r->arrays) arrays.push_back(std::make_unique<tf::mutex_lock>(*a.var->mu()));
-      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, c, nullptr));
+      TF_SOK_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, c, nullptr));
       (*taken)[t] = c.num_new;
     }
   }
@@ -615,7 +634,7 @@ class PrefetchOp : public tf::OpKernel {
                   const std::vector<const tf::Tensor*>& keys, std::vector<int64_t>* taken) {
     tf::mutex_lock l(mu_);   // (one stream and arena per kernel)
     const impl::GpuDevice compute = MakeDevice<impl::GpuDevice>(ctx, nullptr);
-    OP_REQUIRES_OK(ctx, side_.Begin(ctx, static_cast<cudaStream_t>(compute.stream)));
+    TF_SOK_REQUIRES_OK(ctx, side_.Begin(ctx, static_cast<cudaStream_t>(compute.stream), tables));
     impl::GpuDevice d;
     d.stream = side_.stream();
     d.scratch = &side_;
@@ -627,8 +646,8 @@ class PrefetchOp : public tf::OpKernel {
     const absl::Status status = FindManyOnGpu(ctx, d, tables, keys, 1.0f, true, taken);
     const absl::Status done = side_.End();
     for (IndexResource* r : tables) r->gpu->set_memory(r->memory.get());
-    OP_REQUIRES_OK(ctx, status);
-    OP_REQUIRES_OK(ctx, done);
+    TF_SOK_REQUIRES_OK(ctx, status);
+    TF_SOK_REQUIRES_OK(ctx, done);
   }
   tf::mutex mu_;
   SideStream side_;
@@ -686,8 +705,10 @@ REGISTER_KERNEL_BUILDER(Name("TfSokRowSplitsValid").Device(tf::DEVICE_CPU), RowS
 #if TF_SOK_WITH_CUDA
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_GPU).HostMemory("index"), FindOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFindMany").Device(tf::DEVICE_GPU).HostMemory("indices"), FindManyOp);
+// (on a thread of its own: TensorFlow runs a GPU op's Compute in line with the step's others, which
+// would wait for the prefetch's waits)
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicPrefetch").Device(tf::DEVICE_GPU).HostMemory("indices").HostMemory("prefetched"),
-                        PrefetchOp);
+                        Detached<PrefetchOp, true>);
 REGISTER_KERNEL_BUILDER(Name("TfSokRowSplitsValid").Device(tf::DEVICE_GPU), RowSplitsValidOp<impl::GpuDevice>);
 #endif
 

@@ -83,7 +83,20 @@ class IndexResource : public tf::ResourceBase {
   std::unique_ptr<impl::HostMemory> pinned;
   void* staging_pinned = nullptr;
   size_t staging_bytes = 0;
+  // recorded on TensorFlow's stream after each GPU find with insert, with the index's call count then:
+  // what a prefetch on a stream of its own waits for (the index's state, the steps queued before)
+  cudaEvent_t found_event = nullptr;
+  int64_t found_call = -1;
+  void RecordFind(cudaStream_t stream) {
+    if (found_event == nullptr && cudaEventCreateWithFlags(&found_event, cudaEventDisableTiming) != cudaSuccess) {
+      found_event = nullptr;
+      return;
+    }
+    cudaEventRecord(found_event, stream);
+    found_call = gpu->calls();
+  }
   ~IndexResource() override {
+    if (found_event) cudaEventDestroy(found_event);
     gpu.reset();
     if (staging_pinned) pinned->Free(staging_pinned);
     if (store_row_dev) memory->Free(store_row_dev);

@@ -95,13 +95,14 @@ inline impl::GpuDevice MakeDevice<impl::GpuDevice>(tf::OpKernelContext* ctx,
 // TensorFlow calls it. With several GPUs in the process (ranks of one NCCL
 // exchange under MirroredStrategy) it runs on a thread of its own, so that its
 // wait never holds a thread TensorFlow could need to launch a peer rank's part.
-template <typename Kernel>
+// always: on a thread of its own whatever the devices (an op that should overlap the step's others).
+template <typename Kernel, bool always = false>
 class Detached : public tf::AsyncOpKernel {
  public:
   explicit Detached(tf::OpKernelConstruction* c) : tf::AsyncOpKernel(c), kernel_(c) {}
 
   void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
-    if (!impl::nccl::SeveralDevicesInProcess()) {
+    if (!always && !impl::nccl::SeveralDevicesInProcess()) {
       kernel_.Compute(ctx);
       done();
       return;
