@@ -780,7 +780,18 @@ std::string GpuDynamicIndex::FinishRoom(const GpuDevice& d, GpuFindPending* p, i
     error = Room(d, &candidates_, candidates_live_, m + k_max);
     if (!error.empty()) return error;
   }
-  if ((config_.min_frequency > 1 || insert_ratio < 1.0f) && m > 0) {
+  if (p->prefetch && m > 0) {
+    // the keys the host tier holds, their count known on the host (p->held_count): no count read back,
+    // the admission counts left as they are
+    auto* in_tier = gpu::Alloc<uint8_t>(d, m);
+    auto* count = gpu::Alloc<int64_t>(d, 1);
+    admitted = gpu::Alloc<int64_t>(d, m);
+    if (!in_tier || !count || !admitted) return "ran out of GPU memory";
+    error = held(missing, m, in_tier);
+    if (!error.empty()) return error;
+    if (!CompactCount(d, missing, in_tier, m, admitted, count)) return "ran out of GPU memory";
+    a = p->held_count;
+  } else if ((config_.min_frequency > 1 || insert_ratio < 1.0f) && m > 0) {
     error = Room(d, &candidates_, candidates_live_, m);  // now: the bucket positions found below stay valid
     if (!error.empty()) return error;
     auto* seen = gpu::Alloc<int64_t>(d, m);
@@ -929,7 +940,7 @@ std::string GpuDynamicIndex::FinishCommit(const GpuDevice& d, GpuFindPending* p,
   next_free_ += a - std::min(a, free_count_);
   free_count_ -= std::min(a, free_count_);
   out->num_new = a;
-  if (config_.min_frequency > 1 && m > 0) {
+  if (config_.min_frequency > 1 && m > 0 && !p->prefetch) {
     // admitted keys leave the candidates; waiting ones count one more sighting (found: in place)
     SetStateKernel<<<Blocks(a), kThreads, 0, s>>>(candidates_.state, admitted_where, nullptr, kTomb, a);
     auto* counts = gpu::Alloc<int64_t>(d, waiting_count);

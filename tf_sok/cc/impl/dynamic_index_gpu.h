@@ -63,6 +63,7 @@ struct GpuFindPending {
   bool direct = false;            // the missing keys were inserted as they were told apart (no sort)
   bool fused = false;             // ... by the probe itself: Probe's count is that of the new keys
   bool prefetch = false;          // a prefetch (see DynamicIndex::Prefetch)
+  int64_t held_count = 0;         // ... the distinct missing keys the host tier holds (the caller's count)
   int64_t floor = 0;              // rows touched at or after this call are not evicted
 };
 

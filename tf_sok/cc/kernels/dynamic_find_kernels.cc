@@ -29,27 +29,29 @@ absl::Status EvictedOutputs(tf::OpKernelContext* ctx, const IndexResource& res, 
 class StageClock {
  public:
   static constexpr int kStages = 9;
-  StageClock(cudaStream_t stream, bool many, bool active = true)
-      : stream_(stream), on_(active && Enabled()), many_(many) {
+  enum Kind { kFind = 0, kFindMany = 1, kPrefetch = 2 };
+  StageClock(cudaStream_t stream, Kind kind, bool active = true)
+      : stream_(stream), on_(active && Enabled()), kind_(kind) {
     if (on_) last_ = Now();
   }
   void Mark(int stage) {
     if (!on_) return;
     const double now = Now();
-    Totals(many_).ms[stage] += now - last_;
+    Totals(kind_).ms[stage] += now - last_;
     last_ = now;
   }
   ~StageClock() {
     if (!on_) return;
     cudaStreamSynchronize(stream_);
     Mark(kStages - 1);
-    Sums& t = Totals(many_);
+    Sums& t = Totals(kind_);
     if (++t.calls % 20 != 0) return;
     static const char* names[kStages] = {"probe",          "wait missing",           "distinct",
                                          "wait distinct",  "room",                   "wait evictable",
                                          "commit + wait new keys", "host store lookups / array upkeep launched",
                                          "arrays + device tail"};
-    std::fprintf(stderr, "tf_sok %s stages (ms per call, mean of 20):", many_ ? "find-many" : "find");
+    static const char* kinds[3] = {"find", "find-many", "prefetch"};
+    std::fprintf(stderr, "tf_sok %s stages (ms per call, mean of 20):", kinds[kind_]);
     for (int i = 0; i < kStages; ++i) std::fprintf(stderr, " %s %.3f;", names[i], t.ms[i] / 20);
     std::fprintf(stderr, "\n");
     t = Sums();
@@ -67,15 +69,16 @@ class StageClock {
     }();
     return on;
   }
-  static Sums& Totals(bool many) {
-    static Sums sums[2];
-    return sums[many ? 1 : 0];
+  static Sums& Totals(Kind kind) {
+    static Sums sums[3];
+    return sums[kind];
   }
   static double Now() {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
   }
   cudaStream_t stream_;
-  bool on_, many_;
+  bool on_;
+  Kind kind_;
   double last_ = 0;
 };
 #endif
@@ -201,7 +204,7 @@ class FindOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, keys.shape(), &slots));
     impl::GpuFindResult r;
     tf::mutex_lock l(res->mu);
-    StageClock clock(stream, false, insert_);   // finds that insert
+    StageClock clock(stream, StageClock::kFind, insert_);   // finds that insert
     const std::string error = res->gpu->Find(d, keys.flat<int64_t>().data(), keys.NumElements(), insert_, &r,
                                              admit_all_, insert_ratio_, [&clock](int stage) { clock.Mark(stage); },
                                              HeldOnGpu(d, res, insert_ratio_));
@@ -258,12 +261,14 @@ absl::Status LockIndices(tf::OpKernelContext* ctx, int n, const char* op,
 
 #if TF_SOK_WITH_CUDA
 // For a prefetch: per table, whether its host tier holds each of its distinct missing keys (n[i] of
-// them at missing[i], device memory), for all tables with one wait, looked up on the host's threads.
+// them at missing[i], device memory) and their store rows (-1: not held), for all tables with one
+// wait, looked up on the host's threads.
 absl::Status HeldByTiers(tf::OpKernelContext* ctx, cudaStream_t stream, const std::vector<IndexResource*>& res,
                          const std::vector<const int64_t*>& missing, const std::vector<int64_t>& n,
-                         std::vector<std::vector<uint8_t>>* flags) {
+                         std::vector<std::vector<uint8_t>>* flags, std::vector<std::vector<int64_t>>* store_rows) {
   const size_t tables = res.size();
-  std::vector<std::vector<int64_t>> keys(tables), rows(tables);
+  std::vector<std::vector<int64_t>> keys(tables);
+  std::vector<std::vector<int64_t>>& rows = *store_rows;
   std::vector<int64_t> start(tables + 1, 0);
   for (size_t i = 0; i < tables; ++i) {
     keys[i].resize(n[i]);
@@ -290,6 +295,32 @@ absl::Status HeldByTiers(tf::OpKernelContext* ctx, cudaStream_t stream, const st
   return absl::OkStatus();
 }
 
+// A prefetch's store plan: the keys it took in are the first c.num_new of the distinct missing keys
+// its host tier holds (flags), whose store rows HeldByTiers found: no second lookup, no wait.
+absl::Status PrefetchPlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* r, const Changes& c,
+                          const std::vector<uint8_t>& flags, const std::vector<int64_t>& rows, StorePlan* p) {
+  TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, r, c.rows, &p->store_row_of));
+  p->planned = true;
+  const int64_t n = c.num_new;
+  std::vector<int64_t> taken;   // [store rows | fresh flags (none)]
+  taken.reserve(n + (n + 7) / 8);
+  for (size_t j = 0; j < flags.size() && static_cast<int64_t>(taken.size()) < n; ++j)
+    if (flags[j]) taken.push_back(rows[j]);
+  if (static_cast<int64_t>(taken.size()) != n)
+    return absl::InternalError("dynamic table '" + r->table + "': a prefetch lost count of the keys it took in");
+  if (n > 0) {
+    taken.resize(n + (n + 7) / 8, 0);
+    p->on_device = static_cast<uint8_t*>(d.scratch->Allocate(9 * n));
+    if (p->on_device == nullptr) return absl::ResourceExhaustedError("dynamic table '" + r->table + "': out of GPU memory");
+    // (from pageable memory: the copy has read its source when it returns)
+    cudaMemcpyAsync(p->on_device, taken.data(), 9 * n, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(d.stream));
+    p->new_rows = reinterpret_cast<const int64_t*>(p->on_device);
+    p->fresh = p->on_device + 8 * n;
+  }
+  r->store->Loaded(taken.data(), n, r->gpu->calls());   // (a prefetched tier has no bound to keep)
+  return absl::OkStatus();
+}
+
 // The finds of several tables on a GPU (TfSokDynamicFindMany, or with `prefetch` TfSokDynamicPrefetch
 // on a stream of its own): each stage of every table's index call, then the counts of all tables
 // read back with one wait (none when no table has missing keys / must evict); then the hybrid
@@ -309,7 +340,7 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
   };
   // a prefetch admits the keys the host tier holds, no others
   const float ratio = prefetch ? 0.0f : insert_ratio;
-  StageClock clock(stream, true, !prefetch);
+  StageClock clock(stream, prefetch ? StageClock::kPrefetch : StageClock::kFindMany);
   for (int i = 0; i < n; ++i) {
     if (res[i]->gpu == nullptr) return Failed(*res[i], ": ", "its index is on the host; look it up there");
     const tf::Tensor& keys = *key_lists[i];
@@ -334,16 +365,18 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
   // a prefetch takes in the keys the host tiers hold: asked of all tiers at once (a find under the
   // low-frequency filter asks table by table)
   std::vector<std::vector<uint8_t>> held(n);
+  std::vector<std::vector<int64_t>> held_rows(n);
   if (prefetch) {
     std::vector<const int64_t*> lists(n);
     for (int i = 0; i < n; ++i) lists[i] = pending[i].missing;
-    TF_RETURN_IF_ERROR(HeldByTiers(ctx, stream, res, lists, distinct, &held));
+    TF_RETURN_IF_ERROR(HeldByTiers(ctx, stream, res, lists, distinct, &held, &held_rows));
   }
   any = false;
   for (int i = 0; i < n; ++i) {
     bool evicts = false;
     impl::HeldKeys hook = HeldOnGpu(d, res[i], ratio);
     if (prefetch) {
+      pending[i].held_count = std::count(held[i].begin(), held[i].end(), uint8_t{1});
       hook = [&flags = held[i], stream](const int64_t*, int64_t count, uint8_t* out) {
         // (from pageable memory: the copy has read its source when it returns)
         if (count > 0) cudaMemcpyAsync(out, flags.data(), count, cudaMemcpyHostToDevice, stream);
@@ -376,7 +409,9 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
         cudaMemcpyAsync(slots->flat<int64_t>().data(), found[i].slots, 8 * keys.NumElements(),
                         cudaMemcpyDeviceToDevice, stream);
     }
-    if (r->store) {
+    if (prefetch) {   // (the keys taken in: the first num_new held ones, whose store rows are known)
+      TF_RETURN_IF_ERROR(PrefetchPlan(ctx, d, r, changes[i], held[i], held_rows[i], &plans[i]));
+    } else if (r->store) {
       TF_RETURN_IF_ERROR(StartStorePlan(ctx, d, r, changes[i], &plans[i]));
       plans[i].planned = true;
       wait |= PlanReadsBack(*r, changes[i]);
@@ -386,7 +421,7 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
   clock.Mark(6);
   std::vector<int64_t> num_new(n);
   for (int i = 0; i < n; ++i) num_new[i] = found[i].num_new;
-  TF_RETURN_IF_ERROR(FinishStorePlans(ctx, d, res, num_new, &plans));
+  if (!prefetch) TF_RETURN_IF_ERROR(FinishStorePlans(ctx, d, res, num_new, &plans));
   clock.Mark(7);
   // a prefetch holds every array's lock (in address order, as TensorFlow's ops take them) while its
   // stream moves rows: an update that copies an array first (copy-on-write) copies the rows moved in
