@@ -67,12 +67,9 @@ def make_tables(a, device, hybrid: bool, tag: str):
     return tables
 
 
-def run(a, device, tables, data, profile=False, prefetch=False):
-    """Median ms per step (and the cache's counters); prefetch: each step prefetches the next batch's
+def make_step(tables, opt, prefetch=False):
+    """The step: lookup + gradient + the optimizer's update; prefetch: it prefetches the next batch's
     ids after its lookup (`sok.prefetch`), as a training loop fed by a pipeline that holds them."""
-    opt = sok.optimizers.Adagrad(0.01)
-    hybrid = getattr(tables[0], "hybrid", False)
-
     @tf.function
     def step(batch, next_batch):
         with tf.GradientTape() as tape:
@@ -82,6 +79,13 @@ def run(a, device, tables, data, profile=False, prefetch=False):
             sok.prefetch(tables, list(next_batch))
         opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
         return loss
+    return step
+
+
+def run(a, device, tables, data, profile=False, prefetch=False):
+    """Median ms per step (and the cache's counters), the step as make_step's."""
+    hybrid = getattr(tables[0], "hybrid", False)
+    step = make_step(tables, sok.optimizers.Adagrad(0.01), prefetch)
 
     def call(i):
         return float(step(data[i], data[min(i + 1, len(data) - 1)]))

@@ -8,7 +8,7 @@ import tf_sok as sok
 from tests.helpers import to_ragged
 from tests.python.test_dynamic import random_keys
 from tests.python.test_hybrid import DIM, OPTIMIZERS, _assert_same_tables, _gib, _slot_widths, _zipf
-from tests.python.test_prefetch import check_prefetched_keys_are_hits
+from tests.python.test_prefetch import check_prefetched_keys_are_hits, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
                                                   reason="no GPU visible to TensorFlow")]
@@ -18,36 +18,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_de
 def test_gpu_training_with_prefetch_equals_the_cpu_table_without_a_tier(rng, case):
     cls, hp = OPTIMIZERS[case]
     pool = random_keys(rng, 20_000)
-    batches = []
+    batches, targets = [], []
     for _ in range(12):
         lens = rng.integers(0, 6, 2048)
-        keys = pool[rng.choice(len(pool), int(lens.sum()), p=_zipf(len(pool), 1.05))]
-        batches.append((to_ragged(lens, keys), rng.standard_normal((2048, DIM)).astype(np.float32)))
+        batches.append(to_ragged(lens, pool[rng.choice(len(pool), int(lens.sum()), p=_zipf(len(pool), 1.05))]))
+        targets.append(rng.standard_normal((2048, DIM)).astype(np.float32))
     # a cache of 8,000 rows (40 % of the keys; a batch uses ~2,500): room for the prefetches
     budget = _gib(8000, [DIM] + _slot_widths(cls(learning_rate=0.05, **hp)))
-    runs = []
-    for device, hybrid in (("/GPU:0", True), ("/CPU:0", False)):
-        with tf.device(device):
-            kw = dict(var_type="hybrid", max_hbm_for_vectors=budget) if hybrid else {}
-            table = sok.DynamicVariable(DIM, initializer="normal", seed=4, name=f"pf_{case}_{hybrid}", **kw)
-        opt = cls(learning_rate=0.05, **hp)
-
-        @tf.function
-        def step(ids, next_ids, target):
-            with tf.GradientTape() as tape:
-                out = sok.lookup_sparse(table, ids, combiners="sum")
-                loss = tf.reduce_sum(out * target)
-            if hybrid:
-                sok.prefetch([table], [next_ids])
-            opt.apply_gradients([(tape.gradient(loss, table), table)])
-            return out
-
-        outs = []
-        with tf.device(device):
-            for i, (ids, target) in enumerate(batches):
-                outs.append(step(ids, batches[(i + 1) % len(batches)][0], tf.constant(target)).numpy())
-        runs.append((table, opt, outs))
-    (gpu, opt_g, out_g), (cpu, opt_c, out_c) = runs
+    with tf.device("/GPU:0"):
+        gpu = sok.DynamicVariable(DIM, initializer="normal", seed=4, name=f"pf_{case}_gpu", var_type="hybrid",
+                                  max_hbm_for_vectors=budget)
+    with tf.device("/CPU:0"):
+        cpu = sok.DynamicVariable(DIM, initializer="normal", seed=4, name=f"pf_{case}_cpu")
+    opt_g, opt_c = cls(learning_rate=0.05, **hp), cls(learning_rate=0.05, **hp)
+    out_g = train(gpu, opt_g, batches, targets, True, "/GPU:0")
+    out_c = train(cpu, opt_c, batches, targets, False, "/CPU:0")
     for a, b in zip(out_g, out_c):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
     _assert_same_tables(gpu, cpu, opt_g, opt_c, atol=2e-5, rtol=1e-4)

@@ -12,9 +12,9 @@ from tests.python.test_dynamic import random_keys
 from tests.python.test_hybrid import DIM, OPTIMIZERS, _assert_same_tables, _batches, _gib, _tables
 
 
-def _train(table, opt, batches, rng_target, with_prefetch):
-    """Steps over batches (lens, keys); with_prefetch: each step prefetches the next batch's ids
-    after its lookup. Returns the outputs."""
+def train(table, opt, batches, targets, with_prefetch, device="/CPU:0"):
+    """Steps over batches (ragged ids) with targets; with_prefetch: each step prefetches the next
+    batch's ids after its lookup. Returns the outputs."""
     @tf.function
     def step(ids, next_ids, target):
         with tf.GradientTape() as tape:
@@ -25,12 +25,9 @@ def _train(table, opt, batches, rng_target, with_prefetch):
         opt.apply_gradients([(tape.gradient(loss, table), table)])
         return out
 
-    outs = []
-    for i, (lens, keys) in enumerate(batches):
-        nxt = batches[(i + 1) % len(batches)]
-        target = tf.constant(rng_target.standard_normal((len(lens), DIM)).astype(np.float32))
-        outs.append(step(to_ragged(lens, keys), to_ragged(*nxt), target).numpy())
-    return outs
+    with tf.device(device):
+        return [step(ids, batches[(i + 1) % len(batches)], tf.constant(target)).numpy()
+                for i, (ids, target) in enumerate(zip(batches, targets))]
 
 
 # budgets of no row, one row, less than a batch's keys (the prefetch finds no room: every cached row
@@ -41,10 +38,10 @@ def test_training_with_prefetch_equals_the_table_without_a_tier(rng, case, budge
     cls, hp = OPTIMIZERS[case]
     pool = random_keys(rng, 300)
     plain, hybrid, (opt_p, opt_h) = _tables(f"pf_{case}_{budget_rows}", budget_rows, cls, hp)
-    batches = _batches(rng, pool, 12)
-    seed = int(rng.integers(1 << 30))
-    out_h = _train(hybrid, opt_h, batches, np.random.default_rng(seed), True)
-    out_p = _train(plain, opt_p, batches, np.random.default_rng(seed), False)
+    batches = [to_ragged(lens, keys) for lens, keys in _batches(rng, pool, 12)]
+    targets = [rng.standard_normal((int(b.nrows()), DIM)).astype(np.float32) for b in batches]
+    out_h = train(hybrid, opt_h, batches, targets, True)
+    out_p = train(plain, opt_p, batches, targets, False)
     for a, b in zip(out_h, out_p):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     _assert_same_tables(plain, hybrid, opt_p, opt_h)

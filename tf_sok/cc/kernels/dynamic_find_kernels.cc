@@ -249,7 +249,8 @@ absl::Status LockIndices(tf::OpKernelContext* ctx, int n, const char* op,
   for (int i = 0; i < n; ++i) {
     TF_RETURN_IF_ERROR(tf::LookupResource(ctx, tf::HandleFromInput(ctx, i), &(*res)[i]));
     const tf::Tensor& keys = ctx->input(n + i);
-    if (keys.dims() != 1) return Failed(*(*res)[i], ": ", "keys must be a vector, got shape " + keys.shape().DebugString());
+    if (keys.dims() != 1)
+      return Failed(*(*res)[i], ": ", "keys must be a vector, got shape " + keys.shape().DebugString());
     order.push_back((*res)[i].get());
   }
   std::sort(order.begin(), order.end());
@@ -268,30 +269,21 @@ absl::Status HeldByTiers(tf::OpKernelContext* ctx, cudaStream_t stream, const st
                          std::vector<std::vector<uint8_t>>* flags, std::vector<std::vector<int64_t>>* store_rows) {
   const size_t tables = res.size();
   std::vector<std::vector<int64_t>> keys(tables);
-  std::vector<std::vector<int64_t>>& rows = *store_rows;
-  std::vector<int64_t> start(tables + 1, 0);
+  std::vector<const int64_t*> key_lists(tables);
+  std::vector<int64_t*> row_lists(tables);
   for (size_t i = 0; i < tables; ++i) {
     keys[i].resize(n[i]);
-    rows[i].resize(n[i]);
-    (*flags)[i].resize(n[i]);
-    start[i + 1] = start[i] + n[i];
+    (*store_rows)[i].resize(n[i]);
+    key_lists[i] = keys[i].data();
+    row_lists[i] = (*store_rows)[i].data();
     if (n[i] > 0) cudaMemcpyAsync(keys[i].data(), missing[i], 8 * n[i], cudaMemcpyDeviceToHost, stream);
   }
   TF_RETURN_IF_ERROR(CudaWait(stream));
-  auto lookup = [&](int64_t begin, int64_t end) {
-    for (size_t i = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1; begin < end; ++i) {
-      const int64_t stop = std::min(end, start[i + 1]), at = begin - start[i];
-      if (stop > begin) res[i]->store->Rows(keys[i].data() + at, stop - begin, rows[i].data() + at);
-      for (int64_t j = at; j < at + stop - begin; ++j) (*flags)[i][j] = rows[i][j] >= 0;
-      begin = stop;
-    }
-  };
-  TensorScratch scratch(ctx);
-  const impl::CpuDevice host = MakeDevice<impl::CpuDevice>(ctx, &scratch);
-  if (start.back() > 4096)
-    host.parallel_for(start.back(), 200, lookup);
-  else if (start.back() > 0)
-    lookup(0, start.back());
+  StoreRowsOfTables(ctx, res, key_lists, n, row_lists);
+  for (size_t i = 0; i < tables; ++i) {
+    (*flags)[i].resize(n[i]);
+    for (int64_t j = 0; j < n[i]; ++j) (*flags)[i][j] = (*store_rows)[i][j] >= 0;
+  }
   return absl::OkStatus();
 }
 
@@ -311,7 +303,8 @@ absl::Status PrefetchPlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, In
   if (n > 0) {
     taken.resize(n + (n + 7) / 8, 0);
     p->on_device = static_cast<uint8_t*>(d.scratch->Allocate(9 * n));
-    if (p->on_device == nullptr) return absl::ResourceExhaustedError("dynamic table '" + r->table + "': out of GPU memory");
+    if (p->on_device == nullptr)
+      return absl::ResourceExhaustedError("dynamic table '" + r->table + "': out of GPU memory");
     // (from pageable memory: the copy has read its source when it returns)
     cudaMemcpyAsync(p->on_device, taken.data(), 9 * n, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(d.stream));
     p->new_rows = reinterpret_cast<const int64_t*>(p->on_device);
@@ -742,8 +735,9 @@ REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_GPU).HostMemo
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFindMany").Device(tf::DEVICE_GPU).HostMemory("indices"), FindManyOp);
 // (on a thread of its own: TensorFlow runs a GPU op's Compute in line with the step's others, which
 // would wait for the prefetch's waits)
-REGISTER_KERNEL_BUILDER(Name("TfSokDynamicPrefetch").Device(tf::DEVICE_GPU).HostMemory("indices").HostMemory("prefetched"),
-                        Detached<PrefetchOp, true>);
+REGISTER_KERNEL_BUILDER(
+    Name("TfSokDynamicPrefetch").Device(tf::DEVICE_GPU).HostMemory("indices").HostMemory("prefetched"),
+    Detached<PrefetchOp, true>);
 REGISTER_KERNEL_BUILDER(Name("TfSokRowSplitsValid").Device(tf::DEVICE_GPU), RowSplitsValidOp<impl::GpuDevice>);
 #endif
 

@@ -153,21 +153,16 @@ absl::Status StartStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, 
   return absl::OkStatus();
 }
 
-// The plans of several tables (num_new[i] new keys each, their keys on the host now): every table's
-// keys looked up in its store by the host's threads together (no store changes meanwhile), then each
-// table's absent keys added and its store rows and fresh flags sent to the device.
-absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
-                              const std::vector<IndexResource*>& res, const std::vector<int64_t>& num_new,
-                              std::vector<StorePlan>* plans) {
+void StoreRowsOfTables(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
+                       const std::vector<const int64_t*>& keys, const std::vector<int64_t>& n,
+                       const std::vector<int64_t*>& rows) {
   const size_t tables = res.size();
   std::vector<int64_t> start(tables + 1, 0);   // table i's keys: [start[i], start[i + 1]) of all
-  for (size_t i = 0; i < tables; ++i) start[i + 1] = start[i] + ((*plans)[i].planned ? num_new[i] : 0);
-  auto keys = [&](size_t i) { return reinterpret_cast<int64_t*>((*plans)[i].staging); };
-  auto rows = [&](size_t i) { return reinterpret_cast<int64_t*>((*plans)[i].staging + 8 * num_new[i]); };
+  for (size_t i = 0; i < tables; ++i) start[i + 1] = start[i] + n[i];
   auto lookup = [&](int64_t begin, int64_t end) {
     for (size_t i = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1; begin < end; ++i) {
       const int64_t stop = std::min(end, start[i + 1]), at = begin - start[i];
-      if (stop > begin) res[i]->store->Rows(keys(i) + at, stop - begin, rows(i) + at);
+      if (stop > begin) res[i]->store->Rows(keys[i] + at, stop - begin, rows[i] + at);
       begin = stop;
     }
   };
@@ -177,6 +172,26 @@ absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d
     host.parallel_for(start.back(), 200, lookup);
   else if (start.back() > 0)
     lookup(0, start.back());
+}
+
+// The plans of several tables (num_new[i] new keys each, their keys on the host now): every table's
+// keys looked up in its store by the host's threads together (no store changes meanwhile), then each
+// table's absent keys added and its store rows and fresh flags sent to the device.
+absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
+                              const std::vector<IndexResource*>& res, const std::vector<int64_t>& num_new,
+                              std::vector<StorePlan>* plans) {
+  const size_t tables = res.size();
+  auto keys = [&](size_t i) { return reinterpret_cast<int64_t*>((*plans)[i].staging); };
+  auto rows = [&](size_t i) { return reinterpret_cast<int64_t*>((*plans)[i].staging + 8 * num_new[i]); };
+  std::vector<const int64_t*> key_lists(tables);
+  std::vector<int64_t*> row_lists(tables);
+  std::vector<int64_t> counts(tables);
+  for (size_t i = 0; i < tables; ++i) {
+    counts[i] = (*plans)[i].planned ? num_new[i] : 0;
+    key_lists[i] = keys(i);
+    row_lists[i] = rows(i);
+  }
+  StoreRowsOfTables(ctx, res, key_lists, counts, row_lists);
   for (size_t i = 0; i < tables; ++i) {
     StorePlan* p = &(*plans)[i];
     const int64_t n = num_new[i];
@@ -259,7 +274,8 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
     if (c.prefetch && t->dim_size(0) < c.rows)
       return absl::InternalError("dynamic table '" + res->table + "': a prefetch would grow the arrays");
     float* base = a.var->tensor()->flat<float>().data();
-    if (a.values && !c.prefetch) Fill(d, base, width, 0.0f);   // row 0, which keys not inserted read (an update may have moved it)
+    // row 0, which keys not inserted read (an update may have moved it)
+    if (a.values && !c.prefetch) Fill(d, base, width, 0.0f);
     if (moves)
       StoreRead(d, *res, a, res->store->base(i), width, plan.new_rows, plan.fresh, c.new_keys, c.new_slots,
                 unchanged ? 0 : c.num_new, base, evicted, c.evicted_slots, plan.store_row_of, c.num_evicted);

@@ -1,4 +1,6 @@
 // The ops of dynamic (hash-keyed) tables: registration and shape functions only.
+#include <vector>
+
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -14,6 +16,15 @@ absl::Status StoreRowsShape(InferenceContext* c) {
   c->set_output(0, c->Vector(c->UnknownDim()));
   c->set_output(1, c->Matrix(c->UnknownDim(), c->UnknownDim()));
   c->set_output(2, c->Vector(c->UnknownDim()));
+  return absl::OkStatus();
+}
+
+// Ops over several dynamic tables (N indices, then N key lists): the key lists' shapes, vectors.
+absl::Status KeyVectors(InferenceContext* c, std::vector<::tensorflow::shape_inference::ShapeHandle>* keys) {
+  int n = 0;
+  TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+  keys->resize(n);
+  for (int i = 0; i < n; ++i) TF_RETURN_IF_ERROR(c->WithRank(c->input(n + i), 1, &(*keys)[i]));
   return absl::OkStatus();
 }
 
@@ -89,13 +100,9 @@ REGISTER_OP("TfSokDynamicFindMany")
     .Attr("insert_ratio: float = 1.0")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      int n = 0;
-      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
-      for (int i = 0; i < n; ++i) {
-        ::tensorflow::shape_inference::ShapeHandle keys;
-        TF_RETURN_IF_ERROR(c->WithRank(c->input(n + i), 1, &keys));
-        c->set_output(i, keys);
-      }
+      std::vector<::tensorflow::shape_inference::ShapeHandle> keys;
+      TF_RETURN_IF_ERROR(KeyVectors(c, &keys));
+      for (size_t i = 0; i < keys.size(); ++i) c->set_output(static_cast<int>(i), keys[i]);
       return absl::OkStatus();
     })
     .Doc(R"doc(
@@ -246,13 +253,9 @@ REGISTER_OP("TfSokDynamicPrefetch")
     .Attr("N: int >= 1")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      int n = 0;
-      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
-      for (int i = 0; i < n; ++i) {
-        ::tensorflow::shape_inference::ShapeHandle keys;
-        TF_RETURN_IF_ERROR(c->WithRank(c->input(n + i), 1, &keys));
-      }
-      c->set_output(0, c->Vector(n));
+      std::vector<::tensorflow::shape_inference::ShapeHandle> keys;
+      TF_RETURN_IF_ERROR(KeyVectors(c, &keys));
+      c->set_output(0, c->Vector(static_cast<int64_t>(keys.size())));
       return absl::OkStatus();
     })
     .Doc(R"doc(
