@@ -402,6 +402,9 @@ def run_dynamic(case, tf, sok):
             want = np_lookup(model.rows(ids), lens, np.arange(len(ids)), None, comb)
             if outs[k].shape != want.shape or not np.allclose(outs[k], want, rtol=1e-4, atol=1e-4):
                 return "wrong_result"
+        if tier and rng.random() < 0.5:   # a prefetch of keys held or not: it changes no value, counts nothing
+            ahead = tf.constant(rng.choice(pool, int(rng.integers(0, 12))))
+            (tf.function(sok.prefetch) if case.graph else sok.prefetch)([table], [ahead])
     got = table.export()
     keys = got[0].numpy().tolist()
     if set(keys) != set(model.value):
