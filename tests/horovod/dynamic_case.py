@@ -89,23 +89,30 @@ def dense_init():
     return np.linspace(0.5, 1.5, 15).astype(np.float32)
 
 
-def train(tables, dense_w, batches, dense_tape=None, sparse_opt=None, **lookup_kw):
+def train(tables, dense_w, batches, dense_tape=None, sparse_opt=None, prefetch=False, **lookup_kw):
     """STEPS of Adam (or `sparse_opt`) on the tables and SGD on the dense weight (dense_tape: wraps
-    the tape, e.g. hvd.DistributedGradientTape; lookup_kw: lookup_sparse's, e.g. the filter's)."""
+    the tape, e.g. hvd.DistributedGradientTape; prefetch: each step sok.prefetch'es the next batch's
+    ids of every table after its lookup; lookup_kw: lookup_sparse's, e.g. the filter's)."""
     sparse_opt = sparse_opt or sok.optimizers.Adam(learning_rate=0.05)
+    names = list(tables)
 
     @tf.function
-    def step(feats, target):
+    def step(feats, next_feats, target):
         with tf.GradientTape(persistent=True) as tape:
             loss = loss_fn(tables, dense_w, feats, target, **lookup_kw)
-        names = list(tables)
+        if prefetch:
+            sok.prefetch([tables[n] for n in names],
+                         [tf.concat([next_feats[f][1] for f, t, _ in FEATURES if t == n], 0) for n in names])
         grads = tape.gradient(loss, [tables[n] for n in names])
         dense_grad = (dense_tape(tape) if dense_tape else tape).gradient(loss, [dense_w])[0]
         sparse_opt.apply_gradients(zip(grads, [tables[n] for n in names]))
         dense_w.assign_sub(0.05 * dense_grad)
 
-    for feats, target in batches:
-        step({k: (tf.constant(v[0]), tf.constant(v[1])) for k, v in feats.items()}, tf.constant(target))
+    def tensors(feats):
+        return {k: (tf.constant(v[0]), tf.constant(v[1])) for k, v in feats.items()}
+
+    for i, (feats, target) in enumerate(batches):
+        step(tensors(feats), tensors(batches[(i + 1) % len(batches)][0]), tf.constant(target))
 
 
 def static_rows(table):

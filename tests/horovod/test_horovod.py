@@ -240,8 +240,9 @@ def test_dynamic_tables_train_like_one_process(tmp_path, seed, n, scenario):
     """Each key ends on its owner (floormod(key, n), or the localized rank) with the value one
     process training on the global batch gives it; dense weights alike. sok_script: written as
     SOK's scripts are (comm_tool, OptimizerWrapper over a tf_keras legacy optimizer). hybrid_training:
-    the ranks' tables, static and dynamic, have host tiers (3 cached rows), the one process's none;
-    filtered_hybrid_training: so, under the low-frequency filter (ratio 0.5) in both."""
+    the ranks' tables, static and dynamic, have host tiers (3 cached rows) and prefetch each next
+    batch's keys, the one process's none; filtered_hybrid_training: so, under the low-frequency
+    filter (ratio 0.5) in both."""
     import tf_keras
 
     from tests.horovod import dynamic_case as dc

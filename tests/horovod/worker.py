@@ -274,7 +274,9 @@ def dynamic_training(seed, out, hybrid=False, filtered=False):
     dense_w = tf.Variable(dc.dense_init())
     pool = dc.HYBRID_POOL if hybrid else 30
     batches = [dc.rank_slice(*dc.global_batch(seed, s, pool, hybrid), r, N) for s in range(dc.STEPS)]
-    dc.train(tables, dense_w, batches, dense_tape=hvd.DistributedGradientTape, **(dc.FILTER if filtered else {}))
+    # (with host tiers each step prefetches the next batch's keys: the results stay one process's)
+    dc.train(tables, dense_w, batches, dense_tape=hvd.DistributedGradientTape, prefetch=hybrid,
+             **(dc.FILTER if filtered else {}))
     if hybrid:   # every rank's shard of the distributed tables went through its host tier
         for name in ("users", "small"):
             stats = sok.cache_stats(tables[name])
