@@ -44,7 +44,8 @@ def prefetch(variables: Sequence, ids: Sequence) -> tf.Tensor:
     Call it in a training step with the next batch's ids, after the step's lookup: the moves
     overlap the rest of the step, and the next step's lookup finds the rows cached. Results do not
     change (it moves rows, never values); tables without a host tier are passed over. With several
-    ranks each rank prefetches the keys of its own ids that its shard holds.
+    ranks each rank prefetches the keys of its own ids that its shard holds. In `model.fit`:
+    `sok.keras.loop_on_host(model, prefetch=fn)`, fn calling this on each next batch.
 
     Example:
         >>> @tf.function
