@@ -409,6 +409,26 @@ def test_low_frequency_filter_on_a_hybrid_table_equals_the_table_without_a_tier(
     _assert_same_tables(plain, hybrid, *opts)
 
 
+def collection_model(cfg, steps_per_execution=1):
+    """A Keras model of one ragged int64 feature "f" through an EmbeddingCollection of table `cfg`
+    and a Dense layer, compiled (Adam on the table); returns (model, the collection)."""
+    inp = keras.Input(shape=(None,), dtype="int64", ragged=True)
+    coll = sok.layers.EmbeddingCollection(tables=[cfg], feature_to_table={"f": cfg.name})
+    model = keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(coll({"f": inp})["f"]))
+    model.compile(optimizer=sok.keras.Optimizer(keras.optimizers.SGD(0.05), sok.optimizers.Adam(0.02)),
+                  loss="mse", steps_per_execution=steps_per_execution)
+    return model, coll
+
+
+def assert_same_exports(plain, hybrid):
+    """The two dynamic tables (or Keras weights of them) hold the same keys and values; returns their exports."""
+    a, b = (sok.export(getattr(t, "_dynamic", t)) for t in (plain, hybrid))
+    order_a, order_b = np.argsort(a[0].numpy()), np.argsort(b[0].numpy())
+    np.testing.assert_array_equal(a[0].numpy()[order_a], b[0].numpy()[order_b])
+    np.testing.assert_allclose(b[1].numpy()[order_b], a[1].numpy()[order_a], rtol=1e-6, atol=1e-7)
+    return a, b
+
+
 @pytest.mark.parametrize("capacity", [None, 60])
 def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplog, capacity):
     """model.fit with a hybrid table (unbounded, and bounded with LRU eviction) equals the table
@@ -422,21 +442,13 @@ def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplo
         cfg = sok.TableConfig(f"k{len(tables)}", 8, DIM, combiner="sum", dynamic=True, initializer="normal", seed=2,
                               max_hbm_for_vectors=budget, max_capacity=capacity,
                               evict_strategy="lru" if capacity else None)
-        inp = keras.Input(shape=(None,), dtype="int64", ragged=True)
-        coll = sok.layers.EmbeddingCollection(tables=[cfg], feature_to_table={"f": cfg.name})
-        model = keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(coll({"f": inp})["f"]))
-        model.compile(optimizer=sok.keras.Optimizer(keras.optimizers.SGD(0.05), sok.optimizers.Adam(0.02)),
-                      loss="mse")
+        model, coll = collection_model(cfg)
         with caplog.at_level(logging.INFO, logger="tf_sok"):
             h = model.fit(ds, epochs=2, verbose=0, callbacks=[sok.keras.CacheStats()] if budget else [])
         histories.append(h.history["loss"])
         tables.append(coll.tables[cfg.name])
     np.testing.assert_allclose(histories[1], histories[0], rtol=1e-6)
-    plain, hybrid = (getattr(t, "_dynamic", t) for t in tables)
-    a, b = sok.export(plain), sok.export(hybrid)
-    order_a, order_b = np.argsort(a[0].numpy()), np.argsort(b[0].numpy())
-    np.testing.assert_array_equal(a[0].numpy()[order_a], b[0].numpy()[order_b])
-    np.testing.assert_allclose(b[1].numpy()[order_b], a[1].numpy()[order_a], rtol=1e-6, atol=1e-7)
+    a, b = assert_same_exports(*tables)
     if capacity:
         assert len(a[0].numpy()) == capacity < len(set(sum(picks, [])))
     lines = [r.getMessage() for r in caplog.records if "hit rate" in r.getMessage()]
