@@ -54,6 +54,9 @@ def parse_args(description, argv=None, dim=16, batch_size=2048, steps_per_execut
     p.add_argument("--host-tier-gib", type=float, default=None,
                    help="every table with a host tier: its rows in host memory, this many GiB of device memory "
                         "for each table's cached rows and their optimizer state (max_hbm_for_vectors)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="with --host-tier-gib: each step prefetches the next batch's ids into the caches "
+                        "(sok.keras.loop_on_host(model, prefetch=...); needs --steps-per-execution > 1)")
     p.add_argument("--verbose", type=int, default=2)
     a = p.parse_args(argv)
     if not 0 < a.holdout < 1:
@@ -286,6 +289,19 @@ def default_optimizer():
     return sok.keras.Optimizer(dense=keras.optimizers.Adam(1e-3), sparse=sok.optimizers.Adam(0.01))
 
 
+def next_batch_prefetch(model):
+    """loop_on_host's prefetch for these examples: the next batch's ids of every feature of the model's
+    EmbeddingCollection (`model.feature_ids(x)` where the model derives them, else x[feature])."""
+    coll = model.embeddings
+
+    def prefetch(batch):
+        x = batch[0]
+        ids = model.feature_ids(x) if hasattr(model, "feature_ids") else {f: x[f] for f in coll.feature_names}
+        sok.prefetch([coll.tables[coll.feature_to_table[f]] for f in coll.feature_names],
+                     [ids[f] for f in coll.feature_names])
+    return prefetch
+
+
 def run(name, build_model, a, optimizer=default_optimizer, synthetic_config=None):
     """Trains `build_model(schema, dim)` with model.fit, evaluating on held-out data after each epoch
     (--distribute: under Horovod or MirroredStrategy; rank 0 prints, plots and logs)."""
@@ -306,7 +322,8 @@ def run(name, build_model, a, optimizer=default_optimizer, synthetic_config=None
         per_epoch -= per_epoch % spe          # Keras runs whole executions: an epoch is a multiple of them
         model.compile(optimizer=optimizer(), loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc")],
                       steps_per_execution=spe)
-        sok.keras.loop_on_host(model)   # the multi-step loop's control on the host: no wait for the GPU per step
+        # the multi-step loop's control on the host: no wait for the GPU per step
+        sok.keras.loop_on_host(model, prefetch=next_batch_prefetch(model) if tier and a.prefetch else None)
     first = launch.rank == 0
     out = a.out or os.path.join("out", name)
     os.makedirs(out, exist_ok=True)
@@ -343,5 +360,6 @@ def run(name, build_model, a, optimizer=default_optimizer, synthetic_config=None
         lookups, misses = sum(x["lookups"] for x in stats), sum(x["misses"] for x in stats)
         print(f"{name}: host tier, {len(stats)} tables: hit rate {1 - misses / max(lookups, 1):.4f}, "
               f"{sum(x['bytes_to_device'] + x['bytes_to_host'] for x in stats) / 1e6:.1f} MB over the host link, "
-              f"{sum(x['cached'] for x in stats):,} of {sum(x['keys'] for x in stats):,} rows held cached")
+              f"{sum(x['cached'] for x in stats):,} of {sum(x['keys'] for x in stats):,} rows held cached, "
+              f"{sum(x['prefetched'] for x in stats):,} keys prefetched")
     return {"loss": curves.loss, "eval_auc": curves.eval_auc[-1], "eval_loss": curves.eval_loss[-1], "sps": sps}

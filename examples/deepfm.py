@@ -31,9 +31,12 @@ class DeepFM(keras.Model):
         self.deep = keras.Sequential([keras.layers.Dense(128, activation="relu"), keras.layers.Dense(64, activation="relu"),
                                       keras.layers.Dense(1)])
 
+    def feature_ids(self, x):
+        """The embedding features' ids: each categorical feature feeds its first-order and its factor table."""
+        return {f"{n}/{o}": x[n] for n in self.names for o in ("1", "k")}
+
     def call(self, x):
-        ids = {f"{n}/{o}": x[n] for n in self.names for o in ("1", "k")}
-        e = self.embeddings(ids)
+        e = self.embeddings(self.feature_ids(x))
         first = tf.add_n([e[f"{n}/1"] for n in self.names]) + self.dense_linear(x["dense"])
         v = tf.stack([e[f"{n}/k"] for n in self.names], axis=1)           # [batch, fields, dim]
         second = 0.5 * tf.reduce_sum(tf.square(tf.reduce_sum(v, 1)) - tf.reduce_sum(tf.square(v), 1), 1, keepdims=True)

@@ -51,11 +51,12 @@ def test_training_with_prefetch_equals_the_table_without_a_tier(rng, case, budge
         assert stats["prefetched"] == 0   # no row to take a key into / every key the table holds is cached
 
 
-def check_prefetched_keys_are_hits(rng, device, name, keys=300, cache_rows=150, batch=36, steps=30):
+def check_prefetched_keys_are_hits(rng, device, name, keys=300, cache_rows=150, batch=36, steps=30, split=False):
     """A cache of cache_rows rows, batches of at most `batch` distinct keys out of `keys` (a prefetch
     always finds room among the rows no lookup since the last prefetch used): every id of the next
     batch whose key the table holds is cached when that batch is looked up, so its misses are the
-    ids of keys new to the table (a plain-Python set of the keys seen)."""
+    ids of keys new to the table (a plain-Python set of the keys seen). split: the next batch's ids
+    given as two lists of the same table (features sharing it), the second a (values, row_splits) pair."""
     pool = random_keys(rng, keys)
     with tf.device(device):
         table = sok.DynamicVariable(DIM, initializer="uniform", name=name, var_type="hybrid",
@@ -66,7 +67,14 @@ def check_prefetched_keys_are_hits(rng, device, name, keys=300, cache_rows=150, 
     def step(ids, next_ids):
         out = tf.nn.embedding_lookup(table, ids)
         with tf.control_dependencies([out]):
-            taken = sok.prefetch([table], [next_ids])
+            if split:
+                half = tf.size(next_ids) // 2
+                pair = (next_ids[half:], tf.stack([tf.constant(0, tf.int64), tf.size(next_ids[half:], tf.int64)]))
+                taken = sok.prefetch([table, table], [next_ids[:half], pair])
+                tf.debugging.assert_equal(taken[1], tf.constant(0, tf.int64))   # (counted at the first place)
+                taken = taken[:1]
+            else:
+                taken = sok.prefetch([table], [next_ids])
         return out, taken
 
     seen = set()
@@ -88,8 +96,9 @@ def check_prefetched_keys_are_hits(rng, device, name, keys=300, cache_rows=150, 
     assert stats["keys"] == len(seen)
 
 
-def test_prefetched_keys_are_hits_at_the_next_lookup(rng):
-    check_prefetched_keys_are_hits(rng, "/CPU:0", "pf_hits")
+@pytest.mark.parametrize("split", [False, True])
+def test_prefetched_keys_are_hits_at_the_next_lookup(rng, split):
+    check_prefetched_keys_are_hits(rng, "/CPU:0", f"pf_hits_{split}", split=split)
 
 
 def test_prefetch_passes_over_tables_without_a_tier_or_with_a_bound(rng):

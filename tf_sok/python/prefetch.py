@@ -19,6 +19,8 @@ from tf_sok.python.variable import backing_variable, table_meta
 
 
 def _flat_ids(ids, what: str) -> tf.Tensor:
+    if isinstance(ids, (tuple, list)) and len(ids) == 2:   # a (values, row_splits) pair, as lookup_sparse takes
+        ids = ids[0]
     if isinstance(ids, tf.RaggedTensor):
         ids = ids.flat_values
     elif isinstance(ids, tf.SparseTensor):
@@ -57,15 +59,16 @@ def prefetch(variables: Sequence, ids: Sequence) -> tf.Tensor:
 
     Args:
       variables: the tables (sok.DynamicVariable, sok.Variable, their Keras weights or ReplicaTables).
-      ids: per table, its ids (a Tensor, RaggedTensor or SparseTensor of int32 / int64).
+      ids: per table, its ids (a Tensor, RaggedTensor, SparseTensor or (values, row_splits) pair of
+        int32 / int64). A table given several times (features sharing it) prefetches all their ids.
     Returns:
-      int64 [len(variables)]: per table, the keys taken into its cache.
+      int64 [len(variables)]: per table, the keys taken into its cache (at its first place; 0 at the others).
     """
     from tf_sok.python.dynamic_variable import DynamicVariable
     variables, ids = list(variables), list(ids)
     if len(variables) != len(ids):
         raise ValueError(f"sok.prefetch: {len(variables)} tables and {len(ids)} id lists; give one per table")
-    by_device = {}
+    tables = {}   # id(table) -> (first place, table, its key lists): a table once per op
     for i, var in enumerate(variables):
         meta = table_meta(var)
         if meta is None:
@@ -73,11 +76,12 @@ def prefetch(variables: Sequence, ids: Sequence) -> tf.Tensor:
         v = backing_variable(var)
         keys = _flat_ids(ids[i], repr(meta.name))
         if isinstance(v, DynamicVariable) and v.hybrid:
-            by_device.setdefault(v._index_device, []).append((i, v, _local_keys(meta, keys)))
+            tables.setdefault(id(v), (i, v, []))[2].append(_local_keys(meta, keys))
+    by_device = {}
+    for i, v, keys in tables.values():
+        by_device.setdefault(v._index_device, []).append((i, v, keys[0] if len(keys) == 1 else tf.concat(keys, 0)))
     counts = [tf.constant(0, tf.int64)] * len(variables)
-    seen = set()
     for device, members in by_device.items():
-        members = [m for m in members if id(m[1]) not in seen and not seen.add(id(m[1]))]   # a table once
         with tf.device(device):
             taken = ops().tf_sok_dynamic_prefetch([v._index.resource_handle for _, v, _ in members],
                                                   [k for _, _, k in members])

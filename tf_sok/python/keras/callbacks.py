@@ -42,11 +42,11 @@ class CacheStats(keras.callbacks.Callback):
         for t in self._targets():
             now, before = cache_stats(t), self._start.get(t.table.name, {})
             d = {k: now[k] - before.get(k, 0) for k in ("lookups", "misses", "loaded", "new_keys", "evicted",
-                                                        "bytes_to_device", "bytes_to_host", "dropped")}
+                                                        "bytes_to_device", "bytes_to_host", "dropped", "prefetched")}
             rate = 1.0 - d["misses"] / d["lookups"] if d["lookups"] else 0.0
-            _log.info("epoch %d, table %r: hit rate %.4f, %d keys taken in (%d new), %d written back, "
+            _log.info("epoch %d, table %r: hit rate %.4f, %d keys taken in (%d new, %d prefetched), %d written back, "
                       "%.1f MB to the device, %.1f MB to the host; %d keys (%d dropped by max_capacity), %d cached",
-                      epoch + 1, t.table.name, rate, d["loaded"], d["new_keys"], d["evicted"],
+                      epoch + 1, t.table.name, rate, d["loaded"], d["new_keys"], d["prefetched"], d["evicted"],
                       d["bytes_to_device"] / 1e6, d["bytes_to_host"] / 1e6, now["keys"], d["dropped"], now["cached"])
             if logs is not None:
                 logs[f"{t.table.name}_hit_rate"] = rate
