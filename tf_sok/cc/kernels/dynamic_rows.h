@@ -162,12 +162,12 @@ absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::CpuDevice& d, Index
 // store_row_of[cache_rows[j]] = rows[j]
 void SetStoreRows(const impl::CpuDevice& d, int64_t* store_row_of, const int64_t* cache_rows, const int64_t* rows,
                   int64_t n);
+#if TF_SOK_WITH_CUDA
 // rows[i][j]: the store row of keys[i][j] in table i's host tier (-1: absent), j < n[i], for all
 // tables at once on the host's threads (the stores must not change meanwhile).
 void StoreRowsOfTables(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
                        const std::vector<const int64_t*>& keys, const std::vector<int64_t>& n,
                        const std::vector<int64_t*>& rows);
-#if TF_SOK_WITH_CUDA
 absl::Status StoreRowArray(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res, int64_t rows,
                            int64_t** out);
 absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res, const Changes& c,
