@@ -260,6 +260,20 @@ absl::Status LockIndices(tf::OpKernelContext* ctx, int n, const char* op,
   return absl::OkStatus();
 }
 
+// A prefetch holds the locks of the tables' arrays (in address order, as TensorFlow's ops take them)
+// while it moves rows: an update that copies an array first (copy-on-write) then copies the rows
+// moved in. (KeepArraysInStep takes no lock for a prefetch's changes.)
+std::vector<std::unique_ptr<tf::mutex_lock>> LockArrays(const std::vector<IndexResource*>& tables) {
+  std::vector<tf::mutex*> mus;
+  for (IndexResource* r : tables)
+    for (auto& a : r->arrays) mus.push_back(a.var->mu());
+  std::sort(mus.begin(), mus.end());
+  mus.erase(std::unique(mus.begin(), mus.end()), mus.end());
+  std::vector<std::unique_ptr<tf::mutex_lock>> locks;
+  for (tf::mutex* m : mus) locks.push_back(std::make_unique<tf::mutex_lock>(*m));
+  return locks;
+}
+
 #if TF_SOK_WITH_CUDA
 // For a prefetch: per table, whether its host tier holds each of its distinct missing keys (n[i] of
 // them at missing[i], device memory) and their store rows (-1: not held), for all tables with one
@@ -416,17 +430,9 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
   for (int i = 0; i < n; ++i) num_new[i] = found[i].num_new;
   if (!prefetch) TF_RETURN_IF_ERROR(FinishStorePlans(ctx, d, res, num_new, &plans));
   clock.Mark(7);
-  // a prefetch holds every array's lock (in address order, as TensorFlow's ops take them) while its
-  // stream moves rows: an update that copies an array first (copy-on-write) copies the rows moved in
+  // (a prefetch: the arrays locked until its stream has moved the rows)
   std::vector<std::unique_ptr<tf::mutex_lock>> locks;
-  if (prefetch) {
-    std::vector<tf::mutex*> mus;
-    for (IndexResource* r : res)
-      for (auto& a : r->arrays) mus.push_back(a.var->mu());
-    std::sort(mus.begin(), mus.end());
-    mus.erase(std::unique(mus.begin(), mus.end()), mus.end());
-    for (tf::mutex* m : mus) locks.push_back(std::make_unique<tf::mutex_lock>(*m));
-  }
+  if (prefetch) locks = LockArrays(res);
   for (int i = 0; i < n; ++i) TF_RETURN_IF_ERROR(KeepArraysInStep(ctx, d, res[i], changes[i], nullptr, &plans[i]));
   if (prefetch) return CudaWait(stream);
   for (IndexResource* r : res) r->RecordFind(stream);
@@ -650,8 +656,7 @@ class PrefetchOp : public tf::OpKernel {
       TF_SOK_REQUIRES(ctx, error.empty(), Failed(*r, " prefetch: ", error));
       Changes c = HostChanges(ch, keys.NumElements());
       c.prefetch = true;
-      std::vector<std::unique_ptr<tf::mutex_lock>> arrays;   // (KeepArraysInStep's contract for prefetches)
-      for (auto& a : r->arrays) arrays.push_back(std::make_unique<tf::mutex_lock>(*a.var->mu()));
+      const auto arrays = LockArrays({r});
       TF_SOK_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, c, nullptr));
       (*taken)[t] = c.num_new;
     }
