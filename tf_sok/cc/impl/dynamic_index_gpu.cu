@@ -138,6 +138,14 @@ __global__ void ClaimKernel(int64_t* tkeys, unsigned long long* tstate, int64_t 
                      NewRowMarks());
 }
 
+// The distinct keys of keys[0, n), listed at out[0, *count) in the order their first threads claimed
+// them (ClaimRow in a scratch table of `mask` + 1 buckets, all empty, "rows" numbering the keys).
+__global__ void DistinctKernel(int64_t* tkeys, unsigned long long* tstate, int64_t mask, const int64_t* keys,
+                               int64_t n, int64_t* out, int64_t* numbers, unsigned long long* count) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) ClaimRow(tkeys, tstate, mask, keys[i], nullptr, 0, 0, out, numbers, count, NewRowMarks());
+}
+
 // Find-or-insert in one pass, when every new key is let in and the table has room and rows for
 // every position: a position whose key is held takes its row (marked touched by `call`); one whose
 // probe reaches an empty bucket (the key is absent: tombstones are passed, so a key held beyond
@@ -210,11 +218,6 @@ __global__ void SetStateKernel(int64_t* tstate, const int64_t* where, const int6
 __global__ void LiveFlagsKernel(const int64_t* state, int64_t n, uint8_t* flags) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < n) flags[i] = state[i] >= 0;
-}
-
-__global__ void UniqueFlagsKernel(const int64_t* sorted, int64_t n, uint8_t* flags) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) flags[i] = (i == 0 || sorted[i] != sorted[i - 1]);
 }
 
 // per position: its row (-1 when absent), a flag for absent keys; found rows marked touched by `call`
@@ -376,7 +379,7 @@ __global__ void StoreMoveKernel(const V* evicted, const int64_t* evicted_slots, 
   } else {
     if (i >= n_in * width) return;
     const int64_t j = i / width, c = i - j * width;
-    if (!fresh[j]) cache[cache_rows[j] * width + c] = store[store_rows[j] * width + c];
+    if (fresh == nullptr || !fresh[j]) cache[cache_rows[j] * width + c] = store[store_rows[j] * width + c];
   }
 }
 
@@ -482,17 +485,6 @@ bool CompactCount(const GpuDevice& d, const T* in, const uint8_t* flags, int64_t
   void* temp = d.scratch->Allocate(std::max<size_t>(bytes, 1));
   if (!temp) return false;
   cub::DeviceSelect::Flagged(temp, bytes, in, flags, out, count, n, s);
-  return true;
-}
-
-template <typename K>
-bool SortKeys(const GpuDevice& d, const K* keys_in, K* keys_out, int64_t n) {
-  cudaStream_t s = StreamOf(d);
-  size_t bytes = 0;
-  cub::DeviceRadixSort::SortKeys(nullptr, bytes, keys_in, keys_out, n, 0, static_cast<int>(sizeof(K) * 8), s);
-  void* temp = d.scratch->Allocate(std::max<size_t>(bytes, 1));
-  if (!temp) return false;
-  cub::DeviceRadixSort::SortKeys(temp, bytes, keys_in, keys_out, n, 0, static_cast<int>(sizeof(K) * 8), s);
   return true;
 }
 
@@ -722,9 +714,9 @@ std::string GpuDynamicIndex::Probe(const GpuDevice& d, const int64_t* keys, int6
   return "";
 }
 
-// 2. the distinct missing keys, their count left at *count: sorted; or, when every one of them is
-// let in without evicting (no admission, room for all), inserted right away in first-come order
-// with their rows (p->direct)
+// 2. the distinct missing keys, their count left at *count, in the order they were told apart; or,
+// when every one of them is let in without evicting (no admission, room for all), inserted right away
+// in first-come order with their rows (p->direct)
 std::string GpuDynamicIndex::FinishDistinct(const GpuDevice& d, GpuFindPending* p, int64_t mp, GpuFindResult* out,
                                             int64_t* count, float insert_ratio) {
   cudaStream_t s = StreamOf(d);
@@ -752,11 +744,17 @@ std::string GpuDynamicIndex::FinishDistinct(const GpuDevice& d, GpuFindPending* 
                                                   reinterpret_cast<unsigned long long*>(count));
     return "";
   }
-  auto* sorted = gpu::Alloc<int64_t>(d, mp);
-  auto* first = gpu::Alloc<uint8_t>(d, mp);
-  if (!sorted || !first || !SortKeys(d, p->missing_at, sorted, mp)) return "ran out of GPU memory";
-  UniqueFlagsKernel<<<Blocks(mp), kThreads, 0, s>>>(sorted, mp, first);
-  if (!CompactCount(d, sorted, first, mp, p->missing, count)) return "ran out of GPU memory";
+  // told apart in a scratch hash table (one launch: no sort)
+  const int64_t buckets = PowerOfTwoAtLeast(2 * mp);
+  auto* tkeys = gpu::Alloc<int64_t>(d, buckets);
+  auto* tstate = gpu::Alloc<int64_t>(d, buckets);
+  auto* numbers = gpu::Alloc<int64_t>(d, mp);
+  if (!tkeys || !tstate || !numbers) return "ran out of GPU memory";
+  cudaMemsetAsync(tstate, 0xFF, sizeof(int64_t) * buckets, s);   // -1: empty
+  cudaMemsetAsync(count, 0, sizeof(int64_t), s);
+  DistinctKernel<<<Blocks(mp), kThreads, 0, s>>>(tkeys, reinterpret_cast<unsigned long long*>(tstate), buckets - 1,
+                                                 p->missing_at, mp, p->missing, numbers,
+                                                 reinterpret_cast<unsigned long long*>(count));
   return "";
 }
 
@@ -1159,7 +1157,7 @@ void GpuStoreMove(const GpuDevice& d, const float* evicted, const int64_t* evict
     StoreMoveKernel<<<blocks, kThreads, 0, StreamOf(d)>>>(evicted, evicted_slots, store_row_of, n_out, store_rows,
                                                           fresh, cache_rows, n_in, w, store, cache);
   }
-  if (n_in * width > 0)
+  if (n_in * width > 0 && fresh != nullptr)
     StoreFreshKernel<<<Blocks(n_in * width), kThreads, 0, StreamOf(d)>>>(width, fresh, keys, cache_rows, n_in,
                                                                           init_kind, a, b, seed, fill, cache);
 }

@@ -52,7 +52,7 @@ struct GpuFindPending {
   int64_t n = 0, call = 0;
   int64_t* missing_at = nullptr;  // [n]: the keys of the positions not found, compacted
   int64_t mp = 0;                 // their number
-  int64_t* missing = nullptr;     // the distinct missing keys, sorted
+  int64_t* missing = nullptr;     // the distinct missing keys (in the order they were told apart)
   int64_t m = 0;                  // their number
   // admission: the keys let in (a) and those still waiting, with their sightings and buckets
   int64_t *admitted = nullptr, *admitted_where = nullptr;
@@ -60,7 +60,7 @@ struct GpuFindPending {
   int64_t a = 0, waiting_count = 0;
   int64_t k = 0;                  // keys to evict (before a cache's bound by the evictable rows)
   int64_t* evictable = nullptr;   // rows this call did not touch, compacted
-  bool direct = false;            // the missing keys were inserted as they were told apart (no sort)
+  bool direct = false;            // the missing keys were inserted as they were told apart
   bool fused = false;             // ... by the probe itself: Probe's count is that of the new keys
   bool prefetch = false;          // a prefetch (see DynamicIndex::Prefetch)
   int64_t held_count = 0;         // ... the distinct missing keys the host tier holds (the caller's count)
@@ -171,7 +171,8 @@ void GpuStoreMarks(const GpuDevice& d, const int64_t* cache_rows, const int64_t*
 void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, int64_t n, int64_t* out);
 // Both directions in one launch: rows evicted[j] (gathered on the device) written to store rows
 // store_row_of[evicted_slots[j]], j < n_out, while rows of keys not fresh are read from store rows
-// store_rows[j] into cache rows cache_rows[j], j < n_in (fresh ones: their initial value / fill), so
+// store_rows[j] into cache rows cache_rows[j], j < n_in (fresh ones: their initial value / fill; fresh
+// null: none is, and no pass sets them), so
 // that the host link carries both at once. Store rows written and read must differ (other keys).
 void GpuStoreMove(const GpuDevice& d, const float* evicted, const int64_t* evicted_slots, const int64_t* store_row_of,
                   int64_t n_out, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,

@@ -143,12 +143,16 @@ std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector
   return "";
 }
 
-void HostStore::Loaded(const int64_t* rows, int64_t n, int64_t call) {
+void HostStore::Loaded(const int64_t* rows, int64_t n, int64_t call) { AddCached(MarkLoaded(rows, n, call)); }
+
+int64_t HostStore::MarkLoaded(const int64_t* rows, int64_t n, int64_t call) {
+  int64_t added = 0;
   for (int64_t j = 0; j < n; ++j) {
-    cached_count_ += !cached_[rows[j]];
+    added += !cached_[rows[j]];
     cached_[rows[j]] = 1;
     marks_[rows[j]] = call;
   }
+  return added;
 }
 
 void HostStore::WrittenBack(const int64_t* keys, const int64_t* calls, int64_t n) {
@@ -219,7 +223,7 @@ void StoreRead(const float* store, int64_t width, const int64_t* store_rows, con
                int64_t seed, float fill, float* cache) {
   for (int64_t j = 0; j < n; ++j) {
     float* out = cache + cache_rows[j] * width;
-    if (!fresh[j]) {
+    if (fresh == nullptr || !fresh[j]) {
       std::memcpy(out, store + store_rows[j] * width, sizeof(float) * width);
     } else if (init_kind >= 0) {
       const uint64_t bits = InitialKeyBits(seed, keys[j]);

@@ -76,6 +76,10 @@ class HostStore {
   void set_max_keys(int64_t max_keys) { max_keys_ = max_keys; }
   int64_t max_keys() const { return max_keys_; }
   void Loaded(const int64_t* rows, int64_t n, int64_t call);
+  // Loaded in two parts, the first for several threads at once on disjoint rows: MarkLoaded marks
+  // the rows and returns how many were not cached before; AddCached(the sum) after.
+  int64_t MarkLoaded(const int64_t* rows, int64_t n, int64_t call);
+  void AddCached(int64_t count) { cached_count_ += count; }
   void WrittenBack(const int64_t* keys, const int64_t* calls, int64_t n);
   // Every key's cached mark cleared, then `rows` marked cached (after the cache was replaced).
   void SetCached(const int64_t* rows, int64_t n);
@@ -127,7 +131,8 @@ void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, co
 // marks[store_row_of[cache_rows[j]]] = calls[j] (the marks of rows written back):
 void StoreMarks(const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of, int64_t n,
                 int64_t* marks);
-// cache[cache_rows[j]] = fresh[j] ? (init_kind >= 0 ? the initial value of keys[j] : fill) : store[store_rows[j]]:
+// cache[cache_rows[j]] = fresh[j] ? (init_kind >= 0 ? the initial value of keys[j] : fill) : store[store_rows[j]]
+// (fresh null: none is):
 void StoreRead(const float* store, int64_t width, const int64_t* store_rows, const uint8_t* fresh,
                const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind, float a, float b,
                int64_t seed, float fill, float* cache);

@@ -303,12 +303,14 @@ absl::Status HeldByTiers(tf::OpKernelContext* ctx, cudaStream_t stream, const st
 
 // A prefetch's store plan: the keys it took in are the first c.num_new of the distinct missing keys
 // its host tier holds (flags), whose store rows HeldByTiers found: no second lookup, no wait.
+// taken: [their store rows | fresh flags (none)] (the caller marks the rows cached).
 absl::Status PrefetchPlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* r, const Changes& c,
-                          const std::vector<uint8_t>& flags, const std::vector<int64_t>& rows, StorePlan* p) {
+                          const std::vector<uint8_t>& flags, const std::vector<int64_t>& rows, StorePlan* p,
+                          std::vector<int64_t>* taken_rows) {
   TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, r, c.rows, &p->store_row_of));
   p->planned = true;
   const int64_t n = c.num_new;
-  std::vector<int64_t> taken;   // [store rows | fresh flags (none)]
+  std::vector<int64_t>& taken = *taken_rows;
   taken.reserve(n + (n + 7) / 8);
   for (size_t j = 0; j < flags.size() && static_cast<int64_t>(taken.size()) < n; ++j)
     if (flags[j]) taken.push_back(rows[j]);
@@ -324,7 +326,6 @@ absl::Status PrefetchPlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, In
     p->new_rows = reinterpret_cast<const int64_t*>(p->on_device);
     p->fresh = p->on_device + 8 * n;
   }
-  r->store->Loaded(taken.data(), n, r->gpu->calls());   // (a prefetched tier has no bound to keep)
   return absl::OkStatus();
 }
 
@@ -400,6 +401,7 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
   clock.Mark(5);
   std::vector<StorePlan> plans(n);
   std::vector<Changes> changes(n);
+  std::vector<std::vector<int64_t>> taken(prefetch ? n : 0);
   bool wait = false;
   for (int i = 0; i < n; ++i) {
     IndexResource* r = res[i];
@@ -417,7 +419,7 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
                         cudaMemcpyDeviceToDevice, stream);
     }
     if (prefetch) {   // (the keys taken in: the first num_new held ones, whose store rows are known)
-      TF_RETURN_IF_ERROR(PrefetchPlan(ctx, d, r, changes[i], held[i], held_rows[i], &plans[i]));
+      TF_RETURN_IF_ERROR(PrefetchPlan(ctx, d, r, changes[i], held[i], held_rows[i], &plans[i], &taken[i]));
     } else if (r->store) {
       TF_RETURN_IF_ERROR(StartStorePlan(ctx, d, r, changes[i], &plans[i]));
       plans[i].planned = true;
@@ -428,7 +430,13 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
   clock.Mark(6);
   std::vector<int64_t> num_new(n);
   for (int i = 0; i < n; ++i) num_new[i] = found[i].num_new;
-  if (!prefetch) TF_RETURN_IF_ERROR(FinishStorePlans(ctx, d, res, num_new, &plans));
+  if (prefetch) {   // (a prefetched tier has no bound to keep)
+    std::vector<const int64_t*> rows(n);
+    for (int i = 0; i < n; ++i) rows[i] = taken[i].data();
+    LoadedOfTables(ctx, res, rows, num_new);
+  } else {
+    TF_RETURN_IF_ERROR(FinishStorePlans(ctx, d, res, num_new, &plans));
+  }
   clock.Mark(7);
   // (a prefetch: the arrays locked until its stream has moved the rows)
   std::vector<std::unique_ptr<tf::mutex_lock>> locks;
@@ -517,7 +525,11 @@ class SideStream : public impl::ScratchAllocator {
   absl::Status Begin(tf::OpKernelContext* ctx, cudaStream_t compute, const std::vector<IndexResource*>& tables) {
     if (stream_ == nullptr) {
       allocator_ = ctx->device()->GetAllocator(tf::AllocatorAttributes());
-      if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess ||
+      // the highest priority: the prefetch is a chain of small kernels, each waited for, beside the
+      // step's large ones (which its blocks then go ahead of)
+      int lowest = 0, highest = 0;
+      cudaDeviceGetStreamPriorityRange(&lowest, &highest);
+      if (cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, highest) != cudaSuccess ||
           cudaEventCreateWithFlags(&event_, cudaEventDisableTiming) != cudaSuccess)
         return absl::InternalError("TfSokDynamicPrefetch: cannot create a CUDA stream");
     }

@@ -3,6 +3,7 @@
 #include "tf_sok/cc/kernels/dynamic_rows.h"
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,14 +35,12 @@ bool PlanReadsBack(const IndexResource& r, const Changes& c) {
   return c.num_new > 0 || (r.store->max_keys() > 0 && c.num_evicted > 0);
 }
 
-// After a call's new keys have store rows: they are cached, the keys written back are not, and the
-// bound drops the least recently used others (with admission, the cache forgets that it saw them:
-// forget(keys, n) -> "" or an error).
+// After a call's new keys have store rows and were marked cached (HostStore::Loaded): the keys
+// written back are not, and the bound drops the least recently used others (with admission, the
+// cache forgets that it saw them: forget(keys, n) -> "" or an error).
 template <typename Forget>
-absl::Status TrackCache(IndexResource* res, const int64_t* new_rows, int64_t n, int64_t call, StorePlan* p,
-                        Forget forget) {
+absl::Status TrackCache(IndexResource* res, StorePlan* p, Forget forget) {
   impl::HostStore& store = *res->store;
-  store.Loaded(new_rows, n, call);
   if (store.max_keys() <= 0) return absl::OkStatus();
   store.WrittenBack(p->written_back, p->written_back_calls, p->num_written_back);
   std::string error = store.Bound(&p->dropped_keys, &p->dropped_rows);
@@ -84,7 +83,8 @@ absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::CpuDevice& d, Index
   TF_RETURN_IF_ERROR(StoreRowsOnHost(ctx, res, reinterpret_cast<int64_t*>(staging), n, staging, &p->fresh_count));
   p->new_rows = reinterpret_cast<const int64_t*>(staging + 8 * n);
   p->fresh = staging + 16 * n;
-  return TrackCache(res, p->new_rows, n, res->host->calls(), p, [res](const int64_t* keys, int64_t k) {
+  res->store->Loaded(p->new_rows, n, res->host->calls());
+  return TrackCache(res, p, [res](const int64_t* keys, int64_t k) {
     res->host->ForgetCandidates(keys, k);
     return std::string();
   });
@@ -153,25 +153,45 @@ absl::Status StartStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, 
   return absl::OkStatus();
 }
 
-void StoreRowsOfTables(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
-                       const std::vector<const int64_t*>& keys, const std::vector<int64_t>& n,
-                       const std::vector<int64_t*>& rows) {
-  const size_t tables = res.size();
-  std::vector<int64_t> start(tables + 1, 0);   // table i's keys: [start[i], start[i + 1]) of all
+// f(i, at, count) over the items [at, at + count) of table i, for every table's n[i] items, on the
+// host's threads when they are many (each item random memory accesses in a large map or array).
+template <typename F>
+void ForItemsOfTables(tf::OpKernelContext* ctx, const std::vector<int64_t>& n, F f) {
+  const size_t tables = n.size();
+  std::vector<int64_t> start(tables + 1, 0);   // table i's items: [start[i], start[i + 1]) of all
   for (size_t i = 0; i < tables; ++i) start[i + 1] = start[i] + n[i];
-  auto lookup = [&](int64_t begin, int64_t end) {
+  auto run = [&](int64_t begin, int64_t end) {
     for (size_t i = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1; begin < end; ++i) {
-      const int64_t stop = std::min(end, start[i + 1]), at = begin - start[i];
-      if (stop > begin) res[i]->store->Rows(keys[i] + at, stop - begin, rows[i] + at);
+      const int64_t stop = std::min(end, start[i + 1]);
+      if (stop > begin) f(i, begin - start[i], stop - begin);
       begin = stop;
     }
   };
   TensorScratch scratch(ctx);
   const impl::CpuDevice host = MakeDevice<impl::CpuDevice>(ctx, &scratch);
   if (start.back() > 4096)
-    host.parallel_for(start.back(), 200, lookup);
+    host.parallel_for(start.back(), 200, run);
   else if (start.back() > 0)
-    lookup(0, start.back());
+    run(0, start.back());
+}
+
+void StoreRowsOfTables(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
+                       const std::vector<const int64_t*>& keys, const std::vector<int64_t>& n,
+                       const std::vector<int64_t*>& rows) {
+  ForItemsOfTables(ctx, n, [&](size_t i, int64_t at, int64_t count) {
+    res[i]->store->Rows(keys[i] + at, count, rows[i] + at);
+  });
+}
+
+void LoadedOfTables(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
+                    const std::vector<const int64_t*>& rows, const std::vector<int64_t>& n) {
+  std::vector<std::atomic<int64_t>> added(res.size());
+  for (auto& a : added) a.store(0);
+  ForItemsOfTables(ctx, n, [&](size_t i, int64_t at, int64_t count) {
+    added[i] += res[i]->store->MarkLoaded(rows[i] + at, count, res[i]->gpu->calls());
+  });
+  for (size_t i = 0; i < res.size(); ++i)
+    if (n[i] > 0) res[i]->store->AddCached(added[i].load());   // (tables without a tier have none)
 }
 
 // The plans of several tables (num_new[i] new keys each, their keys on the host now): every table's
@@ -195,21 +215,22 @@ absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d
   for (size_t i = 0; i < tables; ++i) {
     StorePlan* p = &(*plans)[i];
     const int64_t n = num_new[i];
-    if (!p->planned) continue;
-    if (n > 0) {
-      uint8_t* fresh = p->staging + 16 * n;
-      const std::string error = res[i]->store->AddAbsent(keys(i), n, rows(i), fresh);
-      if (!error.empty()) return Failed(*res[i], ": ", error);
-      p->fresh_count = std::count(fresh, fresh + n, uint8_t{1});
-      cudaMemcpyAsync(p->on_device, p->staging + 8 * n, 9 * n, cudaMemcpyHostToDevice,   // rows, then fresh flags
-                      static_cast<cudaStream_t>(d.stream));
-      p->new_rows = reinterpret_cast<const int64_t*>(p->on_device);
-      p->fresh = p->on_device + 8 * n;
-    }
-    TF_RETURN_IF_ERROR(TrackCache(res[i], n > 0 ? rows(i) : nullptr, n, res[i]->gpu->calls(), p,
-                                  [&d, r = res[i]](const int64_t* keys, int64_t k) {
-                                    return r->gpu->ForgetCandidates(d, keys, k);
-                                  }));
+    if (!p->planned || n == 0) continue;
+    uint8_t* fresh = p->staging + 16 * n;
+    const std::string error = res[i]->store->AddAbsent(keys(i), n, rows(i), fresh);
+    if (!error.empty()) return Failed(*res[i], ": ", error);
+    p->fresh_count = std::count(fresh, fresh + n, uint8_t{1});
+    cudaMemcpyAsync(p->on_device, p->staging + 8 * n, 9 * n, cudaMemcpyHostToDevice,   // rows, then fresh flags
+                    static_cast<cudaStream_t>(d.stream));
+    p->new_rows = reinterpret_cast<const int64_t*>(p->on_device);
+    p->fresh = p->on_device + 8 * n;
+  }
+  LoadedOfTables(ctx, res, std::vector<const int64_t*>(row_lists.begin(), row_lists.end()), counts);
+  for (size_t i = 0; i < tables; ++i) {
+    if (!(*plans)[i].planned) continue;
+    TF_RETURN_IF_ERROR(TrackCache(res[i], &(*plans)[i], [&d, r = res[i]](const int64_t* keys, int64_t k) {
+      return r->gpu->ForgetCandidates(d, keys, k);
+    }));
   }
   return absl::OkStatus();
 }
@@ -277,7 +298,8 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
     // row 0, which keys not inserted read (an update may have moved it)
     if (a.values && !c.prefetch) Fill(d, base, width, 0.0f);
     if (moves)
-      StoreRead(d, *res, a, res->store->base(i), width, plan.new_rows, plan.fresh, c.new_keys, c.new_slots,
+      StoreRead(d, *res, a, res->store->base(i), width, plan.new_rows, plan.fresh_count > 0 ? plan.fresh : nullptr,
+                c.new_keys, c.new_slots,
                 unchanged ? 0 : c.num_new, base, evicted, c.evicted_slots, plan.store_row_of, c.num_evicted);
     else if (unchanged)
       continue;

@@ -168,6 +168,10 @@ void SetStoreRows(const impl::CpuDevice& d, int64_t* store_row_of, const int64_t
 void StoreRowsOfTables(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
                        const std::vector<const int64_t*>& keys, const std::vector<int64_t>& n,
                        const std::vector<int64_t*>& rows);
+// HostStore::Loaded of rows[i][0, n[i]) (distinct store rows a GPU call of table i took into its
+// cache), for all tables at once on the host's threads.
+void LoadedOfTables(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
+                    const std::vector<const int64_t*>& rows, const std::vector<int64_t>& n);
 absl::Status StoreRowArray(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res, int64_t rows,
                            int64_t** out);
 absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res, const Changes& c,
