@@ -1,0 +1,149 @@
+// The host link for the rows a hybrid table moves: 52,000 random 512-byte rows (128 floats) of a
+// pinned, device-mapped host buffer read and / or written in place by a kernel, against contiguous
+// rows; pinned 4K pages (cudaHostAlloc) and transparent huge pages (mmap + madvise +
+// cudaHostRegister); one grid per launch or a grid-stride grid of a given size; best of 5 each.
+// Standalone (no TensorFlow):
+//   nvcc -O2 -arch=sm_90 -o host_link_rows benchmarks/host_link_rows.cu && ./host_link_rows [GiB, 8]
+// Modes: interleaved (blocks of writes and reads alternating in one grid, as the hybrid step's
+// moves), writes then reads in one grid, writes and reads as two grids, grid-stride (grid size).
+#include <cuda_runtime.h>
+#include <sys/mman.h>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <random>
+#include <algorithm>
+#include <cstring>
+
+constexpr int W = 32;  // float4 per row (128 floats)
+
+__global__ void MoveSeq(const float4* evicted, const long* out_rows, long n_out, const long* in_rows, long n_in,
+                        float4* store, float4* cache) {
+  const long per = blockDim.x;
+  const long bo = (n_out * W + per - 1) / per;
+  const long b = blockIdx.x;
+  if (b < bo) {
+    const long i = b * per + threadIdx.x;
+    if (i >= n_out * W) return;
+    const long j = i / W, c = i - j * W;
+    store[out_rows[j] * W + c] = evicted[i];
+  } else {
+    const long i = (b - bo) * per + threadIdx.x;
+    if (i >= n_in * W) return;
+    const long j = i / W, c = i - j * W;
+    cache[j * W + c] = store[in_rows[j] * W + c];
+  }
+}
+
+// grid-stride: `grid` blocks walk all items; items alternate out / in by block-sized chunks
+__global__ void MoveStride(const float4* evicted, const long* out_rows, long n_out, const long* in_rows, long n_in,
+                           float4* store, float4* cache) {
+  const long per = blockDim.x;
+  const long bo = (n_out * W + per - 1) / per, bi = (n_in * W + per - 1) / per;
+  const long paired = 2 * (bo < bi ? bo : bi), total = bo + bi;
+  for (long b = blockIdx.x; b < total; b += gridDim.x) {
+    const bool out = b < paired ? b % 2 == 0 : bo > bi;
+    const long i = (b < paired ? b / 2 : b - paired / 2) * per + threadIdx.x;
+    if (out) {
+      if (i >= n_out * W) continue;
+      const long j = i / W, c = i - j * W;
+      store[out_rows[j] * W + c] = evicted[i];
+    } else {
+      if (i >= n_in * W) continue;
+      const long j = i / W, c = i - j * W;
+      cache[j * W + c] = store[in_rows[j] * W + c];
+    }
+  }
+}
+
+__global__ void Move(const float4* evicted, const long* out_rows, long n_out, const long* in_rows, long n_in,
+                     float4* store, float4* cache) {
+  const long per = blockDim.x;
+  const long bo = (n_out * W + per - 1) / per, bi = (n_in * W + per - 1) / per;
+  const long paired = 2 * (bo < bi ? bo : bi), b = blockIdx.x;
+  const bool out = b < paired ? b % 2 == 0 : bo > bi;
+  const long i = (b < paired ? b / 2 : b - paired / 2) * per + threadIdx.x;
+  if (out) {
+    if (i >= n_out * W) return;
+    const long j = i / W, c = i - j * W;
+    store[out_rows[j] * W + c] = evicted[i];
+  } else {
+    if (i >= n_in * W) return;
+    const long j = i / W, c = i - j * W;
+    cache[j * W + c] = store[in_rows[j] * W + c];
+  }
+}
+
+float4* HostBuffer(size_t bytes, bool huge) {
+  if (!huge) {
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) { printf("alloc fail\n"); exit(1); }
+    return (float4*)p;
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) { printf("mmap fail\n"); exit(1); }
+  int r = madvise(p, bytes, MADV_HUGEPAGE);
+  memset(p, 0, bytes);
+  if (cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable) != cudaSuccess) { printf("register fail\n"); exit(1); }
+  printf("  (madvise %d)\n", r);
+  return (float4*)p;
+}
+
+int main(int argc, char** argv) {
+  const size_t rows_total = (argc > 1 ? atol(argv[1]) : 8L) * (1L << 30) / (W * 16);
+  const long N = 52000;
+  std::mt19937_64 g(1);
+  std::vector<long> pick(2 * N);
+  for (auto& x : pick) x = g() % rows_total;
+  std::vector<long> contig(2 * N);
+  for (long j = 0; j < 2 * N; ++j) contig[j] = j;
+  long *d_rand, *d_contig;
+  cudaMalloc(&d_rand, 16 * N); cudaMalloc(&d_contig, 16 * N);
+  cudaMemcpy(d_rand, pick.data(), 16 * N, cudaMemcpyHostToDevice);
+  cudaMemcpy(d_contig, contig.data(), 16 * N, cudaMemcpyHostToDevice);
+  float4 *evicted, *cache;
+  cudaMalloc(&evicted, N * W * 16); cudaMalloc(&cache, N * W * 16);
+  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
+  for (int huge = 0; huge < 2; ++huge) {
+    float4* store = HostBuffer(rows_total * W * 16, huge);
+    float4* dstore; cudaHostGetDevicePointer((void**)&dstore, store, 0);
+    auto run = [&](const char* what, const long* rows, long n_out, long n_in, int launches, int mode = 0) {
+      float best = 1e9;
+      for (int rep = 0; rep < 5; ++rep) {
+        cudaEventRecord(a);
+        for (int l = 0; l < launches; ++l) {
+          const long o = n_out / launches, i = n_in / launches;
+          const long blocks = (o * W + 255) / 256 + (i * W + 255) / 256;
+          if (mode >= 100) MoveStride<<<mode, 256>>>(evicted + l * o * W, rows + l * o, o, rows + N + l * i, i, dstore, cache + l * i * W);
+          else if (mode == 0) Move<<<blocks, 256>>>(evicted + l * o * W, rows + l * o, o, rows + N + l * i, i, dstore, cache + l * i * W);
+          else if (mode == 1) MoveSeq<<<blocks, 256>>>(evicted + l * o * W, rows + l * o, o, rows + N + l * i, i, dstore, cache + l * i * W);
+          else {  // two launches: writes, then reads
+            Move<<<(o * W + 255) / 256, 256>>>(evicted + l * o * W, rows + l * o, o, rows + N + l * i, 0, dstore, cache + l * i * W);
+            Move<<<(i * W + 255) / 256, 256>>>(evicted + l * o * W, rows + l * o, 0, rows + N + l * i, i, dstore, cache + l * i * W);
+          }
+        }
+        cudaEventRecord(b); cudaEventSynchronize(b);
+        float ms; cudaEventElapsedTime(&ms, a, b); best = std::min(best, ms);
+      }
+      printf("%s %-36s launches %2d: %.3f ms, %.1f GB/s\n", huge ? "huge" : "4K  ", what, launches, best,
+             (n_out + n_in) * W * 16 / best / 1e6);
+    };
+    for (int launches : {1, 16}) {
+      run("random read", d_rand, 0, N, launches);
+      run("random write", d_rand, N, 0, launches);
+      run("random duplex", d_rand, N, N, launches);
+      for (int grid : {132, 264, 528, 1056, 2112}) {
+        char name[64];
+        snprintf(name, 64, "read, grid %d", grid); run(name, d_rand, 0, N, launches, grid);
+        snprintf(name, 64, "write, grid %d", grid); run(name, d_rand, N, 0, launches, grid);
+        snprintf(name, 64, "duplex, grid %d", grid); run(name, d_rand, N, N, launches, grid);
+      }
+      run("random writes then reads (1 grid)", d_rand, N, N, launches, 1);
+      run("random writes, reads (2 grids)", d_rand, N, N, launches, 2);
+      run("contiguous read", d_contig, 0, N, launches);
+      run("contiguous duplex", d_contig, N, N, launches);
+    }
+    printf("error: %s\n", cudaGetErrorString(cudaGetLastError()));
+    if (huge) { cudaHostUnregister(store); munmap(store, rows_total * W * 16); } else cudaFreeHost(store);
+  }
+}
