@@ -17,61 +17,47 @@
 
 constexpr int W = 32;  // float4 per row (128 floats)
 
-__global__ void MoveSeq(const float4* evicted, const long* out_rows, long n_out, const long* in_rows, long n_in,
-                        float4* store, float4* cache) {
-  const long per = blockDim.x;
-  const long bo = (n_out * W + per - 1) / per;
-  const long b = blockIdx.x;
-  if (b < bo) {
-    const long i = b * per + threadIdx.x;
-    if (i >= n_out * W) return;
-    const long j = i / W, c = i - j * W;
-    store[out_rows[j] * W + c] = evicted[i];
-  } else {
-    const long i = (b - bo) * per + threadIdx.x;
-    if (i >= n_in * W) return;
-    const long j = i / W, c = i - j * W;
+// word i of the rows written back (out) or read in
+__device__ void MoveWord(bool out, long i, const float4* evicted, const long* out_rows, long n_out,
+                         const long* in_rows, long n_in, float4* store, float4* cache) {
+  const long j = i / W, c = i - j * W;
+  if (out) {
+    if (i < n_out * W) store[out_rows[j] * W + c] = evicted[i];
+  } else if (i < n_in * W) {
     cache[j * W + c] = store[in_rows[j] * W + c];
   }
 }
 
-// grid-stride: `grid` blocks walk all items; items alternate out / in by block-sized chunks
-__global__ void MoveStride(const float4* evicted, const long* out_rows, long n_out, const long* in_rows, long n_in,
-                           float4* store, float4* cache) {
+// block b's part of the move: blocks of writes and reads alternating, then the rest of the larger
+__device__ void MoveBlock(long b, const float4* evicted, const long* out_rows, long n_out, const long* in_rows,
+                          long n_in, float4* store, float4* cache) {
   const long per = blockDim.x;
   const long bo = (n_out * W + per - 1) / per, bi = (n_in * W + per - 1) / per;
-  const long paired = 2 * (bo < bi ? bo : bi), total = bo + bi;
-  for (long b = blockIdx.x; b < total; b += gridDim.x) {
-    const bool out = b < paired ? b % 2 == 0 : bo > bi;
-    const long i = (b < paired ? b / 2 : b - paired / 2) * per + threadIdx.x;
-    if (out) {
-      if (i >= n_out * W) continue;
-      const long j = i / W, c = i - j * W;
-      store[out_rows[j] * W + c] = evicted[i];
-    } else {
-      if (i >= n_in * W) continue;
-      const long j = i / W, c = i - j * W;
-      cache[j * W + c] = store[in_rows[j] * W + c];
-    }
-  }
-}
-
-__global__ void Move(const float4* evicted, const long* out_rows, long n_out, const long* in_rows, long n_in,
-                     float4* store, float4* cache) {
-  const long per = blockDim.x;
-  const long bo = (n_out * W + per - 1) / per, bi = (n_in * W + per - 1) / per;
-  const long paired = 2 * (bo < bi ? bo : bi), b = blockIdx.x;
+  const long paired = 2 * (bo < bi ? bo : bi);
   const bool out = b < paired ? b % 2 == 0 : bo > bi;
   const long i = (b < paired ? b / 2 : b - paired / 2) * per + threadIdx.x;
-  if (out) {
-    if (i >= n_out * W) return;
-    const long j = i / W, c = i - j * W;
-    store[out_rows[j] * W + c] = evicted[i];
-  } else {
-    if (i >= n_in * W) return;
-    const long j = i / W, c = i - j * W;
-    cache[j * W + c] = store[in_rows[j] * W + c];
-  }
+  MoveWord(out, i, evicted, out_rows, n_out, in_rows, n_in, store, cache);
+}
+
+// the writes' blocks first, then the reads'
+__global__ void MoveSeq(const float4* evicted, const long* out_rows, long n_out, const long* in_rows, long n_in,
+                        float4* store, float4* cache) {
+  const long per = blockDim.x, bo = (n_out * W + per - 1) / per, b = blockIdx.x;
+  MoveWord(b < bo, (b < bo ? b : b - bo) * per + threadIdx.x, evicted, out_rows, n_out, in_rows, n_in, store, cache);
+}
+
+// grid-stride: `gridDim.x` blocks walk the blocks of Move
+__global__ void MoveStride(const float4* evicted, const long* out_rows, long n_out, const long* in_rows, long n_in,
+                           float4* store, float4* cache) {
+  const long per = blockDim.x, total = (n_out * W + per - 1) / per + (n_in * W + per - 1) / per;
+  for (long b = blockIdx.x; b < total; b += gridDim.x)
+    MoveBlock(b, evicted, out_rows, n_out, in_rows, n_in, store, cache);
+}
+
+// as the hybrid step's moves: one grid, blocks of writes and reads alternating
+__global__ void Move(const float4* evicted, const long* out_rows, long n_out, const long* in_rows, long n_in,
+                     float4* store, float4* cache) {
+  MoveBlock(blockIdx.x, evicted, out_rows, n_out, in_rows, n_in, store, cache);
 }
 
 float4* HostBuffer(size_t bytes, bool huge) {
