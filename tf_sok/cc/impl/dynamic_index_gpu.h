@@ -172,8 +172,8 @@ void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, 
 // Both directions in one launch: rows evicted[j] (gathered on the device) written to store rows
 // store_row_of[evicted_slots[j]], j < n_out, while rows of keys not fresh are read from store rows
 // store_rows[j] into cache rows cache_rows[j], j < n_in (fresh ones: their initial value / fill; fresh
-// null: none is, and no pass sets them), so
-// that the host link carries both at once. Store rows written and read must differ (other keys).
+// null: none is, and no pass sets them), so that the host link carries both at once. Store rows
+// written and read must differ (other keys).
 void GpuStoreMove(const GpuDevice& d, const float* evicted, const int64_t* evicted_slots, const int64_t* store_row_of,
                   int64_t n_out, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,
                   const int64_t* cache_rows, int64_t n_in, int64_t width, int init_kind, float a, float b,
