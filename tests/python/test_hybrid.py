@@ -409,6 +409,15 @@ def test_low_frequency_filter_on_a_hybrid_table_equals_the_table_without_a_tier(
     _assert_same_tables(plain, hybrid, *opts)
 
 
+def zipf_fit_data(rng, samples, batch):
+    """Keras fit data: `samples` rows of 1-3 keys drawn at Zipf from 200 random keys (a ragged int64
+    feature) with random targets, in batches of `batch`; returns (the rows' keys, the dataset)."""
+    pool = random_keys(rng, 200)
+    picks = [pool[rng.choice(200, rng.integers(1, 4), p=_zipf(200))].tolist() for _ in range(samples)]
+    y = rng.standard_normal((samples, 1)).astype(np.float32)
+    return picks, tf.data.Dataset.from_tensor_slices((tf.ragged.constant(picks, tf.int64), y)).batch(batch)
+
+
 def collection_model(cfg, steps_per_execution=1):
     """A Keras model of one ragged int64 feature "f" through an EmbeddingCollection of table `cfg`
     and a Dense layer, compiled (Adam on the table); returns (model, the collection)."""
@@ -433,10 +442,7 @@ def assert_same_exports(plain, hybrid):
 def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplog, capacity):
     """model.fit with a hybrid table (unbounded, and bounded with LRU eviction) equals the table
     without a tier: losses, keys and values; CacheStats logs a line per epoch."""
-    pool = random_keys(rng, 200)
-    picks = [pool[rng.choice(200, rng.integers(1, 4), p=_zipf(200))].tolist() for _ in range(128)]
-    y = rng.standard_normal((128, 1)).astype(np.float32)
-    ds = tf.data.Dataset.from_tensor_slices((tf.ragged.constant(picks, tf.int64), y)).batch(16)
+    picks, ds = zipf_fit_data(rng, 128, 16)
     histories, tables = [], []
     for budget in (None, _gib(6, [DIM, DIM, DIM])):
         cfg = sok.TableConfig(f"k{len(tables)}", 8, DIM, combiner="sum", dynamic=True, initializer="normal", seed=2,

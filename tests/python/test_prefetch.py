@@ -130,11 +130,8 @@ def test_keras_fit_with_prefetch_equals_the_table_without_a_tier(rng):
     """model.fit through sok.keras.loop_on_host(prefetch=...): each step prefetches the next batch's
     ids into the hybrid table's cache; losses, keys and values equal fit on the table without a tier
     (Keras' own loop); the prefetches took keys in."""
-    from tests.python.test_hybrid import _zipf, assert_same_exports, collection_model
-    pool = random_keys(rng, 200)
-    picks = [pool[rng.choice(200, rng.integers(1, 4), p=_zipf(200))].tolist() for _ in range(256)]
-    y = rng.standard_normal((256, 1)).astype(np.float32)
-    ds = tf.data.Dataset.from_tensor_slices((tf.ragged.constant(picks, tf.int64), y)).batch(8)
+    from tests.python.test_hybrid import assert_same_exports, collection_model, zipf_fit_data
+    _, ds = zipf_fit_data(rng, 256, 8)
     histories, tables = [], []
     for budget in (None, _gib(80, [DIM, DIM, DIM])):
         cfg = sok.TableConfig(f"kp{len(tables)}", 8, DIM, combiner="sum", dynamic=True, initializer="normal",
