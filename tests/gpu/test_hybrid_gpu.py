@@ -267,3 +267,27 @@ def test_low_frequency_filter_on_a_gpu_hybrid_table_equals_the_cpu_table_without
     stats = _gpu_hybrid_against_cpu_plain(rng, f"f{min_frequency}_{capacity}", kw, use_low_frequency_filter=True,
                                           filter_ratio=0.5)
     assert stats["evicted"] > 0 and stats["loaded"] > stats["new_keys"]   # keys came back from the tier
+
+
+def test_rows_written_behind_are_the_next_steps_rows(rng):
+    """Two key sets take turns, the cache holding one: every step reads in the rows the step before
+    wrote back (written behind, on a stream of their own, while that step computed), and a checkpoint
+    export between steps reads the tier."""
+    dim, n = 64, 20_000
+    cls, hp = OPTIMIZERS["adagrad"]
+    sets = np.split(random_keys(rng, 2 * n), 2)
+    probe = cls(learning_rate=0.05, **hp)
+    widths = [dim] + [dim if not s.per_row else 1 for s in probe.slot_specs()]
+    batches = [(np.ones(n, np.int64), rng.permutation(sets[s % 2]), rng.standard_normal((n, dim)).astype(np.float32))
+               for s in range(6)]
+    with tf.device("/GPU:0"):
+        hybrid = sok.DynamicVariable(dim, initializer="normal", seed=9, name="behind_h", var_type="hybrid",
+                                     max_hbm_for_vectors=_gib(n, widths))
+        plain = sok.DynamicVariable(dim, initializer="normal", seed=9, name="behind_p")
+    opt_h, opt_p = cls(learning_rate=0.05, **hp), cls(learning_rate=0.05, **hp)
+    for part in (batches[:3], batches[3:]):
+        for a, b in zip(_train(hybrid, opt_h, part, "/GPU:0"), _train(plain, opt_p, part, "/GPU:0")):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        _assert_same_tables(hybrid, plain, opt_h, opt_p, atol=1e-6)
+    stats = sok.cache_stats(hybrid)
+    assert stats["evicted"] == 5 * n and stats["loaded"] == 6 * n

@@ -146,8 +146,6 @@ struct StorePlan {
 };
 
 // Whether the store plan of a call needs the device's lists on the host (new keys; with a bound,
-
-// Whether the store plan of a call needs the device's lists on the host (new keys; with a bound,
 // the keys written back too).
 bool PlanReadsBack(const IndexResource& r, const Changes& c);
 // The store rows of distinct keys (inserted when absent) into staging [keys | rows | fresh flags].
