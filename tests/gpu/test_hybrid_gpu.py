@@ -269,10 +269,10 @@ def test_low_frequency_filter_on_a_gpu_hybrid_table_equals_the_cpu_table_without
     assert stats["evicted"] > 0 and stats["loaded"] > stats["new_keys"]   # keys came back from the tier
 
 
-def test_rows_written_behind_are_the_next_steps_rows(rng):
-    """Two key sets take turns, the cache holding one: every step reads in the rows the step before
-    wrote back (written behind, on a stream of their own, while that step computed), and a checkpoint
-    export between steps reads the tier."""
+def test_rows_written_back_are_the_next_steps_rows(rng):
+    """Two key sets take turns, the cache holding one (20,000 rows of dim 64 and their Adagrad state):
+    every step reads in exactly the rows the step before wrote back, and a checkpoint export between
+    steps reads the tier; all as the table without a tier."""
     dim, n = 64, 20_000
     cls, hp = OPTIMIZERS["adagrad"]
     sets = np.split(random_keys(rng, 2 * n), 2)
@@ -281,9 +281,9 @@ def test_rows_written_behind_are_the_next_steps_rows(rng):
     batches = [(np.ones(n, np.int64), rng.permutation(sets[s % 2]), rng.standard_normal((n, dim)).astype(np.float32))
                for s in range(6)]
     with tf.device("/GPU:0"):
-        hybrid = sok.DynamicVariable(dim, initializer="normal", seed=9, name="behind_h", var_type="hybrid",
+        hybrid = sok.DynamicVariable(dim, initializer="normal", seed=9, name="turns_h", var_type="hybrid",
                                      max_hbm_for_vectors=_gib(n, widths))
-        plain = sok.DynamicVariable(dim, initializer="normal", seed=9, name="behind_p")
+        plain = sok.DynamicVariable(dim, initializer="normal", seed=9, name="turns_p")
     opt_h, opt_p = cls(learning_rate=0.05, **hp), cls(learning_rate=0.05, **hp)
     for part in (batches[:3], batches[3:]):
         for a, b in zip(_train(hybrid, opt_h, part, "/GPU:0"), _train(plain, opt_p, part, "/GPU:0")):

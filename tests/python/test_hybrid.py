@@ -42,8 +42,8 @@ def _tables(name, budget_rows, opt_cls=None, hp=None):
 def _state(table, opt):
     arrays = [table] + (list(opt.slots(table)) if opt is not None else [])
     keys, parts = table.export_state(arrays)
-    keys = keys.numpy()
-    return {int(k): [p.numpy()[i] for p in parts] for i, k in enumerate(keys)}
+    parts = [p.numpy() for p in parts]
+    return {int(k): [p[i] for p in parts] for i, k in enumerate(keys.numpy())}
 
 
 def _assert_same_tables(a, b, opt_a=None, opt_b=None, atol=1e-7, rtol=1e-5):

@@ -167,12 +167,6 @@ void GpuStoreWrite(const GpuDevice& d, const float* cache, int64_t width, const 
 // StoreMarks (host_store.h) as a CUDA kernel (marks in the store's pinned memory)
 void GpuStoreMarks(const GpuDevice& d, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
                    int64_t n, int64_t* marks);
-// The rows of a write-back gathered on the device (rows, [n, width] packed) written to store rows
-// store_rows[j] (device memory) of the pinned store.
-void GpuStoreScatter(const GpuDevice& d, const float* rows, const int64_t* store_rows, int64_t n, int64_t width,
-                     float* store);
-// out[j] = values[at[j]] for j < n (device memory)
-void GpuGather64(const GpuDevice& d, const int64_t* values, const int64_t* at, int64_t n, int64_t* out);
 // out[at[j]] = values[j] for j < n (device memory)
 void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, int64_t n, int64_t* out);
 // Both directions in one launch: rows evicted[j] (gathered on the device) written to store rows

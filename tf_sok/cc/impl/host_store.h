@@ -53,8 +53,6 @@ class HostStore {
   int64_t size() const { return count_ - static_cast<int64_t>(free_rows_.size() + freed_.size()); }
   // Rows [0, rows_used()) hold a key each, except rows a bound dropped (alive(r) false).
   int64_t rows_used() const { return count_; }
-  // Rows the arrays have room for: adding keys beyond them moves the arrays (Insert / AddAbsent).
-  int64_t capacity() const { return capacity_; }
   bool alive(int64_t r) const { return alive_[r] != 0; }
   // A row's place in the order a bound drops keys not cached (lowest first).
   int64_t order(int64_t r) const { return order_[r]; }

@@ -106,7 +106,7 @@ class AttachOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, tf::LookupResource(ctx, tf::HandleFromInput(ctx, 1), &a.var));
     a.fill = fill_;
     a.values = values_;
-    IndexLock l(res.get());
+    tf::mutex_lock l(res->mu);
     TensorScratch scratch(ctx);
     {
       tf::mutex_lock vl(*a.var->mu());
@@ -140,7 +140,7 @@ class SizeOp : public tf::OpKernel {
     tf::Tensor *size = nullptr, *rows = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &size));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({}), &rows));
-    IndexLock l(res.get());
+    tf::mutex_lock l(res->mu);
     if (res->store) {   // every key of a hybrid table has a row in its host tier
       size->scalar<int64_t>()() = res->store->size();
       rows->scalar<int64_t>()() = res->store->size();
@@ -166,7 +166,7 @@ class ExportOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, GetIndex(ctx, &res));
     impl::DynamicIndexSnapshot snap;
     {
-      IndexLock l(res.get());
+      tf::mutex_lock l(res->mu);
       OP_REQUIRES_OK(ctx, ExportIndex(ctx, res.get(), &snap));
     }
     absl::Status s;
@@ -190,7 +190,7 @@ class TouchedSinceOp : public tf::OpKernel {
     OP_REQUIRES(ctx, since.dims() == 0, Failed(*res, ": ", "since must be a scalar (ns since the epoch)"));
     std::vector<int64_t> keys, rows;
     {
-      IndexLock l(res.get());
+      tf::mutex_lock l(res->mu);
 #if TF_SOK_WITH_CUDA
       if (res->gpu) {
         TensorScratch scratch(ctx);
@@ -230,7 +230,7 @@ class ImportOp : public tf::OpKernel {
     snap.clock = counters.flat<int64_t>()(0);
     snap.rows = counters.flat<int64_t>()(1);
     snap.next_free = counters.flat<int64_t>()(2);
-    IndexLock l(res.get());
+    tf::mutex_lock l(res->mu);
     OP_REQUIRES_OK(ctx, ImportIndex(ctx, res.get(), snap));
     if (res->store) {
       res->store->ClearMarks();   // touches count from the import on, as the index's own marks

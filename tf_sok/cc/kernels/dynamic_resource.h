@@ -95,42 +95,12 @@ class IndexResource : public tf::ResourceBase {
     cudaEventRecord(found_event, stream);
     found_call = gpu->calls();
   }
-  // A GPU table's write-behind (unbounded host tier): the rows a find evicts are gathered on the
-  // device, and written to the tier on a stream of their own once the find has read its new rows in,
-  // while the step computes (scattered reads and writes over the host link together move rows at
-  // about half the rate of either alone). All later use of the tier waits for `written`: a find's
-  // moves on their stream (AwaitWriteBehind), every other op on the host (IndexLock).
-  struct WriteBehind {
-    cudaStream_t stream = nullptr;
-    cudaEvent_t ready = nullptr, written = nullptr;
-    bool pending = false;
-    // [rows of array 0 | of array 1 | ... | their store rows (int64)], n rows each
-    void* buffer = nullptr;
-    size_t bytes = 0;
-  } behind;
-  void AwaitWriteBehind(cudaStream_t s) {
-    if (behind.pending) cudaStreamWaitEvent(s, behind.written, 0);
-  }
-  void FinishWriteBehind() {
-    if (!behind.pending) return;
-    cudaEventSynchronize(behind.written);
-    behind.pending = false;
-  }
   ~IndexResource() override {
-    if (behind.stream) {
-      cudaStreamSynchronize(behind.stream);
-      if (behind.buffer) memory->Free(behind.buffer);
-      cudaEventDestroy(behind.ready);
-      cudaEventDestroy(behind.written);
-      cudaStreamDestroy(behind.stream);
-    }
     if (found_event) cudaEventDestroy(found_event);
     gpu.reset();
     if (staging_pinned) pinned->Free(staging_pinned);
     if (store_row_dev) memory->Free(store_row_dev);
   }
-#else
-  void FinishWriteBehind() {}
 #endif
   // host memory for `bytes` of key / row lists, reused by the next call (which first waits for the
   // device's use of it to end)
@@ -168,16 +138,6 @@ class IndexResource : public tf::ResourceBase {
 #endif
     host->set_max_keys(max_keys);
   }
-};
-
-// An index's lock for ops other than finds and prefetches: once held, the table's write-behind is done
-// (they may read or change the host tier on the host).
-class IndexLock {
- public:
-  explicit IndexLock(IndexResource* r) : l_(r->mu) { r->FinishWriteBehind(); }
-
- private:
-  tf::mutex_lock l_;
 };
 
 absl::Status GetIndex(tf::OpKernelContext* ctx, tf::core::RefCountPtr<IndexResource>* out);

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -95,16 +94,6 @@ void SetStoreRows(const impl::CpuDevice&, int64_t* store_row_of, const int64_t* 
                   int64_t n) {
   for (int64_t j = 0; j < n; ++j) store_row_of[cache_rows[j]] = rows[j];
 }
-
-namespace {
-// A table on the host writes its evicted rows back at once (see IndexResource::WriteBehind).
-bool WritesBehind(const impl::CpuDevice&, const IndexResource&, const Changes&) { return false; }
-void AwaitWriteBehind(const impl::CpuDevice&, IndexResource*) {}
-absl::Status GatherWriteBehind(const impl::CpuDevice&, IndexResource* res, const Changes&, const int64_t*) {
-  return absl::InternalError("dynamic table '" + res->table + "': no write-behind on the host");
-}
-void LaunchWriteBehind(const impl::CpuDevice&, IndexResource*, int64_t) {}
-}  // namespace
 
 #if TF_SOK_WITH_CUDA
 absl::Status CudaWait(cudaStream_t stream) {
@@ -227,8 +216,6 @@ absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d
     StorePlan* p = &(*plans)[i];
     const int64_t n = num_new[i];
     if (!p->planned || n == 0) continue;
-    // (adding keys beyond the store's room moves its arrays: a write-behind into them must be done)
-    if (res[i]->store->rows_used() + n > res[i]->store->capacity()) res[i]->FinishWriteBehind();
     uint8_t* fresh = p->staging + 16 * n;
     const std::string error = res[i]->store->AddAbsent(keys(i), n, rows(i), fresh);
     if (!error.empty()) return Failed(*res[i], ": ", error);
@@ -263,87 +250,6 @@ void SetStoreRows(const impl::GpuDevice& d, int64_t* store_row_of, const int64_t
                   int64_t n) {
   impl::GpuScatter64(d, cache_rows, rows, n, store_row_of);
 }
-
-namespace {
-// Finds (not prefetches: they run beside a step, the tier's rows theirs to move) of tables whose host
-// tier has no bound (with one, the bound drops keys as they are written back, and the call's evicted
-// outputs read them there) write their evicted rows behind, unless TF_SOK_WRITE_BEHIND=0 (then they
-// are written while the new rows are read in, in one launch).
-bool WritesBehind(const impl::GpuDevice&, const IndexResource& res, const Changes& c) {
-  static const bool on = [] {
-    const char* v = std::getenv("TF_SOK_WRITE_BEHIND");
-    return v == nullptr || v[0] != '0';
-  }();
-  return on && !c.prefetch && c.num_evicted > 0 && res.store->max_keys() == 0;
-}
-void AwaitWriteBehind(const impl::GpuDevice& d, IndexResource* res) {
-  res->AwaitWriteBehind(static_cast<cudaStream_t>(d.stream));
-}
-
-// The write-behind buffer's layout for n rows: each array's rows from offset(i) (16-byte aligned),
-// their store rows from offset(arrays).
-size_t WriteBehindOffset(const IndexResource& res, int64_t n, int array) {
-  size_t at = 0;
-  for (int i = 0; i < array; ++i) at += (4 * n * res.store->width(i) + 15) / 16 * 16;
-  return at;
-}
-
-// The rows a find evicts, of every array, gathered into the write-behind buffer with their store
-// rows (after the stream waited for the last write-behind: AwaitWriteBehind).
-absl::Status GatherWriteBehind(const impl::GpuDevice& d, IndexResource* res, const Changes& c,
-                               const int64_t* store_row_of) {
-  IndexResource::WriteBehind& b = res->behind;
-  if (b.stream == nullptr) {
-    // the lowest priority: the step's kernels go first
-    int lowest = 0, highest = 0;
-    cudaDeviceGetStreamPriorityRange(&lowest, &highest);
-    if (cudaStreamCreateWithPriority(&b.stream, cudaStreamNonBlocking, lowest) != cudaSuccess ||
-        cudaEventCreateWithFlags(&b.ready, cudaEventDisableTiming) != cudaSuccess ||
-        cudaEventCreateWithFlags(&b.written, cudaEventDisableTiming) != cudaSuccess)
-      return absl::InternalError("dynamic table '" + res->table + "': cannot create a CUDA stream");
-  }
-  const int64_t n = c.num_evicted;
-  const int arrays = res->store->num_arrays();
-  const size_t bytes = WriteBehindOffset(*res, n, arrays) + 8 * n;
-  if (bytes > b.bytes) {
-    res->FinishWriteBehind();   // (the old buffer's last writes read it)
-    if (b.buffer) res->memory->Free(b.buffer);
-    b.bytes = std::max(bytes, 2 * b.bytes);
-    b.buffer = res->memory->Allocate(b.bytes);
-    if (b.buffer == nullptr) {
-      b.bytes = 0;
-      return absl::ResourceExhaustedError("dynamic table '" + res->table +
-                                          "': out of GPU memory for the rows its cache evicts");
-    }
-  }
-  auto* base = static_cast<uint8_t*>(b.buffer);
-  for (int i = 0; i < arrays; ++i) {
-    tf::mutex_lock l(*res->arrays[i].var->mu());
-    impl::GpuGatherRows(d, res->arrays[i].var->tensor()->flat<float>().data(), res->store->width(i),
-                        c.evicted_slots, n, reinterpret_cast<float*>(base + WriteBehindOffset(*res, n, i)));
-  }
-  impl::GpuGather64(d, store_row_of, c.evicted_slots, n,
-                    reinterpret_cast<int64_t*>(base + WriteBehindOffset(*res, n, arrays)));
-  return absl::OkStatus();
-}
-
-// The gathered rows written to the store on the write-behind stream once the find's work so far
-// (its reads of new rows) is done; `written` recorded after them.
-void LaunchWriteBehind(const impl::GpuDevice& d, IndexResource* res, int64_t n) {
-  IndexResource::WriteBehind& b = res->behind;
-  cudaEventRecord(b.ready, static_cast<cudaStream_t>(d.stream));
-  cudaStreamWaitEvent(b.stream, b.ready, 0);
-  const impl::GpuDevice writer{b.stream, nullptr};
-  auto* base = static_cast<uint8_t*>(b.buffer);
-  const int arrays = res->store->num_arrays();
-  const auto* store_rows = reinterpret_cast<const int64_t*>(base + WriteBehindOffset(*res, n, arrays));
-  for (int i = 0; i < arrays; ++i)
-    impl::GpuStoreScatter(writer, reinterpret_cast<const float*>(base + WriteBehindOffset(*res, n, i)), store_rows, n,
-                          res->store->width(i), res->store->base(i));
-  cudaEventRecord(b.written, b.stream);
-  b.pending = true;
-}
-}  // namespace
 #endif
 
 template <typename Device>
@@ -353,10 +259,6 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
   StorePlan& plan = given ? *given : local;
   const bool moves = res->store && (c.num_new > 0 || c.num_evicted > 0);
   if (res->store && !plan.planned) TF_RETURN_IF_ERROR(PlanStore(ctx, d, res, c, &plan));
-  // the tier's rows and the write-behind buffer free of the last write-behind
-  if (moves) AwaitWriteBehind(d, res);
-  const bool behind = moves && WritesBehind(d, *res, c);
-  if (behind) TF_RETURN_IF_ERROR(GatherWriteBehind(d, res, c, plan.store_row_of));
   if (res->store) {
     int64_t row_bytes = 0;
     for (int i = 0; i < res->store->num_arrays(); ++i) row_bytes += 4 * res->store->width(i);
@@ -383,9 +285,8 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
     const int64_t width = t->dims() == 2 ? t->dim_size(1) : 1;
     if (a.values && evicted_values != nullptr && c.num_evicted > 0)
       GatherRows(d, t->flat<float>().data(), width, c.evicted_slots, c.num_evicted, evicted_values);
-    float* evicted = nullptr;   // written back before new keys take the rows (on a GPU, as they are read in;
-                                // behind: after)
-    if (moves && c.num_evicted > 0 && !behind)
+    float* evicted = nullptr;   // written back before new keys take the rows (on a GPU, as they are read in)
+    if (moves && c.num_evicted > 0)
       TF_RETURN_IF_ERROR(WriteBack(d, t->flat<float>().data(), width, c.evicted_slots, plan.store_row_of,
                                    c.num_evicted, res->store->base(i), &evicted));
     const bool unchanged = c.num_new == 0 && t->dim_size(0) >= c.rows && !a.values;
@@ -407,7 +308,6 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
     else
       FillRows(d, base, width, c.new_slots, c.num_new, a.fill);
   }
-  if (behind) LaunchWriteBehind(d, res, c.num_evicted);
   // the evicted keys' store marks: the call that last touched each (before their cache rows go to new keys)
   if (moves && c.num_evicted > 0)
     StoreMarks(d, c.evicted_slots, c.evicted_touched, plan.store_row_of, c.num_evicted, res->store->marks());

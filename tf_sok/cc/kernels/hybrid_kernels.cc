@@ -136,7 +136,7 @@ class CacheStatsOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, GetHybridIndex(ctx, &res));
     tf::Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({10}), &out));
-    IndexLock l(res.get());
+    tf::mutex_lock l(res->mu);
     const IndexResource::Stats& st = res->stats;
     const int64_t v[10] = {st.calls,   st.lookups,  st.misses,    st.loaded,  st.fresh,
                            st.evicted, st.bytes_in, st.bytes_out, st.dropped, st.prefetched};
@@ -211,7 +211,7 @@ class StoreExportOp : public tf::OpKernel {
   void Compute(tf::OpKernelContext* ctx) override {
     tf::core::RefCountPtr<IndexResource> res;
     OP_REQUIRES_OK(ctx, GetHybridIndex(ctx, &res));
-    IndexLock l(res.get());
+    tf::mutex_lock l(res->mu);
     OP_REQUIRES_OK(ctx, Flush(ctx, res.get()));
     const impl::HostStore& store = *res->store;
     if (store.max_keys() <= 0) {
@@ -252,7 +252,7 @@ class StoreTouchedSinceOp : public tf::OpKernel {
     const tf::Tensor& since = ctx->input(1);
     OP_REQUIRES(ctx, since.dims() == 0, Failed(*res, ": ", "since must be a scalar (ns since the epoch)"));
     const int64_t unix_ns = since.scalar<int64_t>()();
-    IndexLock l(res.get());
+    tf::mutex_lock l(res->mu);
     OP_REQUIRES_OK(ctx, Flush(ctx, res.get()));   // (on a GPU: waits, so the kernels' marks are in)
     std::vector<int64_t> cached_keys, cache_rows;
     int64_t first = 0;
@@ -294,7 +294,7 @@ class StoreImportOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, GetHybridIndex(ctx, &res));
     const tf::Tensor& keys = ctx->input(1);
     const tf::Tensor& rows = ctx->input(2);
-    IndexLock l(res.get());
+    tf::mutex_lock l(res->mu);
     impl::HostStore& store = *res->store;
     int64_t total = 0;
     for (int i = 0; i < store.num_arrays(); ++i) total += store.width(i);
