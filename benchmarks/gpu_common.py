@@ -1,5 +1,8 @@
 """Shapes and id generators shared by the GPU benchmark (TensorFlow side) and its
 PyTorch peer, so both measure the same work."""
+import importlib.util
+import os
+
 import numpy as np
 
 # Criteo Kaggle (DLRM) cardinalities, capped at 1e7 rows.
@@ -9,12 +12,25 @@ CAP = 10_000_000
 CARDINALITIES = [min(c, CAP) for c in CRITEO_KAGGLE]
 
 
+def _load_zipf():
+    """tf_sok's Zipf sampler, loaded from its file (importing the tf_sok package would import TensorFlow,
+    which the PyTorch peer does without)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tf_sok", "python", "data", "zipf.py")
+    spec = importlib.util.spec_from_file_location("tf_sok_zipf", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.zipf_ranks
+
+
+zipf_ranks = _load_zipf()
+
+
 def ids_for(rng, rows, n, dist):
-    """n ids in [0, rows): uniform, or Zipf(alpha) with hot ids scattered over the table."""
+    """n ids in [0, rows): uniform, or Zipf(alpha) over the rows (zipf_ranks) with hot ids scattered
+    over the table."""
     if dist == "uniform":
         return rng.integers(0, rows, n, dtype=np.int64)
-    alpha = float(dist.split(":")[1])
-    z = np.minimum(rng.zipf(alpha, n) - 1, rows - 1)
+    z = zipf_ranks(rng, rows, n, float(dist.split(":")[1]))
     return (z * 2654435761 % rows).astype(np.int64)
 
 

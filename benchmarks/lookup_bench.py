@@ -20,7 +20,7 @@ import keras
 
 import tf_sok as sok
 from bench_args import add_shape_args
-from gpu_common import TFSparseOptimizer
+from gpu_common import TFSparseOptimizer, zipf_ranks
 
 # The baseline must stay on TensorFlow's sparse path: a densified gradient fails the run.
 warnings.filterwarnings("error", message=".*Converting sparse IndexedSlices.*")
@@ -33,7 +33,7 @@ def make_batch(rng, n_feat, batch, rows, max_hot, alpha, spread_over=None):
     out = []
     for _ in range(n_feat):
         lens = rng.integers(1, max_hot + 1, batch)
-        ids = np.minimum(rng.zipf(alpha, int(lens.sum())) - 1, rows - 1)
+        ids = zipf_ranks(rng, rows, int(lens.sum()), alpha)
         ids = ids * 2654435761 % (spread_over or rows)  # a bijection modulo 10^k
         out.append(tf.RaggedTensor.from_row_lengths(ids.astype(np.int64), lens))
     return out

@@ -21,6 +21,7 @@ import tensorflow as tf
 import keras
 
 import tf_sok as sok
+from tf_sok.data import zipf_ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,7 @@ def make_data(num_rows: int, seed: int = 0, features: List[Feature] = FEATURES):
     cats = {}
     for f in features:
         lens = rng.integers(1, f.hotness + 1, num_rows)
-        ids = np.minimum(rng.zipf(f.zipf, int(lens.sum())) - 1, f.vocab - 1)
+        ids = zipf_ranks(rng, f.vocab, int(lens.sum()), f.zipf)
         ids = (ids * 2654435761 % f.vocab).astype(np.int64)  # scatter hot ids over the table
         row_of = np.repeat(np.arange(num_rows), lens)
         logit += np.bincount(row_of, scores[f.name][ids], num_rows) / lens

@@ -13,7 +13,8 @@ from tf_sok.python.data.pipeline import ReadStats, for_keras, to_device
 from tf_sok.python.data.schema import DCNV2_HOTNESS, KAGGLE_CARDINALITIES, CriteoSchema
 from tf_sok.python.data.synthetic import SyntheticConfig, raw_batches, synthetic, write_criteo_tsv
 from tf_sok.python.data.tsv import read_tsv
+from tf_sok.python.data.zipf import zipf_ranks
 
 __all__ = ["read_tsv", "read_parquet", "read_tfrecord", "write_parquet", "write_tfrecord", "synthetic",
            "raw_batches", "write_criteo_tsv", "SyntheticConfig", "CriteoSchema", "ReadStats", "for_keras", "to_device",
-           "KAGGLE_CARDINALITIES", "DCNV2_HOTNESS", "schema_of"]
+           "KAGGLE_CARDINALITIES", "DCNV2_HOTNESS", "schema_of", "zipf_ranks"]

@@ -189,6 +189,27 @@ def test_synthetic_shape_hotness_and_skew():
     assert 0.2 < label.numpy().mean() < 0.8
 
 
+@pytest.mark.parametrize("vocab,alpha", [(1_000, 1.05), (300_000, 1.05), (300_000, 1.2), (200_000, 1.0)])
+def test_zipf_ids_follow_zipfs_law_over_the_vocabulary(rng, vocab, alpha):
+    """zipf_ranks (the synthetic data's ids) against the exact probabilities r ** -alpha over the
+    vocabulary (NumPy), band by band: the top rank alone, decades, and the ranks above the 65,536 it
+    draws exactly; none outside the vocabulary (numpy's unbounded Zipf, clipped, put ~40 % of the draws
+    at alpha 1.05 on one id)."""
+    n = 2_000_000
+    got = sd.zipf_ranks(rng, vocab, n, alpha)
+    assert got.dtype == np.int64 and got.min() >= 0 and got.max() < vocab
+    p = np.arange(1, vocab + 1, dtype=np.float64) ** -alpha
+    p /= p.sum()
+    counts = np.bincount(got, minlength=vocab)
+    edges = [e for e in (0, 1, 10, 100, 1_000, 10_000, 65_536, 100_000) if e < vocab] + [vocab]
+    for lo, hi in zip(edges, edges[1:]):
+        expect = p[lo:hi].sum() * n
+        sigma = np.sqrt(expect * (1 - expect / n))
+        assert abs(counts[lo:hi].sum() - expect) <= 5 * sigma + 1, (lo, hi, counts[lo:hi].sum(), expect)
+    with pytest.raises(ValueError, match="vocab must be positive"):
+        sd.zipf_ranks(rng, 0, 10, 1.1)
+
+
 def test_converter_general_hex_widths_and_several_inputs_in_parallel(tmp_path, rng):
     """Tokens of 1-15 hex digits (not only Criteo's 8) over two input files converted by two processes."""
     lines = []

@@ -7,7 +7,7 @@ probability is a logistic function of the integer features and of hidden
 per-id scores, so AUC measures learning.
 """
 import dataclasses
-from typing import Iterator, Sequence, Tuple, Union
+from typing import Iterator, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
@@ -15,6 +15,7 @@ import tensorflow as tf
 from tf_sok.python.data.blocks import checked_pairs, finish_block, slice_rows
 from tf_sok.python.data.pipeline import checked_id_dtype
 from tf_sok.python.data.schema import DCNV2_HOTNESS, NUM_CATEGORICAL, NUM_DENSE, CriteoSchema
+from tf_sok.python.data.zipf import zipf_ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ def raw_batches(num_rows: int, batch_size: int, config: SyntheticConfig = Synthe
             h = config.hot(f)
             lens = rng.integers(1, h + 1, b) if h > 1 else np.ones(b, np.int64)
             lens[rng.random(b) < config.missing] = 0
-            z = np.minimum(rng.zipf(config.alpha, int(lens.sum())) - 1, v - 1)
+            z = zipf_ranks(rng, v, int(lens.sum()), config.alpha)
             ids = (z * 2654435761 + salt[f]) % v
             score = np.sin(ids * 0.7 + salt[f])  # a fixed pseudo-random score per id
             row = np.repeat(np.arange(b), lens)
