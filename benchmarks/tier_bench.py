@@ -2,7 +2,7 @@
 memory, in one run.
 
     python benchmarks/tier_bench.py [--tables 8] [--keys 2000000] [--dim 128] [--batch 65536]
-                                    [--cache-share 0.1] [--dists zipf:1.05 zipf:1.2 uniform]
+                                    [--cache-share 0.1] [--dists zipf:1.05 zipf:1.2 uniform] [--evict lru]
     python benchmarks/tier_bench.py --quick         (small sizes, any device)
 
 The DLRM-like step: `--tables` dynamic tables of `--keys` keys each (every key inserted before the
@@ -57,7 +57,8 @@ def make_tables(a, device, hybrid: bool, tag: str):
             if not hybrid:
                 return tables
         else:
-            kw = dict(var_type="hybrid", max_hbm_for_vectors=budget) if hybrid else dict(init_capacity=a.keys + 1)
+            kw = dict(var_type="hybrid", max_hbm_for_vectors=budget, evict_strategy=a.evict) if hybrid else \
+                dict(init_capacity=a.keys + 1)
             tables = [sok.DynamicVariable(a.dim, initializer="uniform", name=f"{tag}{i}", **kw)
                       for i in range(a.tables)]
         every = np.arange(a.keys, dtype=np.int64) * (np.int64(1) if a.static else HASH)
@@ -126,6 +127,7 @@ def main():
     p.add_argument("--batch", type=int, default=65536)
     p.add_argument("--cache-share", type=float, default=0.1)
     p.add_argument("--dists", nargs="+", default=["zipf:1.05", "zipf:1.2", "uniform"])
+    p.add_argument("--evict", choices=["lru", "lfu"], default="lru", help="the hybrid dynamic tables' cache policy")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--link-mib", type=int, default=1024)
@@ -143,9 +145,9 @@ def main():
     kind = "static" if a.static else "dynamic"
     print(f"tier_bench on {device}: {a.tables} {kind} tables x {a.keys:,} keys x dim {a.dim} + Adagrad state = "
           f"{total / 1e9:.1f} GB; cache budget {a.cache_share:.0%} ({total * a.cache_share / 1e9:.2f} GB); "
-          f"batch {a.batch:,}, one id per sample and table")
+          f"batch {a.batch:,}, one id per sample and table; cache policy {a.evict.upper()}")
     out = {"device": device, "tables": a.tables, "keys": a.keys, "dim": a.dim, "batch": a.batch,
-           "cache_share": a.cache_share, "static": a.static}
+           "cache_share": a.cache_share, "static": a.static, "evict": a.evict}
     if gpu:
         link = sok.host_link_bandwidth(a.link_mib)
         print(f"host link ({a.link_mib} MiB of pinned memory): copies to / from the device "
