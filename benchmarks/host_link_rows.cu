@@ -1,9 +1,11 @@
-// The host link for the rows a hybrid table moves: 52,000 random 512-byte rows (128 floats) of a
-// pinned, device-mapped host buffer read and / or written in place by a kernel, against contiguous
-// rows; pinned 4K pages (cudaHostAlloc) and transparent huge pages (mmap + madvise +
-// cudaHostRegister); one grid per launch or a grid-stride grid of a given size; best of 5 each.
+// The host link for the rows a hybrid table moves: 26.6 MB each way of random rows (52,000 rows of
+// 512 bytes, 128 floats, by default) of a pinned, device-mapped host buffer read and / or written in
+// place by a kernel, against contiguous rows; pinned 4K pages (cudaHostAlloc) and transparent huge
+// pages (mmap + madvise + cudaHostRegister); one grid per launch or a grid-stride grid of a given
+// size; best of 5 each, every repetition on other random rows (none still in the host's caches).
 // Standalone (no TensorFlow):
-//   nvcc -O2 -arch=sm_90 -o host_link_rows benchmarks/host_link_rows.cu && ./host_link_rows [GiB, 8]
+//   nvcc -O2 -arch=sm_90 -o host_link_rows benchmarks/host_link_rows.cu
+//   ./host_link_rows [GiB, 8] [row bytes, 512: a multiple of 16; the same bytes in fewer, larger rows]
 // Modes: interleaved (blocks of writes and reads alternating in one grid, as the hybrid step's
 // moves), writes then reads in one grid, writes and reads as two grids, grid-stride (grid size).
 #include <cuda_runtime.h>
@@ -15,7 +17,7 @@
 #include <algorithm>
 #include <cstring>
 
-constexpr int W = 32;  // float4 per row (128 floats)
+__constant__ long W;   // float4 per row (32: 128 floats)
 
 // word i of the rows written back (out) or read in
 __device__ void MoveWord(bool out, long i, const float4* evicted, const long* out_rows, long n_out,
@@ -76,26 +78,33 @@ float4* HostBuffer(size_t bytes, bool huge) {
 }
 
 int main(int argc, char** argv) {
+  const long row_bytes = argc > 2 ? atol(argv[2]) : 512;
+  if (row_bytes < 16 || row_bytes % 16 != 0) { printf("row bytes must be a positive multiple of 16\n"); return 1; }
+  const long W = row_bytes / 16;
+  cudaMemcpyToSymbol(::W, &W, sizeof(long));
   const size_t rows_total = (argc > 1 ? atol(argv[1]) : 8L) * (1L << 30) / (W * 16);
-  const long N = 52000;
+  const long N = 52000L * 32 / W;
+  constexpr int kReps = 5;
+  printf("%ld rows of %ld bytes each way, %.1f MB\n", N, row_bytes, N * W * 16 / 1e6);
   std::mt19937_64 g(1);
-  std::vector<long> pick(2 * N);
+  std::vector<long> pick(2 * N * kReps);   // repetition r: rows [2N r, 2N (r + 1))
   for (auto& x : pick) x = g() % rows_total;
-  std::vector<long> contig(2 * N);
-  for (long j = 0; j < 2 * N; ++j) contig[j] = j;
+  std::vector<long> contig(2 * N * kReps);
+  for (long j = 0; j < 2 * N * kReps; ++j) contig[j] = j;
   long *d_rand, *d_contig;
-  cudaMalloc(&d_rand, 16 * N); cudaMalloc(&d_contig, 16 * N);
-  cudaMemcpy(d_rand, pick.data(), 16 * N, cudaMemcpyHostToDevice);
-  cudaMemcpy(d_contig, contig.data(), 16 * N, cudaMemcpyHostToDevice);
+  cudaMalloc(&d_rand, 16 * N * kReps); cudaMalloc(&d_contig, 16 * N * kReps);
+  cudaMemcpy(d_rand, pick.data(), 16 * N * kReps, cudaMemcpyHostToDevice);
+  cudaMemcpy(d_contig, contig.data(), 16 * N * kReps, cudaMemcpyHostToDevice);
   float4 *evicted, *cache;
   cudaMalloc(&evicted, N * W * 16); cudaMalloc(&cache, N * W * 16);
   cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
   for (int huge = 0; huge < 2; ++huge) {
     float4* store = HostBuffer(rows_total * W * 16, huge);
     float4* dstore; cudaHostGetDevicePointer((void**)&dstore, store, 0);
-    auto run = [&](const char* what, const long* rows, long n_out, long n_in, int launches, int mode = 0) {
+    auto run = [&](const char* what, const long* all_rows, long n_out, long n_in, int launches, int mode = 0) {
       float best = 1e9;
-      for (int rep = 0; rep < 5; ++rep) {
+      for (int rep = 0; rep < kReps; ++rep) {
+        const long* rows = all_rows + 2 * N * rep;
         cudaEventRecord(a);
         for (int l = 0; l < launches; ++l) {
           const long o = n_out / launches, i = n_in / launches;
