@@ -4,7 +4,7 @@
 # root with a CUDA build of the op library: bash benchmarks/gpu_suite.sh <part> [out_dir]
 #   part: tests | e2e-readers [e2e_bench args] | e2e-fit [MODEL:SPE ...] | kernels | profile [args]
 #         | fuzz CASES MINUTES | soak MINUTES | dynamic [dynamic_bench args] | tier [tier_bench args]
-#         | readers [reader_scaling args]
+#         | readers [reader_scaling args] | link [GiB [row bytes ...]]
 #         (E2E_ARGS: more e2e_bench arguments for e2e-fit)
 # `tests` needs the dev requirements next to TensorFlow (pytest, and tf_keras for test_sok_compat.py).
 set -uo pipefail
@@ -24,6 +24,9 @@ case $part in
   dynamic)     shift 2; python3 benchmarks/dynamic_bench.py --json "$out/dynamic.json" "$@" 2>&1 | quiet | tee -a "$out/dynamic.txt" ;;
   tier)        shift 2; python3 benchmarks/tier_bench.py --json "$out/tier.json" "$@" 2>&1 | quiet | tee -a "$out/tier.txt" ;;
   readers)     shift 2; python3 benchmarks/reader_scaling.py "$@" 2>&1 | quiet | tee -a "$out/reader_scaling.txt" ;;
+  link)        gib=${3:-8}; shift $(( $# < 3 ? $# : 3 ))
+               nvcc -O2 -arch=sm_90 -o /tmp/host_link_rows benchmarks/host_link_rows.cu || exit 1
+               for bytes in ${*:-512 1024}; do /tmp/host_link_rows "$gib" "$bytes"; done 2>&1 | tee -a "$out/host_link_rows.txt" ;;
   soak)        python3 benchmarks/soak.py --minutes "$3" --out "$out/soak" 2>&1 | quiet | tee "$out/soak.txt" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
