@@ -3,6 +3,7 @@ memory, in one run.
 
     python benchmarks/tier_bench.py [--tables 8] [--keys 2000000] [--dim 128] [--batch 65536]
                                     [--cache-share 0.1] [--dists zipf:1.05 zipf:1.2 uniform] [--evict lru]
+                                    [--iters 10] [--rounds 5]
     python benchmarks/tier_bench.py --quick         (small sizes, any device)
 
 The DLRM-like step: `--tables` dynamic tables of `--keys` keys each (every key inserted before the
@@ -14,8 +15,12 @@ rest lives in pinned host memory. Printed per distribution: ms per step of both,
 <= 2x at Zipf 1.05), the cache's hit rate over the timed steps, bytes moved over the host link
 per step and the rate that makes, against the link's bandwidth measured in the same run
 (`sok.host_link_bandwidth`: pinned memory copied each way, and read / written in place by a
-kernel, as the hybrid tables move rows). A third run (unless `--no-prefetch`) trains new hybrid
-tables with `sok.prefetch` of the next batch's ids in each step, its ratio printed beside.
+kernel, as the hybrid tables move rows). A third kind (unless `--no-prefetch`): new hybrid tables
+trained with `sok.prefetch` of the next batch's ids in each step, its ratio printed beside. Every
+kind's tables are made and warmed up first (all held at once: the device needs the all-in-memory
+tables and both caches, the host both tiers); the timed steps then run in `--rounds` rounds in
+which the kinds take turns, each kind on the same batches in the same order, so that the machine's
+drifts over the run fall on all of them.
 """
 import argparse
 import json
@@ -83,39 +88,57 @@ def make_step(tables, opt, prefetch=False):
     return step
 
 
-def run(a, device, tables, data, profile=False, prefetch=False):
-    """Median ms per step (and the cache's counters), the step as make_step's."""
-    hybrid = getattr(tables[0], "hybrid", False)
-    step = make_step(tables, sok.optimizers.Adagrad(0.01), prefetch)
+class Runner:
+    """One kind of tables (all in device memory, hybrid, hybrid with prefetch) stepping through the
+    batches in order, its timed steps' times and cache counters kept across rounds."""
 
-    def call(i):
-        return float(step(data[i], data[min(i + 1, len(data) - 1)]))
+    COUNTERS = ("lookups", "misses", "bytes_to_device", "bytes_to_host", "loaded", "evicted", "prefetched")
 
-    with tf.device(device):
-        for i in range(a.warmup):
-            call(i)
-        before = [sok.cache_stats(t) for t in tables] if hybrid else None
-        times = []
-        for i in range(a.warmup, a.warmup + a.iters):
-            t0 = time.perf_counter()
-            call(i)
-            times.append(time.perf_counter() - t0)
-        after = [sok.cache_stats(t) for t in tables] if hybrid else None
-        if profile:   # where the step's time goes, per op and kernel (TensorFlow's profiler)
-            from profile_step import profile as profile_steps
+    def __init__(self, device, tables, data, prefetch=False):
+        self.device, self.tables, self.data, self.prefetch = device, tables, data, prefetch
+        self.hybrid = getattr(tables[0], "hybrid", False)
+        self.step = make_step(tables, sok.optimizers.Adagrad(0.01), prefetch)
+        self.at, self.times, self.counts, self.cached = 0, [], dict.fromkeys(self.COUNTERS, 0), 0
 
-            print(f"  -- {'hybrid' if hybrid else 'all-HBM'} step{' with prefetch' if prefetch else ''}, profiled:")
-            profile_steps(lambda i: call(a.warmup + a.iters + i), steps=PROFILED, top=40)
-    res = {"ms": float(np.median(times)) * 1e3}
-    if before:
-        d = {k: sum(x[k] - y[k] for x, y in zip(after, before)) for k in ("lookups", "misses", "bytes_to_device",
-                                                                           "bytes_to_host", "loaded", "evicted",
-                                                                           "prefetched")}
-        steps = len(times)
-        res.update(hit_rate=1 - d["misses"] / d["lookups"], mb_per_step=(d["bytes_to_device"] + d["bytes_to_host"]) /
-                   steps / 1e6, loaded_per_step=d["loaded"] / steps, evicted_per_step=d["evicted"] / steps,
-                   prefetched_per_step=d["prefetched"] / steps, cached=sum(x["cached"] for x in after))
-    return res
+    def call(self, i):
+        return float(self.step(self.data[i], self.data[min(i + 1, len(self.data) - 1)]))
+
+    def steps(self, n, timed=True):
+        """The next n batches' steps (timed: their times and counters kept)."""
+        with tf.device(self.device):
+            before = [sok.cache_stats(t) for t in self.tables] if self.hybrid and timed else None
+            for _ in range(n):
+                t0 = time.perf_counter()
+                self.call(self.at)
+                if timed:
+                    self.times.append(time.perf_counter() - t0)
+                self.at += 1
+            if before:
+                after = [sok.cache_stats(t) for t in self.tables]
+                for k in self.COUNTERS:
+                    self.counts[k] += sum(x[k] - y[k] for x, y in zip(after, before))
+                self.cached = sum(x["cached"] for x in after)
+
+    def profile(self):
+        """Where the step's time goes, per op and kernel (TensorFlow's profiler), over new batches."""
+        from profile_step import profile as profile_steps
+
+        print(f"  -- {'hybrid' if self.hybrid else 'all-HBM'} step{' with prefetch' if self.prefetch else ''}, "
+              f"profiled:")
+        start = self.at
+        with tf.device(self.device):
+            profile_steps(lambda i: self.call(start + i), steps=PROFILED, top=40)
+
+    def result(self):
+        """Median ms per timed step and, for hybrid tables, the cache's counters per step."""
+        res = {"ms": float(np.median(self.times)) * 1e3}
+        if self.hybrid:
+            d, steps = self.counts, len(self.times)
+            res.update(hit_rate=1 - d["misses"] / d["lookups"],
+                       mb_per_step=(d["bytes_to_device"] + d["bytes_to_host"]) / steps / 1e6,
+                       loaded_per_step=d["loaded"] / steps, evicted_per_step=d["evicted"] / steps,
+                       prefetched_per_step=d["prefetched"] / steps, cached=self.cached)
+        return res
 
 
 def main():
@@ -129,6 +152,8 @@ def main():
     p.add_argument("--dists", nargs="+", default=["zipf:1.05", "zipf:1.2", "uniform"])
     p.add_argument("--evict", choices=["lru", "lfu"], default="lru", help="the hybrid dynamic tables' cache policy")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="the timed steps split into rounds in which the kinds of tables take turns")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--link-mib", type=int, default=1024)
     p.add_argument("--profile", action="store_true", help="also profile both steps of the first distribution")
@@ -154,17 +179,26 @@ def main():
               f"{link['copy_to_device']:.1f} / {link['copy_to_host']:.1f} GB/s; a kernel reading / writing "
               f"host memory in place {link['read_in_place']:.1f} / {link['write_in_place']:.1f} GB/s")
         out["link_gbs"] = link
+    kinds = ("hbm", "hybrid") + (() if a.no_prefetch else ("prefetch",))
+    rounds = max(1, min(a.rounds, a.iters))
     for dist in a.dists:
         data = batches(a, dist, a.warmup + a.iters + PROFILED)   # the profile's batches are new to the cache too
-        res = {}
-        for kind in ("hbm", "hybrid") + (() if a.no_prefetch else ("prefetch",)):
+        runners, fill = {}, {}
+        for kind in kinds:   # every kind's tables at once (their steps take turns below)
             t0 = time.perf_counter()
             tables = make_tables(a, device, kind != "hbm", f"{kind}_{dist.replace(':', '')}_")
-            fill = time.perf_counter() - t0
-            res[kind] = run(a, device, tables, data, profile=a.profile and dist == a.dists[0],
-                            prefetch=kind == "prefetch")
-            res[kind]["fill_s"] = fill
-            del tables
+            fill[kind] = time.perf_counter() - t0
+            runners[kind] = Runner(device, tables, data, prefetch=kind == "prefetch")
+            runners[kind].steps(a.warmup, timed=False)
+        # the timed steps in rounds, the kinds taking turns in each: drifts of the machine fall on all
+        for r in range(rounds):
+            for kind in kinds:
+                runners[kind].steps(a.iters * (r + 1) // rounds - a.iters * r // rounds)
+        if a.profile and dist == a.dists[0]:
+            for kind in kinds:
+                runners[kind].profile()
+        res = {kind: dict(runners[kind].result(), fill_s=fill[kind]) for kind in kinds}
+        del runners
         h, c = res["hbm"], res["hybrid"]
         rate = c["mb_per_step"] / c["ms"]   # MB/ms = GB/s
         print(f"  {dist:10s} all in device memory {h['ms']:8.2f} ms | hybrid {c['ms']:8.2f} ms = "
