@@ -63,16 +63,16 @@ def test_gpu_hybrid_trains_as_the_cpu_hybrid_and_the_all_hbm_table(rng, case):
     assert gpu == cpu and gpu["evicted"] > 0 and gpu["bytes_to_device"] > 0
 
 
-@pytest.mark.parametrize("budget_rows", [0, 1, 300])
-def test_gpu_cache_counters_follow_the_lru_model(rng, budget_rows):
+@pytest.mark.parametrize("policy,budget_rows", [(p, b) for p in ("lru", "lfu") for b in (0, 1, 300)])
+def test_gpu_cache_counters_follow_the_cache_model(rng, policy, budget_rows):
     pool = random_keys(rng, 2000)
     batches = [rng.choice(pool, rng.integers(1, 500), p=_zipf(2000)) for _ in range(20)]
     with tf.device("/GPU:0"):
-        table = sok.DynamicVariable(DIM, initializer="uniform", name=f"g{budget_rows}", var_type="hybrid",
-                                    max_hbm_for_vectors=_gib(budget_rows, [DIM]))
-        plain = sok.DynamicVariable(DIM, initializer="uniform", name=f"gp{budget_rows}")
+        table = sok.DynamicVariable(DIM, initializer="uniform", name=f"g{policy}{budget_rows}", var_type="hybrid",
+                                    max_hbm_for_vectors=_gib(budget_rows, [DIM]), evict_strategy=policy)
+        plain = sok.DynamicVariable(DIM, initializer="uniform", name=f"gp{policy}{budget_rows}")
     before = sok.cache_stats(table)
-    for b, (missing, loaded, fresh, evicted) in zip(batches, _cache_model(budget_rows, batches)):
+    for b, (missing, loaded, fresh, evicted) in zip(batches, _cache_model(budget_rows, batches, policy)):
         with tf.device("/GPU:0"):
             np.testing.assert_array_equal(tf.gather(table, b).numpy(), tf.gather(plain, b).numpy())
         now = sok.cache_stats(table)

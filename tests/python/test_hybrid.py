@@ -100,19 +100,23 @@ def test_training_equals_the_table_without_a_host_tier(rng, case, budget_rows):
         assert stats["evicted"] > 0 and stats["bytes_to_host"] > 0
 
 
-def _cache_model(max_keys, batches):
-    """Plain-Python LRU cache over a host tier: per call, found keys are touched; missing keys come in,
-    evicting the untouched keys of lowest (last call, key), all of them if the call needs more room.
+def _cache_model(max_keys, batches, policy="lru"):
+    """Plain-Python cache over a host tier: per call, found keys are touched; missing keys come in,
+    evicting the untouched keys of lowest (score, key), all of them if the call needs more room. The
+    score: LRU, the last call that touched the key; LFU, the number of calls that touched it since it
+    entered the table (counted on while the host tier holds it, not only while cached).
     Returns per call (positions missing, keys taken in, of them new to the table, keys written back)."""
-    score, seen, clock, out = {}, set(), 0, []
+    score, seen, count, clock, out = {}, set(), {}, 0, []
     for batch in batches:
         clock += 1
         distinct = list(dict.fromkeys(batch.tolist()))
+        for k in distinct:
+            count[k] = count.get(k, 0) + 1
         found = [k for k in distinct if k in score]
         new = [k for k in distinct if k not in score]
         missing = sum(1 for k in batch.tolist() if k not in score)
         for k in found:
-            score[k] = clock
+            score[k] = clock if policy == "lru" else count[k]
         need = len(score) + len(new) - max_keys
         gone = []
         if need > 0:
@@ -120,22 +124,23 @@ def _cache_model(max_keys, batches):
             for k in gone:
                 del score[k]
         for k in new:
-            score[k] = clock
+            score[k] = clock if policy == "lru" else count[k]
         out.append((missing, len(new), len([k for k in new if k not in seen]), len(gone)))
         seen.update(new)
     return out
 
 
-@pytest.mark.parametrize("budget_rows", [0, 1, 7, 40])
-def test_cache_counters_follow_an_lru_cache_model(rng, budget_rows):
+@pytest.mark.parametrize("policy,budget_rows", [(p, b) for p in ("lru", "lfu") for b in (0, 1, 7, 40)])
+def test_cache_counters_follow_a_cache_model(rng, policy, budget_rows):
     pool = random_keys(rng, 60)
-    batches = [rng.choice(pool, rng.integers(1, 12), p=_zipf(60)) for _ in range(25)]
-    table = sok.DynamicVariable(DIM, initializer="uniform", name=f"c{budget_rows}", var_type="hybrid",
-                                max_hbm_for_vectors=_gib(budget_rows, [DIM]))
-    plain = sok.DynamicVariable(DIM, initializer="uniform", name=f"p{budget_rows}")
+    # 80 calls: enough for LFU's counts of keys out of the cache to decide evictions
+    batches = [rng.choice(pool, rng.integers(1, 12), p=_zipf(60)) for _ in range(80)]
+    table = sok.DynamicVariable(DIM, initializer="uniform", name=f"c{policy}{budget_rows}", var_type="hybrid",
+                                max_hbm_for_vectors=_gib(budget_rows, [DIM]), evict_strategy=policy)
+    plain = sok.DynamicVariable(DIM, initializer="uniform", name=f"p{policy}{budget_rows}")
     before = sok.cache_stats(table)
     row_bytes = 4 * DIM
-    for b, (missing, loaded, fresh, evicted) in zip(batches, _cache_model(budget_rows, batches)):
+    for b, (missing, loaded, fresh, evicted) in zip(batches, _cache_model(budget_rows, batches, policy)):
         np.testing.assert_array_equal(tf.gather(table, b).numpy(), tf.gather(plain, b).numpy())
         now = sok.cache_stats(table)
         delta = {k: now[k] - before[k] for k in ("finds", "lookups", "misses", "loaded", "new_keys", "evicted",

@@ -16,7 +16,6 @@ value array (`sok.export` gives keys and values).
 """
 import logging
 import numbers
-from typing import Optional
 
 import keras
 import numpy as np
@@ -156,7 +155,8 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         fractions allowed) for cached rows, values and optimizer state together. Every key's rows live
         in host memory (pinned, on a GPU); the cache holds the rows that fit, the keys a step uses are
         brought in (their rows read from host memory by the GPU in place) and the least recently used
-        (lfu: least often used) others written back to make room. A step whose keys exceed the budget
+        (lfu: least often used, counting a key's lookups while it was out of the cache too) others
+        written back to make room. A step whose keys exceed the budget
         holds them all for that step. On a CPU the cache is host memory too (same results; for tests).
       key_type: tf.int64 (int32 ids are cast).
       dtype: tf.float32.

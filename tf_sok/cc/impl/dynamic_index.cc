@@ -247,6 +247,7 @@ std::string DynamicIndex::Run(const int64_t* keys, int64_t n, bool insert, int64
     ch->evicted_keys.push_back(slot_key_[s]);
     ch->evicted_slots.push_back(s);
     ch->evicted_touched.push_back(touched_[s]);
+    ch->evicted_scores.push_back(score_[s]);
     slot_of_key_.Erase(slot_key_[s]);
     // a cache's key goes back to the host tier, still in the table: admitted at its next sighting
     if (config_.cache && config_.min_frequency > 1) candidates_.Put(slot_key_[s], kHeldCount);
@@ -275,7 +276,8 @@ std::string DynamicIndex::Run(const int64_t* keys, int64_t n, bool insert, int64
     live_row_[s] = 1;
     ++live_;
     ++generation_[s];
-    score_[s] = config_.evict == Evict::kLfu ? 1 : clock_;
+    // LFU: this call's count (a prefetch's keys get theirs from the find that uses them)
+    score_[s] = config_.evict == Evict::kLfu ? (prefetch ? 0 : 1) : clock_;
     if (lru_in_order_) lru_.emplace_back(clock_, s);
     touched_[s] = call;
     slot_of_missing[j] = s;
@@ -368,6 +370,16 @@ void DynamicIndex::TouchedSince(int64_t unix_ns, std::vector<int64_t>* keys, std
   }
 }
 
+void DynamicIndex::AddStoreScores(const int64_t* cache_rows, const int64_t* store_rows, const uint8_t* fresh,
+                                  const int64_t* store_scores, int64_t n) {
+  const int64_t cap = ScoreCap();
+  for (int64_t j = 0; j < n; ++j) {
+    if (fresh != nullptr && fresh[j]) continue;
+    int64_t& score = score_[cache_rows[j]];
+    score = std::min(cap, score + store_scores[store_rows[j]]);
+  }
+}
+
 void DynamicIndex::ForgetCandidates(const int64_t* keys, int64_t n) {
   for (int64_t j = 0; j < n; ++j) candidates_.Erase(keys[j]);
 }
@@ -423,6 +435,7 @@ std::string DynamicIndex::Import(const DynamicIndexSnapshot& s) {
   fresh.next_free_ = s.next_free;
   fresh.call_ = call_;   // touch marks of the import start clean, calls keep counting
   fresh.clock_ = s.clock;
+  for (int64_t v : s.scores) fresh.imported_score_ = std::max(fresh.imported_score_, v);
   if (fresh.lru_in_order_) {
     for (size_t i = 0; i < n; ++i) fresh.lru_.emplace_back(s.scores[i], s.slots[i]);
     std::sort(fresh.lru_.begin(), fresh.lru_.end());

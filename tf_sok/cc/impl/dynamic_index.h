@@ -59,6 +59,7 @@ struct FindChanges {
   std::vector<int64_t> new_slots, new_keys;          // rows that received a key (to initialise)
   std::vector<int64_t> evicted_keys, evicted_slots;  // keys removed to make room, and their rows
   std::vector<int64_t> evicted_touched;              // the call that last touched each of them
+  std::vector<int64_t> evicted_scores;               // and each one's score (LFU: the calls that touched it)
   int64_t rows = 0;                                  // the row count the arrays must have now
   int64_t missing_positions = 0;                     // positions whose key was not held (cache statistics)
 };
@@ -158,6 +159,15 @@ class DynamicIndex {
   // (past the last when none did), numbered since this index was made or last imported.
   int64_t calls() const { return call_; }
   int64_t FirstCallAtOrAfter(int64_t unix_ns) const { return call_times_.FirstAtOrAfter(unix_ns); }
+  // A cache's (hybrid tables') LFU scores carried over the host tier: the keys a call took in count
+  // the calls that touched them while the tier held them too. score[cache_rows[j]] += store_scores
+  // [store_rows[j]] for j < n where fresh is null or fresh[j] == 0, at most ScoreCap().
+  void AddStoreScores(const int64_t* cache_rows, const int64_t* store_rows, const uint8_t* fresh,
+                      const int64_t* store_scores, int64_t n);
+  // Above any score a row can have: one count per call since the index was made or imported, on top
+  // of the largest imported score.
+  int64_t ScoreCap() const { return imported_score_ + clock_ + 1; }
+
   // Admission counts of `keys` dropped (a cache's: keys its host tier no longer holds; a cache
   // counts every key it wrote back as seen min_frequency - 1 times, so that it comes back at once).
   void ForgetCandidates(const int64_t* keys, int64_t n);
@@ -183,6 +193,7 @@ class DynamicIndex {
   std::vector<int64_t> free_;
   int64_t next_free_ = 0, rows_ = 0, live_ = 0, clock_ = 0, call_ = 0;
   int64_t last_prefetch_ = 0;   // the call the last prefetch extended
+  int64_t imported_score_ = 0;  // the largest score the last import brought
   CallTimes call_times_;
   // A bounded LRU index's rows in the order of their scores: (score, row) appended as a call scores a
   // row (scores only grow), an entry live while its row is and has that score; eviction reads the

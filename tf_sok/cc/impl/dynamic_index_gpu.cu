@@ -304,7 +304,7 @@ __global__ void ScoreFoundKernel(const int64_t* slot, int64_t n, int64_t* touche
 __global__ void EvictKernel(const int64_t* victims, int64_t n, const int64_t* tkeys, int64_t* tstate, int64_t mask,
                             const int64_t* slot_key, const int64_t* touched, uint8_t* live, int64_t* free_rows,
                             int64_t free_count, int64_t* evicted_keys, int64_t* evicted_slots,
-                            int64_t* evicted_touched) {
+                            int64_t* evicted_touched, const int64_t* score, int64_t* evicted_scores) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const int64_t r = victims[i], key = slot_key[r];
@@ -316,6 +316,16 @@ __global__ void EvictKernel(const int64_t* victims, int64_t n, const int64_t* tk
   evicted_keys[i] = key;
   evicted_slots[i] = r;
   evicted_touched[i] = touched[r] < 0 ? -touched[r] : touched[r];   // LFU marks a scored row -call
+  evicted_scores[i] = score[r];
+}
+
+// a cache's LFU scores carried over its host tier (DynamicIndex::AddStoreScores)
+__global__ void AddStoreScoresKernel(const int64_t* cache_rows, const int64_t* store_rows, const uint8_t* fresh,
+                                     const int64_t* store_scores, int64_t n, int64_t cap, int64_t* score) {
+  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (j >= n || (fresh != nullptr && fresh[j])) return;
+  int64_t& s = score[cache_rows[j]];
+  s = min(cap, s + store_scores[store_rows[j]]);
 }
 
 // new key j gets the row free[free_count - 1 - j] while there are free rows, then next_free + ...
@@ -901,9 +911,9 @@ std::string GpuDynamicIndex::FinishCommit(const GpuDevice& d, GpuFindPending* p,
     GatherKernel<<<Blocks(c), kThreads, 0, s>>>(slot_key_, rows, c, rkeys);
     if (!SortPairs(d, rkeys, rkeys_sorted, rows, rows_by_key, c)) return "ran out of GPU memory";
     GatherKernel<<<Blocks(c), kThreads, 0, s>>>(score_, rows_by_key, c, scores);
-    // scores lie in [0, clock_ + 1] (LRU: a clock value; LFU: a count of calls, one per call at most)
-    // or up to the largest imported one
-    const int64_t top = std::max(clock_ + 1, imported_score_);
+    // scores lie in [0, clock_ + 1] (LRU: a clock value) or up to the largest imported one; LFU: a
+    // count of calls, one per call at most, on top of an imported one (ScoreCap)
+    const int64_t top = config_.evict == Evict::kLfu ? ScoreCap() : std::max(clock_ + 1, imported_score_);
     int bits = 1;
     while (bits < 63 && (int64_t{1} << bits) <= top) ++bits;
     if (!SortPairs(d, scores, scores_sorted, rows_by_key, victims, c, bits)) return "ran out of GPU memory";
@@ -929,14 +939,16 @@ std::string GpuDynamicIndex::FinishCommit(const GpuDevice& d, GpuFindPending* p,
   out->evicted_keys = gpu::Alloc<int64_t>(d, k);
   out->evicted_slots = gpu::Alloc<int64_t>(d, k);
   out->evicted_touched = gpu::Alloc<int64_t>(d, k);
+  out->evicted_scores = gpu::Alloc<int64_t>(d, k);
   if (!p->direct) out->new_slots = gpu::Alloc<int64_t>(d, a);
   out->new_keys = admitted;
-  if (!out->evicted_keys || !out->evicted_slots || !out->evicted_touched || !out->new_slots)
+  if (!out->evicted_keys || !out->evicted_slots || !out->evicted_touched || !out->evicted_scores || !out->new_slots)
     return "ran out of GPU memory";
   if (k > 0) {
     EvictKernel<<<Blocks(k), kThreads, 0, s>>>(victims, k, keys_.keys, keys_.state, keys_.buckets - 1, slot_key_,
                                                touched_, live_row_, free_, free_count_, out->evicted_keys,
-                                               out->evicted_slots, out->evicted_touched);
+                                               out->evicted_slots, out->evicted_touched, score_,
+                                               out->evicted_scores);
     free_count_ += k;
     live_ -= k;
   }
@@ -947,7 +959,7 @@ std::string GpuDynamicIndex::FinishCommit(const GpuDevice& d, GpuFindPending* p,
   }
   if (!p->fused)   // (fused: the rows' marks written as they were taken)
     NewRowsKernel<<<Blocks(a), kThreads, 0, s>>>(admitted, out->new_slots, a, slot_key_, live_row_, generation_,
-                                                 score_, touched_, lfu ? 1 : clock_, call);
+                                                 score_, touched_, lfu ? (p->prefetch ? 0 : 1) : clock_, call);
   keys_.used += a;
   live_ += a;
   next_free_ += a - std::min(a, free_count_);
@@ -1093,6 +1105,13 @@ std::string GpuDynamicIndex::Import(const GpuDevice& d, const DynamicIndexSnapsh
   call_ = 0;
   call_times_.Clear();
   return "";
+}
+
+void GpuDynamicIndex::AddStoreScores(const GpuDevice& d, const int64_t* cache_rows, const int64_t* store_rows,
+                                     const uint8_t* fresh, const int64_t* store_scores, int64_t n) {
+  if (n > 0)
+    AddStoreScoresKernel<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(cache_rows, store_rows, fresh, store_scores, n,
+                                                                   ScoreCap(), score_);
 }
 
 std::string GpuDynamicIndex::ForgetCandidates(const GpuDevice& d, const int64_t* keys, int64_t n) {

@@ -40,6 +40,7 @@ struct GpuFindResult {
   int64_t* evicted_keys = nullptr;   // [num_evicted]
   int64_t* evicted_slots = nullptr;  // [num_evicted]
   int64_t* evicted_touched = nullptr;  // [num_evicted]: the call that last touched each
+  int64_t* evicted_scores = nullptr;   // [num_evicted]: the score of each
   int64_t num_new = 0, num_evicted = 0, rows = 0;
   int64_t missing_positions = 0;     // positions whose key was not held (cache statistics)
 };
@@ -116,6 +117,11 @@ class GpuDynamicIndex {
   void set_max_keys(int64_t max_keys) { config_.max_keys = max_keys; }
   // The memory of later allocations (a prefetch on a stream of its own wraps TensorFlow's).
   void set_memory(DeviceMemory* memory) { memory_ = memory; }
+
+  // As DynamicIndex's (rows, flags and the store's scores where the device reads them).
+  void AddStoreScores(const GpuDevice& d, const int64_t* cache_rows, const int64_t* store_rows, const uint8_t* fresh,
+                      const int64_t* store_scores, int64_t n);
+  int64_t ScoreCap() const { return imported_score_ + clock_ + 1; }
 
   std::string Export(const GpuDevice& d, DynamicIndexSnapshot* s);
   // As DynamicIndex::TouchedSince (host vectors; reads the row marks back, one wait).

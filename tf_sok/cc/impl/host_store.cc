@@ -23,6 +23,7 @@ HostStore::HostStore(std::unique_ptr<HostMemory> memory) : memory_(std::move(mem
 HostStore::~HostStore() {
   for (Array& a : arrays_) memory_->Free(a.base);
   if (marks_) memory_->Free(marks_);
+  if (scores_) memory_->Free(scores_);
 }
 
 std::string HostStore::Reserve(int64_t rows) {
@@ -30,26 +31,32 @@ std::string HostStore::Reserve(int64_t rows) {
   const int64_t capacity = std::max<int64_t>({rows, 2 * capacity_, 1024});
   std::vector<float*> fresh(arrays_.size(), nullptr);
   auto* marks = static_cast<int64_t*>(memory_->Allocate(sizeof(int64_t) * capacity));
-  for (size_t i = 0; i < arrays_.size() && marks != nullptr; ++i) {
+  auto* scores = static_cast<int64_t*>(memory_->Allocate(sizeof(int64_t) * capacity));
+  bool ok = marks != nullptr && scores != nullptr;
+  for (size_t i = 0; i < arrays_.size() && ok; ++i) {
     fresh[i] = static_cast<float*>(memory_->Allocate(sizeof(float) * capacity * arrays_[i].width));
-    if (fresh[i] == nullptr) {
-      for (size_t j = 0; j < i; ++j) memory_->Free(fresh[j]);
-      memory_->Free(marks);
-      marks = nullptr;
-    }
+    ok = fresh[i] != nullptr;
   }
-  if (marks == nullptr) return "ran out of host memory for its host tier (" + std::to_string(capacity) + " rows)";
+  if (!ok) {
+    for (float* f : fresh)
+      if (f) memory_->Free(f);
+    for (int64_t* p : {marks, scores})
+      if (p) memory_->Free(p);
+    return "ran out of host memory for its host tier (" + std::to_string(capacity) + " rows)";
+  }
   for (size_t i = 0; i < arrays_.size(); ++i) {
     Array& a = arrays_[i];
     std::memcpy(fresh[i], a.base, sizeof(float) * count_ * a.width);
     memory_->Free(a.base);
     a.base = fresh[i];
   }
-  if (marks_) {
-    std::memcpy(marks, marks_, sizeof(int64_t) * count_);
-    memory_->Free(marks_);
+  for (auto [from, to] : {std::make_pair(marks_, marks), std::make_pair(scores_, scores)}) {
+    if (!from) continue;
+    std::memcpy(to, from, sizeof(int64_t) * count_);
+    memory_->Free(from);
   }
   marks_ = marks;
+  scores_ = scores;
   capacity_ = capacity;
   return "";
 }
@@ -103,6 +110,7 @@ std::string HostStore::AddAbsent(const int64_t* keys, int64_t n, int64_t* rows, 
     cached_[r] = 0;
     order_[r] = 0;
     marks_[r] = 0;
+    scores_[r] = 0;
     for (Array& a : arrays_) std::fill(a.base + r * a.width, a.base + (r + 1) * a.width, a.fill);
     rows[j] = r;
   }
@@ -204,12 +212,13 @@ std::string HostStore::Bound(std::vector<int64_t>* keys, std::vector<int64_t>* r
 }
 
 void HostStore::ClearMarks() {
-  if (marks_) std::fill(marks_, marks_ + count_, int64_t{0});
+  for (int64_t* p : {marks_, scores_})
+    if (p) std::fill(p, p + count_, int64_t{0});
 }
 
-void StoreMarks(const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of, int64_t n,
+void StoreMarks(const int64_t* cache_rows, const int64_t* values, const int64_t* store_row_of, int64_t n,
                 int64_t* marks) {
-  for (int64_t j = 0; j < n; ++j) marks[store_row_of[cache_rows[j]]] = calls[j];
+  for (int64_t j = 0; j < n; ++j) marks[store_row_of[cache_rows[j]]] = values[j];
 }
 
 void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, const int64_t* store_row_of, int64_t n,

@@ -64,7 +64,12 @@ class HostStore {
   // GPU builds, where kernels write the marks of the rows they write back); 0 for rows added since.
   int64_t* marks() { return marks_; }
   const int64_t* marks() const { return marks_; }
-  void ClearMarks();
+  // Per row, an LFU cache's score of its key as of its last write-back (the calls that touched it
+  // since the index was made or imported), carried over while the key is not cached; in the store's
+  // memory like the marks; 0 for rows added since.
+  int64_t* scores() { return scores_; }
+  const int64_t* scores() const { return scores_; }
+  void ClearMarks();   // marks and scores (after the index was replaced)
 
   // A bound on the keys held (0: none). The cache's keys are tracked: Loaded marks rows taken into
   // the cache by a call, WrittenBack the keys it wrote back (with the call that last touched each, in
@@ -121,6 +126,7 @@ class HostStore {
       queue_;
   std::vector<Array> arrays_;
   int64_t* marks_ = nullptr;
+  int64_t* scores_ = nullptr;
   int64_t count_ = 0, capacity_ = 0;
 };
 
@@ -128,8 +134,8 @@ class HostStore {
 // store[store_row_of[cache_rows[j]]] = cache[cache_rows[j]] (store_row_of: per cache row, its key's store row):
 void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, const int64_t* store_row_of, int64_t n,
                 float* store);
-// marks[store_row_of[cache_rows[j]]] = calls[j] (the marks of rows written back):
-void StoreMarks(const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of, int64_t n,
+// marks[store_row_of[cache_rows[j]]] = values[j] (the marks, or scores, of rows written back):
+void StoreMarks(const int64_t* cache_rows, const int64_t* values, const int64_t* store_row_of, int64_t n,
                 int64_t* marks);
 // cache[cache_rows[j]] = fresh[j] ? (init_kind >= 0 ? the initial value of keys[j] : fill) : store[store_rows[j]]
 // (fresh null: none is):

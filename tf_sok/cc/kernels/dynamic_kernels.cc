@@ -58,6 +58,7 @@ class IndexOp : public tf::OpKernel {
       auto* r = new IndexResource(table_, dim_, kind_, a_, b_, seed_);
       r->cache_bytes = cache_bytes_;
       r->min_frequency = config_.min_frequency;
+      r->lfu = config_.evict == impl::Evict::kLfu;
 #if TF_SOK_WITH_CUDA
       if (ctx->device()->device_type() == tf::DEVICE_GPU) {
         r->memory = std::make_unique<AllocatorMemory>(ctx->device()->GetAllocator(tf::AllocatorAttributes()));

@@ -64,6 +64,7 @@ class IndexResource : public tf::ResourceBase {
   // array per attached array, in the same order)
   int64_t cache_bytes = -1;
   int64_t min_frequency = 1;   // admission: sightings a key new to the table needs
+  bool lfu = false;            // evict_strategy "lfu"
   std::unique_ptr<impl::HostStore> store;
   // a hybrid table's counters since it was made: finds with insert, key positions looked up, those
   // not cached, keys taken into the cache, of them first seen, keys written back, bytes each way

@@ -308,9 +308,15 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
     else
       FillRows(d, base, width, c.new_slots, c.num_new, a.fill);
   }
-  // the evicted keys' store marks: the call that last touched each (before their cache rows go to new keys)
-  if (moves && c.num_evicted > 0)
+  // the evicted keys' store marks: the call that last touched each, and LFU's scores (before their cache
+  // rows go to new keys); the keys taken in count on from the scores they left with
+  if (moves && c.num_evicted > 0) {
     StoreMarks(d, c.evicted_slots, c.evicted_touched, plan.store_row_of, c.num_evicted, res->store->marks());
+    if (res->lfu)
+      StoreMarks(d, c.evicted_slots, c.evicted_scores, plan.store_row_of, c.num_evicted, res->store->scores());
+  }
+  if (moves && res->lfu && plan.fresh_count < c.num_new)
+    AddStoreScores(d, res, c.new_slots, plan.new_rows, plan.fresh_count > 0 ? plan.fresh : nullptr, c.num_new);
   if (moves && c.num_new > 0) SetStoreRows(d, plan.store_row_of, c.new_slots, plan.new_rows, c.num_new);
   return absl::OkStatus();
 }
@@ -326,6 +332,7 @@ Changes HostChanges(const impl::FindChanges& ch, int64_t positions) {
   c.evicted_keys = ch.evicted_keys.data();
   c.evicted_slots = ch.evicted_slots.data();
   c.evicted_touched = ch.evicted_touched.data();
+  c.evicted_scores = ch.evicted_scores.data();
   c.num_evicted = static_cast<int64_t>(ch.evicted_slots.size());
   return c;
 }
@@ -342,6 +349,7 @@ Changes DeviceChanges(const impl::GpuFindResult& r, int64_t positions) {
   c.evicted_keys = r.evicted_keys;
   c.evicted_slots = r.evicted_slots;
   c.evicted_touched = r.evicted_touched;
+  c.evicted_scores = r.evicted_scores;
   c.num_evicted = r.num_evicted;
   return c;
 }

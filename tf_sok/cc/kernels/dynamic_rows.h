@@ -34,6 +34,11 @@ inline void StoreMarks(const impl::CpuDevice&, const int64_t* cache_rows, const 
                 int64_t n, int64_t* marks) {
   impl::StoreMarks(cache_rows, calls, store_row_of, n, marks);
 }
+// An LFU cache's scores carried over its host tier (DynamicIndex::AddStoreScores).
+inline void AddStoreScores(const impl::CpuDevice&, IndexResource* r, const int64_t* cache_rows,
+                           const int64_t* store_rows, const uint8_t* fresh, int64_t n) {
+  r->host->AddStoreScores(cache_rows, store_rows, fresh, r->store->scores(), n);
+}
 // Evicted rows leave for the store: on the host written now (*out = nullptr); on a GPU gathered into
 // device memory (*out), to be written by StoreRead's launch while it reads the new rows in.
 inline absl::Status WriteBack(const impl::CpuDevice&, const float* cache, int64_t width, const int64_t* cache_rows,
@@ -60,6 +65,10 @@ inline void StoreWrite(const impl::GpuDevice& d, const float* cache, int64_t wid
 inline void StoreMarks(const impl::GpuDevice& d, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
                 int64_t n, int64_t* marks) {
   impl::GpuStoreMarks(d, cache_rows, calls, store_row_of, n, marks);
+}
+inline void AddStoreScores(const impl::GpuDevice& d, IndexResource* r, const int64_t* cache_rows,
+                           const int64_t* store_rows, const uint8_t* fresh, int64_t n) {
+  r->gpu->AddStoreScores(d, cache_rows, store_rows, fresh, r->store->scores(), n);
 }
 inline absl::Status WriteBack(const impl::GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
                        const int64_t* store_row_of, int64_t n, float* store, float** out) {
@@ -123,6 +132,7 @@ struct Changes {
   const int64_t* evicted_keys = nullptr;
   const int64_t* evicted_slots = nullptr;
   const int64_t* evicted_touched = nullptr;
+  const int64_t* evicted_scores = nullptr;
   int64_t num_evicted = 0;
   bool prefetch = false;   // a prefetch's: the caller holds every array's lock, the arrays keep their buffers
 };
