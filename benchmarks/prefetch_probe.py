@@ -34,7 +34,7 @@ def main():
         a.tables, a.keys, a.dim, a.batch = 2, 20_000, 16, 2048
     device = "/GPU:0" if tf.config.list_physical_devices("GPU") else "/CPU:0"
     data = batches(a, args.dist, 4 * args.steps + 60)
-    tables = make_tables(a, device, True, "probe_")
+    tables = make_tables(a, device, "lru", "probe_")
     opt = sok.optimizers.Adagrad(0.01)
     plain, prefetching = make_step(tables, opt), make_step(tables, opt, prefetch=True)
     prefetch_only = tf.function(lambda next_batch: sok.prefetch(tables, list(next_batch)))

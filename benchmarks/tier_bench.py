@@ -2,8 +2,8 @@
 memory, in one run.
 
     python benchmarks/tier_bench.py [--tables 8] [--keys 2000000] [--dim 128] [--batch 65536]
-                                    [--cache-share 0.1] [--dists zipf:1.05 zipf:1.2 uniform] [--evict lru]
-                                    [--iters 10] [--rounds 5]
+                                    [--cache-share 0.1] [--dists zipf:1.05 zipf:1.2 uniform]
+                                    [--evict lru lfu] [--warmup 100] [--iters 10] [--rounds 5]
     python benchmarks/tier_bench.py --quick         (small sizes, any device)
 
 The DLRM-like step: `--tables` dynamic tables of `--keys` keys each (every key inserted before the
@@ -11,13 +11,15 @@ timed steps, so the tables hold their full size; `--static`: `sok.Variable`s of 
 host tier against without, every row used once before the timed steps), one id per sample and table drawn from the
 distribution (ids hashed to 64-bit keys), lookup + gradient + Adagrad (one state array per table).
 The hybrid tables get `max_hbm_for_vectors` = cache-share x their bytes (values and state): the
-rest lives in pinned host memory. Printed per distribution: ms per step of both, the ratio (aim
-<= 2x at Zipf 1.05), the cache's hit rate over the timed steps, bytes moved over the host link
-per step and the rate that makes, against the link's bandwidth measured in the same run
+rest lives in pinned host memory; one kind of hybrid tables per cache policy of `--evict` (LRU and
+LFU). Printed per distribution: ms per step of each, the ratio (aim <= 2x at Zipf 1.05), the cache's
+hit rate over the timed steps, bytes moved over the host link per step and the rate that makes,
+against the link's bandwidth measured in the same run
 (`sok.host_link_bandwidth`: pinned memory copied each way, and read / written in place by a
-kernel, as the hybrid tables move rows). A third kind (unless `--no-prefetch`): new hybrid tables
-trained with `sok.prefetch` of the next batch's ids in each step, its ratio printed beside. Every
-kind's tables are made and warmed up first (all held at once: the device needs the all-in-memory
+kernel, as the hybrid tables move rows). Another kind (unless `--no-prefetch`): hybrid tables (the
+first policy's) trained with `sok.prefetch` of the next batch's ids in each step, its ratio printed
+beside. Every kind's tables are made and warmed up first (`--warmup` steps: the caches, and LFU's
+counts, reach their steady state) (all held at once: the device needs the all-in-memory
 tables and both caches, the host both tiers); the timed steps then run in `--rounds` rounds in
 which the kinds take turns, each kind on the same batches in the same order, so that the machine's
 drifts over the run fall on all of them.
@@ -51,7 +53,9 @@ def batches(a, dist, count):
     return out
 
 
-def make_tables(a, device, hybrid: bool, tag: str):
+def make_tables(a, device, policy, tag: str):
+    """The tables of one kind: all in device memory (policy None), or hybrid with that cache policy."""
+    hybrid = policy is not None
     state_widths = 2 * a.dim                              # values + Adagrad's accumulator
     budget = a.cache_share * a.keys * state_widths * 4 / 2**30
     with tf.device(device):
@@ -62,7 +66,7 @@ def make_tables(a, device, hybrid: bool, tag: str):
             if not hybrid:
                 return tables
         else:
-            kw = dict(var_type="hybrid", max_hbm_for_vectors=budget, evict_strategy=a.evict) if hybrid else \
+            kw = dict(var_type="hybrid", max_hbm_for_vectors=budget, evict_strategy=policy) if hybrid else \
                 dict(init_capacity=a.keys + 1)
             tables = [sok.DynamicVariable(a.dim, initializer="uniform", name=f"{tag}{i}", **kw)
                       for i in range(a.tables)]
@@ -150,11 +154,12 @@ def main():
     p.add_argument("--batch", type=int, default=65536)
     p.add_argument("--cache-share", type=float, default=0.1)
     p.add_argument("--dists", nargs="+", default=["zipf:1.05", "zipf:1.2", "uniform"])
-    p.add_argument("--evict", choices=["lru", "lfu"], default="lru", help="the hybrid dynamic tables' cache policy")
+    p.add_argument("--evict", nargs="+", choices=["lru", "lfu"], default=["lru", "lfu"],
+                   help="the hybrid dynamic tables' cache policies, a kind of tables each")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5,
                    help="the timed steps split into rounds in which the kinds of tables take turns")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--link-mib", type=int, default=1024)
     p.add_argument("--profile", action="store_true", help="also profile both steps of the first distribution")
     p.add_argument("--static", action="store_true",
@@ -165,12 +170,14 @@ def main():
     a = p.parse_args()
     if a.quick:
         a.tables, a.keys, a.dim, a.batch, a.iters, a.warmup, a.link_mib = 2, 20_000, 16, 2048, 3, 2, 64
+    if a.static:
+        a.evict = ["lru"]   # a static table's host tier evicts the least recently used rows
     device = "/GPU:0" if gpu else "/CPU:0"
     total = a.tables * a.keys * 2 * a.dim * 4
     kind = "static" if a.static else "dynamic"
     print(f"tier_bench on {device}: {a.tables} {kind} tables x {a.keys:,} keys x dim {a.dim} + Adagrad state = "
           f"{total / 1e9:.1f} GB; cache budget {a.cache_share:.0%} ({total * a.cache_share / 1e9:.2f} GB); "
-          f"batch {a.batch:,}, one id per sample and table; cache policy {a.evict.upper()}")
+          f"batch {a.batch:,}, one id per sample and table; cache policies {' / '.join(e.upper() for e in a.evict)}")
     out = {"device": device, "tables": a.tables, "keys": a.keys, "dim": a.dim, "batch": a.batch,
            "cache_share": a.cache_share, "static": a.static, "evict": a.evict}
     if gpu:
@@ -179,14 +186,15 @@ def main():
               f"{link['copy_to_device']:.1f} / {link['copy_to_host']:.1f} GB/s; a kernel reading / writing "
               f"host memory in place {link['read_in_place']:.1f} / {link['write_in_place']:.1f} GB/s")
         out["link_gbs"] = link
-    kinds = ("hbm", "hybrid") + (() if a.no_prefetch else ("prefetch",))
+    policies = {"hbm": None, **{f"hybrid_{e}": e for e in a.evict}, **({} if a.no_prefetch else {"prefetch": a.evict[0]})}
+    kinds = tuple(policies)
     rounds = max(1, min(a.rounds, a.iters))
     for dist in a.dists:
         data = batches(a, dist, a.warmup + a.iters + PROFILED)   # the profile's batches are new to the cache too
         runners, fill = {}, {}
         for kind in kinds:   # every kind's tables at once (their steps take turns below)
             t0 = time.perf_counter()
-            tables = make_tables(a, device, kind != "hbm", f"{kind}_{dist.replace(':', '')}_")
+            tables = make_tables(a, device, policies[kind], f"{kind}_{dist.replace(':', '')}_")
             fill[kind] = time.perf_counter() - t0
             runners[kind] = Runner(device, tables, data, prefetch=kind == "prefetch")
             runners[kind].steps(a.warmup, timed=False)
@@ -199,17 +207,21 @@ def main():
                 runners[kind].profile()
         res = {kind: dict(runners[kind].result(), fill_s=fill[kind]) for kind in kinds}
         del runners
-        h, c = res["hbm"], res["hybrid"]
-        rate = c["mb_per_step"] / c["ms"]   # MB/ms = GB/s
-        print(f"  {dist:10s} all in device memory {h['ms']:8.2f} ms | hybrid {c['ms']:8.2f} ms = "
-              f"{c['ms'] / h['ms']:.2f}x | hit rate {c['hit_rate']:.4f} | {c['loaded_per_step']:,.0f} keys in, "
-              f"{c['evicted_per_step']:,.0f} out per step, {c['mb_per_step']:.1f} MB over the link "
-              f"({rate:.1f} GB/s while stepping) | tables filled in {h['fill_s']:.1f} / {c['fill_s']:.1f} s",
-              flush=True)
-        out[dist] = {"hbm": h, "hybrid": c, "ratio": c["ms"] / h["ms"]}
+        h = res["hbm"]
+        print(f"  {dist:10s} all in device memory {h['ms']:8.2f} ms (tables filled in {h['fill_s']:.1f} s)", flush=True)
+        out[dist] = {"hbm": h}
+        for e in a.evict:
+            c = res[f"hybrid_{e}"]
+            rate = c["mb_per_step"] / c["ms"]   # MB/ms = GB/s
+            print(f"  {'':10s} hybrid, {e.upper()} {c['ms']:8.2f} ms = {c['ms'] / h['ms']:.2f}x | hit rate "
+                  f"{c['hit_rate']:.4f} | {c['loaded_per_step']:,.0f} keys in, {c['evicted_per_step']:,.0f} out per "
+                  f"step, {c['mb_per_step']:.1f} MB over the link ({rate:.1f} GB/s while stepping) | filled in "
+                  f"{c['fill_s']:.1f} s", flush=True)
+            out[dist].update({f"hybrid_{e}": c, f"ratio_{e}": c["ms"] / h["ms"]})
+        c = res[f"hybrid_{a.evict[0]}"]
         if "prefetch" in res:
             f = res["prefetch"]
-            print(f"  {'':10s} hybrid with sok.prefetch of the next batch {f['ms']:8.2f} ms = "
+            print(f"  {'':10s} hybrid, {a.evict[0].upper()}, with sok.prefetch of the next batch {f['ms']:8.2f} ms = "
                   f"{f['ms'] / h['ms']:.2f}x all in device memory, {c['ms'] / f['ms']:.2f}x faster than without | "
                   f"hit rate at the lookups {f['hit_rate']:.4f} | {f['prefetched_per_step']:,.0f} keys prefetched "
                   f"per step, {f['mb_per_step']:.1f} MB over the link", flush=True)
