@@ -248,7 +248,8 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
     from reader_scaling import CpuUse
 
     # e.g. DCNv2-bf16-xla (-kerasloop: Keras' own multi-step loop; -pinnedslabs: the Parquet readers'
-    # slabs registered with the GPU, TF_SOK_PIN_SLABS=1; DLRM-tf: the baseline, benchmarks/tf_dlrm.py)
+    # slabs registered with the GPU, TF_SOK_PIN_SLABS=1; -tier: the tables with a host tier; DLRM-tf: the
+    # baseline, benchmarks/tf_dlrm.py)
     base, *options = name.split("-")
     if "pinnedslabs" in options:
         from tf_sok.python.data import block_workers
@@ -257,16 +258,22 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
     if "bf16" in options:  # Keras' mixed policy for the dense part
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
     jit = "xla" in options  # the dense part compiled by XLA
+    opt = default_optimizer() if base == "DLRM" else dcnv2.optimizer(0.005)()
+    dim = a.dim if base == "DLRM" else a.dcnv2_dim
+    tier = {}
+    if "tier" in options:   # every table's device budget: a share of the largest table's rows and state
+        widths = dim + sum(dim if not s.per_row else 1 for s in opt.sparse.slot_specs())
+        tier = dict(max_hbm_for_vectors=a.tier_share * max(schema.vocab_sizes) * widths * 4 / 2**30)
     if base == "DLRM":
         if "tf" in options:   # the same model without tf_sok: TensorFlow's own tables
             import tf_dlrm
 
             model, opt = tf_dlrm.TFDLRM(schema, a.dim, jit_dense=jit), tf_dlrm.optimizer()
         else:
-            model, opt = dlrm.DLRM(schema, a.dim, jit_dense=jit), default_optimizer()
+            model = dlrm.DLRM(schema, a.dim, jit_dense=jit, **tier)
         cfg, files = sd.SyntheticConfig(schema=schema), os.path.join(d, "parquet")
     else:
-        model, opt = dcnv2.DCNv2(schema, a.dcnv2_dim, jit_dense=jit), dcnv2.optimizer(0.005)()
+        model = dcnv2.DCNv2(schema, a.dcnv2_dim, jit_dense=jit, **tier)
         cfg, files = sd.SyntheticConfig.dcnv2(schema), os.path.join(d, "dcnv2")
     model.compile(optimizer=opt, loss="binary_crossentropy", steps_per_execution=spe)
     if "kerasloop" not in options:   # as the examples run fit
@@ -287,6 +294,16 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
             row["Parquet_cores_busy"] = {"training_process": main, "reader_workers": workers}
             text += f"; cores busy: training process {main:.1f}, reader processes {workers:.1f}"
         text += ")" if src != "cached" else ""
+    if tier:   # the host tiers' caches over every run above
+        tables = [getattr(t, "_dynamic", t) for t in model.embeddings.tables.values()]   # (Keras wraps them)
+        stats = [sok.cache_stats(t) for t in tables if getattr(t, "hybrid", False)]
+        lookups, misses = sum(s["lookups"] for s in stats), sum(s["misses"] for s in stats)
+        moved = sum(s["bytes_to_device"] + s["bytes_to_host"] for s in stats)
+        row["tier"] = {"budget_gib": tier["max_hbm_for_vectors"], "hit_rate": 1 - misses / max(lookups, 1),
+                       "mb_per_step": moved / max(1, stats[0]["finds"] if stats else 1) / 1e6}
+        budget = tier["max_hbm_for_vectors"]
+        text += (f" | host tier: {f'{budget:.2f} GiB' if budget >= 0.1 else f'{budget * 1024:.1f} MiB'} per table, hit rate "
+                 f"{row['tier']['hit_rate']:.4f}, {row['tier']['mb_per_step']:.1f} MB over the link per step")
     print(text, flush=True)
     return row
 
@@ -298,10 +315,11 @@ def fit_section(a, d):
           f"left out; one process per model and setting)", flush=True)
     out = {}
     runs = [r.split(":") for r in a.fit_runs] if a.fit_runs else \
-        [("DLRM", 1), ("DLRM", a.spe), ("DLRM-tf", a.spe), ("DCNv2", 1), ("DCNv2", a.spe), ("DCNv2-bf16", a.spe)]
+        [("DLRM", 1), ("DLRM", a.spe), ("DLRM-tf", a.spe), ("DLRM-tier", a.spe), ("DCNv2", 1), ("DCNv2", a.spe),
+         ("DCNv2-bf16", a.spe)]
     for name, spe in runs:
         args = [sys.executable, os.path.abspath(__file__), "--fit-one", name, str(spe), "--data-dir", d]
-        for k in ("batch", "dim", "dcnv2_dim", "max_vocab", "steps"):
+        for k in ("batch", "dim", "dcnv2_dim", "max_vocab", "steps", "tier_share"):
             args += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
         args += ["--reader-workers", str(a.reader_workers or 0)]
         if a.pageable:
@@ -319,6 +337,13 @@ def fit_section(a, d):
             print(f"  {base.split('/')[0]} with tf_sok vs TensorFlow's own tables ({key.split('/')[0]}, "
                   f"benchmarks/tf_dlrm.py), {key.split('/')[1]}: " +
                   ", ".join(f"{src} {ours[src] / theirs[src]:.2f}x" for src in shared), flush=True)
+    for key, base in [(k, k.replace("-tier/", "/")) for k in out if "-tier/" in k]:   # the host tier's cost
+        ours, full = out[key] or {}, out.get(base) or {}
+        shared = [src for src in ("cached", "synthetic", "Parquet") if ours.get(src) and full.get(src)]
+        if shared:
+            print(f"  {key.split('/')[0]} (tables in host memory, a cache of {a.tier_share:.0%} of the largest on "
+                  f"the device) vs all in device memory, {key.split('/')[1]}: " +
+                  ", ".join(f"{src} {ours[src] / full[src]:.2f}x the samples/s" for src in shared), flush=True)
     return out
 
 
@@ -343,11 +368,15 @@ def main():
     p.add_argument("--sections", nargs="+", default=["readers", "embedding", "fit"],
                    choices=["readers", "embedding", "fit"])
     p.add_argument("--fit-runs", nargs="+", metavar="MODEL:SPE",
-                   help="the fit runs (default DLRM:1 DLRM:<spe> DLRM-tf:<spe> DCNv2:1 DCNv2:<spe> DCNv2-bf16:<spe>); a model "
+                   help="the fit runs (default DLRM:1 DLRM:<spe> DLRM-tf:<spe> DLRM-tier:<spe> DCNv2:1 DCNv2:<spe> DCNv2-bf16:<spe>); a model "
                         "name may end in -bf16 (Keras mixed_bfloat16), -xla (the dense part compiled by XLA), "
                         "-pinnedslabs (the Parquet readers' slabs page-locked), -kerasloop (Keras' own "
-                        "multi-step loop instead of sok.keras.loop_on_host); DLRM-tf: the same DLRM without "
+                        "multi-step loop instead of sok.keras.loop_on_host), -tier (every table with a host tier "
+                        "and a device cache: --tier-share); DLRM-tf: the same DLRM without "
                         "tf_sok (benchmarks/tf_dlrm.py), its samples/s compared with DLRM's at the same spe")
+    p.add_argument("--tier-share", type=float, default=0.1,
+                   help="-tier runs: each table's device budget (max_hbm_for_vectors), this share of the largest "
+                        "table's rows and optimizer state")
     p.add_argument("--ragged-tensors", action="store_true",
                    help="the batches' ragged ids copied to the GPU as RaggedTensors (default: as the examples, "
                         "(values, row_splits) pairs from the source on: read_parquet / synthetic(ragged_pairs=True))")
