@@ -14,7 +14,6 @@
    is left out of every rate.
 """
 import argparse
-import gc
 import glob
 import json
 import os
@@ -22,7 +21,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 import tensorflow as tf
 import keras
 

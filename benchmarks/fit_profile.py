@@ -67,7 +67,7 @@ def host_threads(space, steps, top: int = 8):
             for ev in line.events:
                 ops[names.get(ev.metadata_id, "?")] += ev.duration_ps
                 counts[names.get(ev.metadata_id, "?")] += 1
-    print(f"  host events on TensorFlow's threads (ms per step, count per step; nested events overlap):")
+    print("  host events on TensorFlow's threads (ms per step, count per step; nested events overlap):")
     for name, ps in ops.most_common(2 * top):
         print(f"    {ps / 1e9 / steps:7.3f} ms {counts[name] / steps:6.1f}x  {name[:100]}")
 

@@ -72,7 +72,7 @@ def test_gpu_cache_counters_follow_the_cache_model(rng, policy, budget_rows):
                                     max_hbm_for_vectors=_gib(budget_rows, [DIM]), evict_strategy=policy)
         plain = sok.DynamicVariable(DIM, initializer="uniform", name=f"gp{policy}{budget_rows}")
     before = sok.cache_stats(table)
-    for b, (missing, loaded, fresh, evicted) in zip(batches, _cache_model(budget_rows, batches, policy)):
+    for b, (missing, loaded, fresh, evicted, _, _) in zip(batches, _cache_model(budget_rows, batches, policy)):
         with tf.device("/GPU:0"):
             np.testing.assert_array_equal(tf.gather(table, b).numpy(), tf.gather(plain, b).numpy())
         now = sok.cache_stats(table)

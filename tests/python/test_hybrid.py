@@ -100,13 +100,17 @@ def test_training_equals_the_table_without_a_host_tier(rng, case, budget_rows):
         assert stats["evicted"] > 0 and stats["bytes_to_host"] > 0
 
 
-def _cache_model(max_keys, batches, policy="lru"):
+def _cache_model(max_keys, batches, policy="lru", capacity=None):
     """Plain-Python cache over a host tier: per call, found keys are touched; missing keys come in,
     evicting the untouched keys of lowest (score, key), all of them if the call needs more room. The
     score: LRU, the last call that touched the key; LFU, the number of calls that touched it since it
-    entered the table (counted on while the host tier holds it, not only while cached).
-    Returns per call (positions missing, keys taken in, of them new to the table, keys written back)."""
-    score, seen, count, clock, out = {}, set(), {}, 0, []
+    entered the table (counted on while the host tier holds it, not only while cached). With a
+    capacity the cache holds at most that many keys and the table then drops, of the keys not
+    cached, those written back longest ago (LRU) or those of lowest (count, key) (LFU).
+    Returns per call (positions missing, keys taken in, of them new to the table, keys written back,
+    keys dropped, the table's keys)."""
+    max_keys = max_keys if capacity is None else min(max_keys, capacity)
+    score, table, count, clock, out = {}, {}, {}, 0, []   # table: key -> when it was written back
     for batch in batches:
         clock += 1
         distinct = list(dict.fromkeys(batch.tolist()))
@@ -123,10 +127,21 @@ def _cache_model(max_keys, batches, policy="lru"):
             gone = [k for _, k in sorted((s, k) for k, s in score.items() if k not in found)[:need]]
             for k in gone:
                 del score[k]
+        fresh = [k for k in new if k not in table]
         for k in new:
             score[k] = clock if policy == "lru" else count[k]
-        out.append((missing, len(new), len([k for k in new if k not in seen]), len(gone)))
-        seen.update(new)
+            table[k] = None
+        for j, k in enumerate(gone):   # in the order they were evicted
+            table[k] = (clock, j)
+        dropped = []
+        if capacity is not None and len(table) > capacity:
+            cold = [k for k in table if k not in score]
+            order = sorted(cold, key=(lambda k: table[k]) if policy == "lru" else (lambda k: (count[k], k)))
+            dropped = order[:len(table) - capacity]
+            for k in dropped:
+                del table[k]
+                count[k] = 0
+        out.append((missing, len(new), len(fresh), len(gone), len(dropped), set(table)))
     return out
 
 
@@ -140,7 +155,7 @@ def test_cache_counters_follow_a_cache_model(rng, policy, budget_rows):
     plain = sok.DynamicVariable(DIM, initializer="uniform", name=f"p{policy}{budget_rows}")
     before = sok.cache_stats(table)
     row_bytes = 4 * DIM
-    for b, (missing, loaded, fresh, evicted) in zip(batches, _cache_model(budget_rows, batches, policy)):
+    for b, (missing, loaded, fresh, evicted, _, _) in zip(batches, _cache_model(budget_rows, batches, policy)):
         np.testing.assert_array_equal(tf.gather(table, b).numpy(), tf.gather(plain, b).numpy())
         now = sok.cache_stats(table)
         delta = {k: now[k] - before[k] for k in ("finds", "lookups", "misses", "loaded", "new_keys", "evicted",
@@ -253,18 +268,20 @@ def test_sparse_read_and_evict_on_a_hybrid_table_evicts_nothing(rng):
     assert hybrid.size.numpy()[0] == plain.size.numpy()[0]
 
 
-@pytest.mark.parametrize("budget_rows", [0, 1, 6, 10**6])
-def test_a_bounded_hybrid_table_evicts_as_the_bounded_table_without_a_tier(rng, budget_rows, tmp_path):
+@pytest.mark.parametrize("policy,budget_rows", [("lru", b) for b in (0, 1, 6, 10**6)] + [("lfu", 10**6)])
+def test_a_bounded_hybrid_table_evicts_as_the_bounded_table_without_a_tier(rng, policy, budget_rows, tmp_path):
     """max_capacity on a hybrid table: its host tier drops the keys not cached of least recent use,
     which are the keys an LRU table without a tier evicts: the same evicted keys and values per call
     (sok.sparse_read_and_evict), the same keys, values and Adam state after training steps between,
     at most max_capacity keys; a dropped key that comes back starts at its initial value. Both
-    tables restored from checkpoints midway go on alike (the order of last use comes back)."""
+    tables restored from checkpoints midway go on alike (the order of last use comes back). LFU: with
+    a cache that holds the whole table, the keys the cache writes back are the ones dropped, those an
+    LFU table without a tier evicts (smaller caches: test_a_bounded_hybrid_tables_keys_follow_...)."""
     cls, hp = OPTIMIZERS["adam"]
     widths = [DIM] + _slot_widths(cls(learning_rate=0.05, **hp))
-    kw = dict(initializer="normal", seed=3, max_capacity=30, evict_strategy="lru")
-    plain = sok.DynamicVariable(DIM, name=f"bp{budget_rows}", **kw)
-    hybrid = sok.DynamicVariable(DIM, name=f"bh{budget_rows}", var_type="hybrid",
+    kw = dict(initializer="normal", seed=3, max_capacity=30, evict_strategy=policy)
+    plain = sok.DynamicVariable(DIM, name=f"bp{policy}{budget_rows}", **kw)
+    hybrid = sok.DynamicVariable(DIM, name=f"bh{policy}{budget_rows}", var_type="hybrid",
                                  max_hbm_for_vectors=_gib(budget_rows, widths), **kw)
     opt_p, opt_h = cls(learning_rate=0.05, **hp), cls(learning_rate=0.05, **hp)
     pool = random_keys(rng, 90)
@@ -294,6 +311,27 @@ def test_a_bounded_hybrid_table_evicts_as_the_bounded_table_without_a_tier(rng, 
         assert hybrid.size.numpy()[0] == plain.size.numpy()[0] <= 30
     assert evicted_total > 0
     _assert_same_tables(plain, hybrid, opt_p, opt_h)
+
+
+@pytest.mark.parametrize("policy,budget_rows", [(p, b) for p in ("lru", "lfu") for b in (0, 1, 6)])
+def test_a_bounded_hybrid_tables_keys_follow_the_cache_model(rng, policy, budget_rows):
+    """max_capacity with a cache smaller than it: per call the keys missed, taken in, new to the table,
+    written back and dropped, and the table's keys, are those of the plain-Python model (_cache_model
+    with a capacity: LRU drops the keys written back longest ago, LFU those of lowest count)."""
+    pool = random_keys(rng, 90)
+    batches = [rng.choice(pool, rng.integers(1, 12), p=_zipf(90)) for _ in range(60)]
+    table = sok.DynamicVariable(DIM, initializer="uniform", name=f"bm{policy}{budget_rows}", var_type="hybrid",
+                                max_hbm_for_vectors=_gib(budget_rows, [DIM]), evict_strategy=policy,
+                                max_capacity=30)
+    before = sok.cache_stats(table)
+    names = ("misses", "loaded", "new_keys", "evicted", "dropped")
+    for step, (b, (*want, keys)) in enumerate(zip(batches, _cache_model(budget_rows, batches, policy, 30))):
+        tf.gather(table, tf.constant(b))
+        now = sok.cache_stats(table)
+        assert [now[k] - before[k] for k in names] == want, step
+        assert set(sok.export(table)[0].numpy().tolist()) == keys, step
+        before = now
+    assert sok.cache_stats(table)["dropped"] > 0
 
 
 @pytest.mark.parametrize("budget_rows", [2, 10**6])
@@ -469,8 +507,6 @@ def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplo
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="max_hbm_for_vectors needs var_type=\"hybrid\""):
         sok.DynamicVariable(DIM, var_type="hbm", max_hbm_for_vectors=1)
-    with pytest.raises(ValueError, match="with max_capacity drops the least recently used keys .*='lfu' is not"):
-        sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=1, max_capacity=100, evict_strategy="lfu")
     with pytest.raises(ValueError, match="must be a number of GiB >= 0, got -1"):
         sok.DynamicVariable(DIM, var_type="hybrid", max_hbm_for_vectors=-1)
     plain = sok.DynamicVariable(DIM, name="no_tier")

@@ -163,8 +163,9 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
       mode: "distributed" (key k on rank floormod(k, N)) or "localized:k" (every key on rank k).
       init_capacity: rows of the arrays at first (default 8192); they double as keys arrive.
       max_capacity: at most this many keys (default: unbounded). A hybrid table bounds its host
-        tier so (with evict_strategy "lru", its default): the keys not cached of least recent use
-        leave, as from a table without a tier.
+        tier so: of the keys not cached, those of least recent use leave (evict_strategy "lru", its
+        default: as from a table without a tier), or those used least often (lfu: the counts they
+        left the cache with, then the smaller key).
       evict_strategy: "lru" or "lfu": how a full table makes room (default: no eviction, a full table
         is an error naming it).
       min_frequency: training lookups a key needs before it is inserted (default 1).
@@ -213,10 +214,6 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         cache_bytes = _cache_bytes(name, var_type, max_hbm_for_vectors, max_keys)
         if cache_bytes >= 0:
             evict = evict or "lru"
-            if max_keys and evict != "lru":
-                raise ValueError(f"sok.DynamicVariable {name!r}: a hybrid table (max_hbm_for_vectors) with "
-                                 f"max_capacity drops the least recently used keys of its host tier; "
-                                 f"evict_strategy={evict_strategy!r} is not supported with it")
         min_frequency = _count(name, "min_frequency", min_frequency, 1)
         kind, a, b = _initializer_spec(initializer, name)
         ctx = context_lib.context()

@@ -134,7 +134,7 @@ def exchanged_lookup(comm: Communicator, handles, metas: Sequence[TableMeta], fe
                      ids: Sequence[tf.Tensor], splits: Sequence[tf.Tensor], weights: Sequence, combiners,
                      names: Sequence[str], reduction: str, step: int) -> List[tf.Tensor]:
     """The multi-rank lookup_sparse; see the module docstring."""
-    N, F, T = comm.size, len(ids), len(metas)
+    N, F = comm.size, len(ids)
     sig = signature(metas, feature_table, combiners, names)
     dims = sorted({m.dim for m in metas})          # one all-to-all of vectors per embedding width
     group_of_table = [dims.index(m.dim) for m in metas]

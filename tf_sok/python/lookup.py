@@ -1,5 +1,5 @@
 """`lookup_sparse`: one fused lookup for many features over many tables."""
-from typing import List, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import tensorflow as tf
 from tensorflow.python.eager import tape as tape_lib

@@ -1,7 +1,6 @@
 """Blocks laid out batch by batch, the aligned slices that cut them, and the worker processes'
 shared-memory slabs, against plain NumPy / Python references on fresh random data."""
 import gc
-import os
 import subprocess
 import sys
 import time

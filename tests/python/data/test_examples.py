@@ -93,7 +93,6 @@ def test_dense_part_under_xla_trains_as_the_plain_model(example):
     as the model without XLA (XLA's fused float32 kernels may round differently: tolerance 1e-4)."""
     import numpy as np
     import keras
-    import tensorflow as tf
 
     import tf_sok as sok
     import tf_sok.data as sd

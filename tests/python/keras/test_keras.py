@@ -9,7 +9,7 @@ import tensorflow as tf
 import tf_sok as sok
 import tf_sok.data as sd
 from examples import dlrm_synthetic as demo
-from tests.helpers import embedding_then_dense, np_lookup, random_ragged, to_ragged
+from tests.helpers import embedding_then_dense, np_lookup, random_ragged
 
 
 def _data(steps, batch, seed):

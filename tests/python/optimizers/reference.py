@@ -36,10 +36,8 @@ class NumpyOptimizer:
                 b1, b2 = h["beta_1"], h["beta_2"]
                 s["m"][r] = b1 * s["m"][r] + (1 - b1) * gr
                 s["v"][r] = b2 * s["v"][r] + (1 - b2) * gr * gr
-                mhat = s["m"][r] / (1 - b1 ** t)
                 alpha = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
                 w[r] -= alpha * s["m"][r] / (np.sqrt(s["v"][r]) + h["epsilon"])
-                del mhat
             elif self.name == "adamax":
                 self.step[r] += 1
                 b1 = h["beta_1"]

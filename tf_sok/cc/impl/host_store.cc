@@ -163,15 +163,15 @@ int64_t HostStore::MarkLoaded(const int64_t* rows, int64_t n, int64_t call) {
   return added;
 }
 
-void HostStore::WrittenBack(const int64_t* keys, const int64_t* calls, int64_t n) {
+void HostStore::WrittenBack(const int64_t* keys, const int64_t* calls, const int64_t* scores, int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
     const int64_t r = row_of_key_.Get(keys[j], -1);
     if (r < 0) continue;
     cached_count_ -= cached_[r];
     cached_[r] = 0;
     marks_[r] = calls[j];
-    // written back in order of last use (the cache's own eviction order, call after call)
-    order_[r] = ++written_back_;
+    // written back in order of last use (the cache's own eviction order, call after call), or by score
+    order_[r] = scores ? scores[j] : ++written_back_;
     if (max_keys_ > 0) queue_.emplace(order_[r], keys[j], r);
   }
 }

@@ -73,11 +73,12 @@ class HostStore {
 
   // A bound on the keys held (0: none). The cache's keys are tracked: Loaded marks rows taken into
   // the cache by a call, WrittenBack the keys it wrote back (with the call that last touched each, in
-  // the cache's eviction order: least recently used first); Bound then drops the keys not cached in
-  // the order they were written back -- the order in which an LRU table evicts -- until at most
-  // max_keys remain, and lists them (their rows keep their contents until the next Insert /
-  // AddAbsent reuses them). It returns "" or, when the keys cached exceed the bound, an error (the
-  // store then holds them all).
+  // the cache's eviction order: least recently used first; an LFU cache's also with their scores);
+  // Bound then drops the keys not cached in the order they were written back -- the order in which
+  // an LRU table evicts -- or, given scores, in the order of (score, key): the least often used
+  // first, as an LFU table evicts; until at most max_keys remain, and lists them (their rows keep
+  // their contents until the next Insert / AddAbsent reuses them). It returns "" or, when the keys
+  // cached exceed the bound, an error (the store then holds them all).
   void set_max_keys(int64_t max_keys) { max_keys_ = max_keys; }
   int64_t max_keys() const { return max_keys_; }
   void Loaded(const int64_t* rows, int64_t n, int64_t call);
@@ -85,7 +86,7 @@ class HostStore {
   // the rows and returns how many were not cached before; AddCached(the sum) after.
   int64_t MarkLoaded(const int64_t* rows, int64_t n, int64_t call);
   void AddCached(int64_t count) { cached_count_ += count; }
-  void WrittenBack(const int64_t* keys, const int64_t* calls, int64_t n);
+  void WrittenBack(const int64_t* keys, const int64_t* calls, const int64_t* scores, int64_t n);
   // Every key's cached mark cleared, then `rows` marked cached (after the cache was replaced).
   void SetCached(const int64_t* rows, int64_t n);
   std::string Bound(std::vector<int64_t>* keys, std::vector<int64_t>* rows);
@@ -118,6 +119,7 @@ class HostStore {
   std::vector<uint8_t> alive_, cached_;
   std::vector<int64_t> free_rows_, freed_;   // reusable rows; rows dropped by the last Bound
   // per row: restored keys -n..-1 in the order given, then each key written back the next number
+  // (given scores: its score)
   std::vector<int64_t> order_;
   int64_t max_keys_ = 0, cached_count_ = 0, written_back_ = 0;
   // keys not cached as (order, key, row), lowest first; entries whose row changed since are skipped

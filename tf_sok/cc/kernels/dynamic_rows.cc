@@ -36,13 +36,13 @@ bool PlanReadsBack(const IndexResource& r, const Changes& c) {
 }
 
 // After a call's new keys have store rows and were marked cached (HostStore::Loaded): the keys
-// written back are not, and the bound drops the least recently used others (with admission, the
-// cache forgets that it saw them: forget(keys, n) -> "" or an error).
+// written back are not, and the bound drops the least recently (LFU: often) used others (with
+// admission, the cache forgets that it saw them: forget(keys, n) -> "" or an error).
 template <typename Forget>
 absl::Status TrackCache(IndexResource* res, StorePlan* p, Forget forget) {
   impl::HostStore& store = *res->store;
   if (store.max_keys() <= 0) return absl::OkStatus();
-  store.WrittenBack(p->written_back, p->written_back_calls, p->num_written_back);
+  store.WrittenBack(p->written_back, p->written_back_calls, p->written_back_scores, p->num_written_back);
   std::string error = store.Bound(&p->dropped_keys, &p->dropped_rows);
   if (error.empty() && res->min_frequency > 1 && !p->dropped_keys.empty())
     error = forget(p->dropped_keys.data(), static_cast<int64_t>(p->dropped_keys.size()));
@@ -76,6 +76,7 @@ absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::CpuDevice& d, Index
   const int64_t n = c.num_new;
   p->written_back = c.evicted_keys;
   p->written_back_calls = c.evicted_touched;
+  p->written_back_scores = res->lfu ? c.evicted_scores : nullptr;
   p->num_written_back = c.num_evicted;
   if (!PlanReadsBack(*res, c)) return absl::OkStatus();
   uint8_t* staging = res->Staging(17 * std::max<int64_t>(n, 1));
@@ -126,10 +127,10 @@ absl::Status StoreRowArray(tf::OpKernelContext*, const impl::GpuDevice& d, Index
   return absl::OkStatus();
 }
 
-// The new keys start back to the host (with a bound on the host tier, the keys written back and
-// their last touching calls too); once they are there (the caller waits), FinishStorePlan has the
-// host store give their rows (looked up on the host's threads), which go to the device. Evicted
-// rows need no lookup (store_row_of has them).
+// The new keys start back to the host (with a bound on the host tier, the keys written back, their
+// last touching calls and LFU scores too); once they are there (the caller waits), FinishStorePlan
+// has the host store give their rows (looked up on the host's threads), which go to the device.
+// Evicted rows need no lookup (store_row_of has them).
 absl::Status StartStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
                             const Changes& c, StorePlan* p) {
   TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, c.rows, &p->store_row_of));
@@ -137,7 +138,7 @@ absl::Status StartStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, 
   if (n == 0 && k == 0) return absl::OkStatus();
   const int64_t at = (17 * n + 7) / 8 * 8;   // the written-back lists, 8-byte aligned
   const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
-  p->staging = res->Staging(at + 16 * k);
+  p->staging = res->Staging(at + 24 * k);
   p->on_device = static_cast<uint8_t*>(d.scratch->Allocate(9 * std::max<int64_t>(n, 1)));
   if (!p->staging || !p->on_device)
     return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of memory");
@@ -146,8 +147,10 @@ absl::Status StartStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, 
     auto* lists = reinterpret_cast<int64_t*>(p->staging + at);
     cudaMemcpyAsync(lists, c.evicted_keys, 8 * k, cudaMemcpyDeviceToHost, stream);
     cudaMemcpyAsync(lists + k, c.evicted_touched, 8 * k, cudaMemcpyDeviceToHost, stream);
+    if (res->lfu) cudaMemcpyAsync(lists + 2 * k, c.evicted_scores, 8 * k, cudaMemcpyDeviceToHost, stream);
     p->written_back = lists;
     p->written_back_calls = lists + k;
+    p->written_back_scores = res->lfu ? lists + 2 * k : nullptr;
     p->num_written_back = k;
   }
   return absl::OkStatus();

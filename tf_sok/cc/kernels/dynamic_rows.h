@@ -147,10 +147,12 @@ struct StorePlan {
   bool planned = false;
   uint8_t* staging = nullptr;     // on a GPU: [new keys | their store rows | fresh flags] on the host
   uint8_t* on_device = nullptr;   // [store rows | fresh flags] on the device
-  // a bounded host tier: the keys the cache wrote back and their last touching calls (on a GPU, in
-  // staging after the new keys' lists), and the keys the bound dropped from the table, with their rows
+  // a bounded host tier: the keys the cache wrote back, their last touching calls and (LFU) scores (on
+  // a GPU, in staging after the new keys' lists), and the keys the bound dropped from the table, with
+  // their rows
   const int64_t* written_back = nullptr;
   const int64_t* written_back_calls = nullptr;
+  const int64_t* written_back_scores = nullptr;   // LFU caches'
   int64_t num_written_back = 0;
   std::vector<int64_t> dropped_keys, dropped_rows;
 };

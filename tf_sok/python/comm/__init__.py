@@ -2,7 +2,7 @@
 from tf_sok.python.comm.base import Communicator, KeyRouting, RoutedKeys
 from tf_sok.python.comm.single import SingleProcess
 
-__all__ = ["Communicator", "SingleProcess", "HorovodCommunicator", "StrategyCommunicator", "NcclCommunicator"]
+__all__ = ["Communicator", "KeyRouting", "RoutedKeys", "SingleProcess", "HorovodCommunicator", "StrategyCommunicator", "NcclCommunicator"]
 
 
 def __getattr__(name):

@@ -1,6 +1,4 @@
 """One process: every table is local and every collective is an identity."""
-import tensorflow as tf
-
 from tf_sok.python.comm.base import Communicator, check_reduction
 
 

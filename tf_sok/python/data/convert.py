@@ -241,10 +241,8 @@ def _retyped(table, schema: CriteoSchema):
 def _convert_one(index: int, path: str, output: str, fmt: str, schema: CriteoSchema, rows_per_file: int,
                  on_error: str) -> dict:
     """Converts one TSV file into part-<index>-<k> files."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tf_sok.python.data.columnar import parquet_fields
     counts, files, rows = {"skipped": 0}, [], 0
     writer, in_file = None, 0
 
