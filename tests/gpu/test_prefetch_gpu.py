@@ -8,7 +8,7 @@ import tf_sok as sok
 from tests.helpers import to_ragged
 from tests.python.test_dynamic import random_keys
 from tests.python.test_hybrid import DIM, OPTIMIZERS, _assert_same_tables, _gib, _slot_widths, _zipf
-from tests.python.test_prefetch import check_prefetched_keys_are_hits, train
+from tests.python.test_prefetch import check_lfu_scores_count_the_steps, check_prefetched_keys_are_hits, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
                                                   reason="no GPU visible to TensorFlow")]
@@ -43,3 +43,11 @@ def test_gpu_training_with_prefetch_equals_the_cpu_table_without_a_tier(rng, cas
 def test_gpu_prefetched_keys_are_hits_at_the_next_lookup(rng):
     check_prefetched_keys_are_hits(rng, "/GPU:0", "pf_gpu_hits", keys=30_000, cache_rows=9_000, batch=3_000,
                                    steps=20)
+
+
+@pytest.mark.parametrize("budget_rows,with_prefetch", [(16, False), (60, True)])
+def test_gpu_lfu_scores_count_every_step_that_used_a_key(rng, budget_rows, with_prefetch):
+    """The GPU cache's LFU scores carried over its host tier (the eviction kernel's scores, the add
+    after the store plan, a prefetch on its stream): every cached key's score is its number of batches."""
+    check_lfu_scores_count_the_steps(rng, "/GPU:0", f"lfu_count_gpu_{budget_rows}_{with_prefetch}", budget_rows,
+                                     with_prefetch)

@@ -51,6 +51,44 @@ def test_training_with_prefetch_equals_the_table_without_a_tier(rng, case, budge
         assert stats["prefetched"] == 0   # no row to take a key into / every key the table holds is cached
 
 
+def lfu_scores(table):
+    """{key: score} of the keys a hybrid table's cache holds (its index's export)."""
+    from tf_sok.python.ops.loader import ops
+
+    with tf.device(table._index_device):
+        keys, _, scores, *_ = ops().tf_sok_dynamic_export(table._index.resource_handle)
+    return dict(zip(keys.numpy().tolist(), scores.numpy().tolist()))
+
+
+def check_lfu_scores_count_the_steps(rng, device, name, budget_rows, with_prefetch):
+    """An LFU cache over a host tier scores a key by the steps that looked it up since it entered the
+    table, whether it stayed cached, was written back and came back, or came back by a prefetch (which
+    counts nothing itself): every cached key's score is its number of batches (plain Python)."""
+    pool = random_keys(rng, 120)
+    with tf.device(device):
+        table = sok.DynamicVariable(DIM, initializer="normal", name=name, var_type="hybrid",
+                                    max_hbm_for_vectors=_gib(budget_rows, [DIM]), evict_strategy="lfu")
+    raw = _batches(rng, pool, 14)
+    batches = [to_ragged(lens, keys) for lens, keys in raw]
+    targets = [rng.standard_normal((int(b.nrows()), DIM)).astype(np.float32) for b in batches]
+    train(table, sok.optimizers.SGD(learning_rate=0.05), batches, targets, with_prefetch, device)
+    steps = {}
+    for _, keys in raw:
+        for k in set(keys.tolist()):
+            steps[k] = steps.get(k, 0) + 1
+    scores = lfu_scores(table)
+    assert scores and scores == {k: steps[k] for k in scores}
+    assert sok.cache_stats(table)["evicted"] > 0
+    if with_prefetch and budget_rows > 40:
+        assert sok.cache_stats(table)["prefetched"] > 0
+
+
+@pytest.mark.parametrize("budget_rows,with_prefetch", [(1, False), (16, False), (16, True), (60, True)])
+def test_lfu_scores_count_every_step_that_used_a_key(rng, budget_rows, with_prefetch):
+    check_lfu_scores_count_the_steps(rng, "/CPU:0", f"lfu_count_{budget_rows}_{with_prefetch}", budget_rows,
+                                     with_prefetch)
+
+
 def check_prefetched_keys_are_hits(rng, device, name, keys=300, cache_rows=150, batch=36, steps=30, split=False):
     """A cache of cache_rows rows, batches of at most `batch` distinct keys out of `keys` (a prefetch
     always finds room among the rows no lookup since the last prefetch used): every id of the next
