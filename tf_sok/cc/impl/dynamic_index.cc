@@ -247,7 +247,7 @@ std::string DynamicIndex::Run(const int64_t* keys, int64_t n, bool insert, int64
     ch->evicted_keys.push_back(slot_key_[s]);
     ch->evicted_slots.push_back(s);
     ch->evicted_touched.push_back(touched_[s]);
-    ch->evicted_scores.push_back(score_[s]);
+    if (config_.cache && config_.evict == Evict::kLfu) ch->evicted_scores.push_back(score_[s]);   // (for the tier)
     slot_of_key_.Erase(slot_key_[s]);
     // a cache's key goes back to the host tier, still in the table: admitted at its next sighting
     if (config_.cache && config_.min_frequency > 1) candidates_.Put(slot_key_[s], kHeldCount);

@@ -59,7 +59,7 @@ struct FindChanges {
   std::vector<int64_t> new_slots, new_keys;          // rows that received a key (to initialise)
   std::vector<int64_t> evicted_keys, evicted_slots;  // keys removed to make room, and their rows
   std::vector<int64_t> evicted_touched;              // the call that last touched each of them
-  std::vector<int64_t> evicted_scores;               // and each one's score (LFU: the calls that touched it)
+  std::vector<int64_t> evicted_scores;               // an LFU cache's: each one's score
   int64_t rows = 0;                                  // the row count the arrays must have now
   int64_t missing_positions = 0;                     // positions whose key was not held (cache statistics)
 };
