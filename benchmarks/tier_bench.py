@@ -25,6 +25,7 @@ which the kinds take turns, each kind on the same batches in the same order, so 
 drifts over the run fall on all of them.
 """
 import argparse
+import gc
 import json
 import os
 import sys
@@ -207,6 +208,7 @@ def main():
                 runners[kind].profile()
         res = {kind: dict(runners[kind].result(), fill_s=fill[kind]) for kind in kinds}
         del runners
+        gc.collect()   # the steps' tf.functions hold their tables in reference cycles
         h = res["hbm"]
         print(f"  {dist:10s} all in device memory {h['ms']:8.2f} ms (tables filled in {h['fill_s']:.1f} s)", flush=True)
         out[dist] = {"hbm": h}
