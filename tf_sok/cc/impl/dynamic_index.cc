@@ -472,8 +472,8 @@ void FillRows(float* base, int64_t width, const int64_t* rows, int64_t n, float 
   for (int64_t j = 0; j < n; ++j) std::fill(base + rows[j] * width, base + (rows[j] + 1) * width, fill);
 }
 
-void GatherRows(const float* base, int64_t width, const int64_t* rows, int64_t n, float* out) {
-  for (int64_t j = 0; j < n; ++j) std::copy(base + rows[j] * width, base + (rows[j] + 1) * width, out + j * width);
+void GatherRows(const float* base, int64_t stride, int64_t width, const int64_t* rows, int64_t n, float* out) {
+  for (int64_t j = 0; j < n; ++j) std::copy(base + rows[j] * stride, base + rows[j] * stride + width, out + j * width);
 }
 
 void Fill(float* p, int64_t count, float value) { std::fill(p, p + count, value); }

@@ -251,7 +251,8 @@ void InitialRows(int kind, float a, float b, int64_t seed, const int64_t* keys, 
 void InitialRowsAt(int kind, float a, float b, int64_t seed, const int64_t* keys, const int64_t* rows, int64_t n,
                    int64_t width, float* base);
 void FillRows(float* base, int64_t width, const int64_t* rows, int64_t n, float fill);
-void GatherRows(const float* base, int64_t width, const int64_t* rows, int64_t n, float* out);
+// out[j] = the width floats at base + rows[j] * stride (rows of an array: stride = width)
+void GatherRows(const float* base, int64_t stride, int64_t width, const int64_t* rows, int64_t n, float* out);
 void Fill(float* p, int64_t count, float value);
 
 // Whether row_splits [n] start at 0, never decrease and end at `count`.

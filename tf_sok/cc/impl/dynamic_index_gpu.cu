@@ -363,49 +363,75 @@ __global__ void InitialRowsAtKernel(int kind, float a, float b, int64_t seed, co
 
 // one thread per float (or float4, when rows are whole float4s) of the moved rows; the store side is
 // pinned host memory, read or written in place over the host link, consecutive threads touching
-// consecutive words of a row
+// consecutive words of a row (the store's rows `stride` words apart)
 template <typename V>
 __global__ void StoreWriteKernel(const V* cache, int64_t width, const int64_t* cache_rows,
-                                 const int64_t* store_row_of, int64_t n, V* store) {
+                                 const int64_t* store_row_of, int64_t n, V* store, int64_t stride) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n * width) return;
   const int64_t j = i / width, c = i - j * width;
   const int64_t r = cache_rows[j];
-  store[store_row_of[r] * width + c] = cache[r * width + c];
+  store[store_row_of[r] * stride + c] = cache[r * width + c];
 }
 
-// StoreWriteKernel's work and the reads of new rows in one grid, their blocks alternating (then the rest
-// of the larger), so that writes to and reads from host memory are in flight together
+// The array of a word of a store record (its arrays side by side, words between them padding: -1).
+__device__ int RecordArray(const StoreRecordLayout& l, int64_t w) {
+  for (int a = 0; a < l.arrays; ++a)
+    if (w >= l.offset[a] && w < l.offset[a] + l.width[a]) return a;
+  return -1;
+}
+
+// word w of record j of store rows store_rows[j] read into cache row cache_rows[j] of its array
 template <typename V>
-__global__ void StoreMoveKernel(const V* evicted, const int64_t* evicted_slots, const int64_t* store_row_of,
-                                int64_t n_out, const int64_t* store_rows, const uint8_t* fresh,
-                                const int64_t* cache_rows, int64_t n_in, int64_t width, V* store, V* cache) {
-  const int64_t per = blockDim.x;
-  const int64_t blocks_out = (n_out * width + per - 1) / per, blocks_in = (n_in * width + per - 1) / per;
+__device__ void ReadRecordWord(const StoreRecordLayout& l, int64_t i, const int64_t* store_rows, const uint8_t* fresh,
+                               const int64_t* cache_rows, const V* store) {
+  const int64_t j = i / l.stride, w = i - j * l.stride;
+  if (fresh != nullptr && fresh[j]) return;
+  const int a = RecordArray(l, w);
+  if (a >= 0)
+    reinterpret_cast<V*>(l.cache[a])[cache_rows[j] * l.width[a] + (w - l.offset[a])] = store[store_rows[j] * l.stride + w];
+}
+
+// The evicted records (every array's cache row evicted_slots[j], padding zero) gathered into device
+// memory, `out` [n, stride], before new keys take the rows.
+template <typename V>
+__global__ void GatherRecordsKernel(StoreRecordLayout l, const int64_t* cache_rows, int64_t n, V* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n * l.stride) return;
+  const int64_t j = i / l.stride, w = i - j * l.stride;
+  const int a = RecordArray(l, w);
+  out[i] = a >= 0 ? reinterpret_cast<const V*>(l.cache[a])[cache_rows[j] * l.width[a] + (w - l.offset[a])] : V{};
+}
+
+// The gathered evicted records written to their store rows and the new keys' records read in, in one
+// grid, blocks of writes and reads alternating (then the rest of the larger), so that writes to and
+// reads from host memory are in flight together; each record one contiguous run of host memory.
+template <typename V>
+__global__ void MoveRecordsKernel(StoreRecordLayout l, const V* evicted, const int64_t* evicted_slots,
+                                  const int64_t* store_row_of, int64_t n_out, const int64_t* store_rows,
+                                  const uint8_t* fresh, const int64_t* cache_rows, int64_t n_in, V* store) {
+  const int64_t per = blockDim.x, words_out = n_out * l.stride, words_in = n_in * l.stride;
+  const int64_t blocks_out = (words_out + per - 1) / per, blocks_in = (words_in + per - 1) / per;
   const int64_t paired = 2 * (blocks_out < blocks_in ? blocks_out : blocks_in), b = blockIdx.x;
   const bool out = b < paired ? b % 2 == 0 : blocks_out > blocks_in;
   const int64_t i = (b < paired ? b / 2 : b - paired / 2) * per + threadIdx.x;
   if (out) {
-    if (i >= n_out * width) return;
-    const int64_t j = i / width, c = i - j * width;
-    store[store_row_of[evicted_slots[j]] * width + c] = evicted[i];
-  } else {
-    if (i >= n_in * width) return;
-    const int64_t j = i / width, c = i - j * width;
-    if (fresh == nullptr || !fresh[j]) cache[cache_rows[j] * width + c] = store[store_rows[j] * width + c];
+    if (i >= words_out) return;
+    const int64_t j = i / l.stride, w = i - j * l.stride;
+    store[store_row_of[evicted_slots[j]] * l.stride + w] = evicted[i];
+  } else if (i < words_in) {
+    ReadRecordWord<V>(l, i, store_rows, fresh, cache_rows, store);
   }
 }
 
-// StoreMoveKernel's reads alone (a call that evicts nothing): a grid of kStrideBlocks that strides
+// MoveRecordsKernel's reads alone (a call that evicts nothing): a grid of kStrideBlocks that strides
 // over the words
 template <typename V>
-__global__ void StoreGatherKernel(const int64_t* store_rows, const uint8_t* fresh, const int64_t* cache_rows,
-                                  int64_t n, int64_t width, const V* store, V* cache) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n * width;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t j = i / width, c = i - j * width;
-    if (fresh == nullptr || !fresh[j]) cache[cache_rows[j] * width + c] = store[store_rows[j] * width + c];
-  }
+__global__ void ReadRecordsKernel(StoreRecordLayout l, const int64_t* store_rows, const uint8_t* fresh,
+                                  const int64_t* cache_rows, int64_t n, const V* store) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n * l.stride;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    ReadRecordWord<V>(l, i, store_rows, fresh, cache_rows, store);
 }
 
 __global__ void StoreFreshKernel(int64_t width, const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows,
@@ -440,11 +466,12 @@ __global__ void FillRowsKernel(float* base, int64_t width, const int64_t* rows, 
   base[rows[j] * width + (i - j * width)] = fill;
 }
 
-__global__ void GatherRowsKernel(const float* base, int64_t width, const int64_t* rows, int64_t n, float* out) {
+__global__ void GatherRowsKernel(const float* base, int64_t stride, int64_t width, const int64_t* rows, int64_t n,
+                                 float* out) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n * width) return;
   const int64_t j = i / width;
-  out[i] = base[rows[j] * width + (i - j * width)];
+  out[i] = base[rows[j] * stride + (i - j * width)];
 }
 
 __global__ void FillKernel(float* p, int64_t count, float value) {
@@ -1162,47 +1189,84 @@ void GpuInitialRowsAt(const GpuDevice& d, int kind, float a, float b, int64_t se
 }
 
 void GpuStoreWrite(const GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
-                   const int64_t* store_row_of, int64_t n, float* store) {
+                   const int64_t* store_row_of, int64_t n, float* store, int64_t stride) {
   if (n * width == 0) return;
-  if (Float4Rows(width, cache, store)) {
+  if (Float4Rows(width, cache, store) && stride % 4 == 0) {
     const int64_t w = width / 4;
     StoreWriteKernel<<<Blocks(n * w), kThreads, 0, StreamOf(d)>>>(reinterpret_cast<const float4*>(cache), w,
                                                                    cache_rows, store_row_of, n,
-                                                                   reinterpret_cast<float4*>(store));
+                                                                   reinterpret_cast<float4*>(store), stride / 4);
   } else {
     StoreWriteKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(cache, width, cache_rows, store_row_of, n,
-                                                                       store);
+                                                                       store, stride);
   }
 }
 
-void GpuStoreMove(const GpuDevice& d, const float* evicted, const int64_t* evicted_slots, const int64_t* store_row_of,
-                  int64_t n_out, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,
-                  const int64_t* cache_rows, int64_t n_in, int64_t width, int init_kind, float a, float b,
-                  int64_t seed, float fill, float* store, float* cache) {
-  if ((n_out + n_in) * width == 0) return;
-  const bool words = Float4Rows(width, cache, store) && reinterpret_cast<uintptr_t>(evicted) % 16 == 0;
-  const int64_t w = words ? width / 4 : width;
-  const int64_t blocks = (n_out * w + kThreads - 1) / kThreads + (n_in * w + kThreads - 1) / kThreads;
+namespace {
+// The layout in words of V (float4 when every array's rows, offsets and pointers allow it).
+bool Float4Records(const StoreRecordLayout& l, const void* store, const void* evicted) {
+  bool ok = l.stride % 4 == 0 && reinterpret_cast<uintptr_t>(store) % 16 == 0 &&
+            reinterpret_cast<uintptr_t>(evicted) % 16 == 0;
+  for (int a = 0; a < l.arrays; ++a)
+    ok = ok && l.offset[a] % 4 == 0 && Float4Rows(l.width[a], l.cache[a], store);
+  return ok;
+}
+
+StoreRecordLayout InWords(StoreRecordLayout l, int64_t words) {
+  l.stride /= words;
+  for (int a = 0; a < l.arrays; ++a) {
+    l.offset[a] /= words;
+    l.width[a] /= words;
+  }
+  return l;
+}
+
+template <typename V>
+void MoveRecords(const GpuDevice& d, const StoreRecordLayout& l, const float* evicted, const int64_t* evicted_slots,
+                 const int64_t* store_row_of, int64_t n_out, const int64_t* store_rows, const uint8_t* fresh,
+                 const int64_t* cache_rows, int64_t n_in, float* store) {
+  const int64_t blocks = (n_out * l.stride + kThreads - 1) / kThreads + (n_in * l.stride + kThreads - 1) / kThreads;
   if (n_out == 0) {
     const int grid = static_cast<int>(std::min<int64_t>(blocks, kStrideBlocks));
-    if (words) {
-      StoreGatherKernel<<<grid, kThreads, 0, StreamOf(d)>>>(store_rows, fresh, cache_rows, n_in, w,
-                                                            reinterpret_cast<const float4*>(store),
-                                                            reinterpret_cast<float4*>(cache));
-    } else {
-      StoreGatherKernel<<<grid, kThreads, 0, StreamOf(d)>>>(store_rows, fresh, cache_rows, n_in, w, store, cache);
-    }
-  } else if (words) {
-    StoreMoveKernel<<<blocks, kThreads, 0, StreamOf(d)>>>(
-        reinterpret_cast<const float4*>(evicted), evicted_slots, store_row_of, n_out, store_rows, fresh, cache_rows,
-        n_in, w, reinterpret_cast<float4*>(store), reinterpret_cast<float4*>(cache));
+    ReadRecordsKernel<V><<<grid, kThreads, 0, StreamOf(d)>>>(l, store_rows, fresh, cache_rows, n_in,
+                                                              reinterpret_cast<const V*>(store));
   } else {
-    StoreMoveKernel<<<blocks, kThreads, 0, StreamOf(d)>>>(evicted, evicted_slots, store_row_of, n_out, store_rows,
-                                                          fresh, cache_rows, n_in, w, store, cache);
+    MoveRecordsKernel<V><<<blocks, kThreads, 0, StreamOf(d)>>>(l, reinterpret_cast<const V*>(evicted), evicted_slots,
+                                                                store_row_of, n_out, store_rows, fresh, cache_rows,
+                                                                n_in, reinterpret_cast<V*>(store));
   }
-  if (n_in * width > 0 && fresh != nullptr)
-    StoreFreshKernel<<<Blocks(n_in * width), kThreads, 0, StreamOf(d)>>>(width, fresh, keys, cache_rows, n_in,
-                                                                          init_kind, a, b, seed, fill, cache);
+}
+}  // namespace
+
+void GpuGatherRecords(const GpuDevice& d, const StoreRecordLayout& l, const int64_t* cache_rows, int64_t n,
+                      float* out) {
+  if (n * l.stride == 0) return;
+  if (Float4Records(l, out, out)) {
+    const StoreRecordLayout w = InWords(l, 4);
+    GatherRecordsKernel<float4><<<Blocks(n * w.stride), kThreads, 0, StreamOf(d)>>>(w, cache_rows, n,
+                                                                                     reinterpret_cast<float4*>(out));
+  } else {
+    GatherRecordsKernel<float><<<Blocks(n * l.stride), kThreads, 0, StreamOf(d)>>>(l, cache_rows, n, out);
+  }
+}
+
+void GpuMoveRecords(const GpuDevice& d, const StoreRecordLayout& l, const float* evicted, const int64_t* evicted_slots,
+                    const int64_t* store_row_of, int64_t n_out, const int64_t* store_rows, const uint8_t* fresh,
+                    const int64_t* cache_rows, int64_t n_in, float* store) {
+  if ((n_out + n_in) * l.stride == 0) return;
+  if (Float4Records(l, store, n_out > 0 ? evicted : store))
+    MoveRecords<float4>(d, InWords(l, 4), evicted, evicted_slots, store_row_of, n_out, store_rows, fresh, cache_rows,
+                        n_in, store);
+  else
+    MoveRecords<float>(d, l, evicted, evicted_slots, store_row_of, n_out, store_rows, fresh, cache_rows, n_in, store);
+}
+
+void GpuStoreFresh(const GpuDevice& d, int64_t width, const uint8_t* fresh, const int64_t* keys,
+                   const int64_t* cache_rows, int64_t n, int init_kind, float a, float b, int64_t seed, float fill,
+                   float* cache) {
+  if (n * width > 0 && fresh != nullptr)
+    StoreFreshKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(width, fresh, keys, cache_rows, n, init_kind, a,
+                                                                       b, seed, fill, cache);
 }
 
 void GpuStoreMarks(const GpuDevice& d, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
@@ -1292,8 +1356,10 @@ void GpuFillRows(const GpuDevice& d, float* base, int64_t width, const int64_t* 
   if (n * width > 0) FillRowsKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(base, width, rows, n, fill);
 }
 
-void GpuGatherRows(const GpuDevice& d, const float* base, int64_t width, const int64_t* rows, int64_t n, float* out) {
-  if (n * width > 0) GatherRowsKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(base, width, rows, n, out);
+void GpuGatherRows(const GpuDevice& d, const float* base, int64_t stride, int64_t width, const int64_t* rows, int64_t n,
+                   float* out) {
+  if (n * width > 0)
+    GatherRowsKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(base, stride, width, rows, n, out);
 }
 
 void GpuRowSplitsValid(const GpuDevice& d, const int64_t* const* splits, const int64_t* n, const int64_t* count,

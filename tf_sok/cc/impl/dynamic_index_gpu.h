@@ -161,29 +161,37 @@ class GpuDynamicIndex {
 void GpuInitialRowsAt(const GpuDevice& d, int kind, float a, float b, int64_t seed, const int64_t* keys,
                       const int64_t* rows, int64_t n, int64_t width, float* base);
 void GpuFillRows(const GpuDevice& d, float* base, int64_t width, const int64_t* rows, int64_t n, float fill);
-void GpuGatherRows(const GpuDevice& d, const float* base, int64_t width, const int64_t* rows, int64_t n, float* out);
+void GpuGatherRows(const GpuDevice& d, const float* base, int64_t stride, int64_t width, const int64_t* rows, int64_t n,
+                   float* out);
 void GpuFill(const GpuDevice& d, float* p, int64_t count, float value);
 // Pinned host memory mapped into the GPUs' address space: a hybrid table's host tier, which the
 // kernels below read and write in place.
 std::unique_ptr<HostMemory> NewPinnedHostMemory();
-// StoreWrite (host_store.h) as a CUDA kernel, and GpuStoreMove below: cache rows in device memory,
-// the store in pinned memory, row lists in either (device-accessible) memory.
+// StoreWrite (host_store.h) as a CUDA kernel: cache rows in device memory, the store in pinned memory,
+// row lists in either (device-accessible) memory; and the moves of a call below.
 void GpuStoreWrite(const GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
-                   const int64_t* store_row_of, int64_t n, float* store);
+                   const int64_t* store_row_of, int64_t n, float* store, int64_t stride);
 // StoreMarks (host_store.h) as a CUDA kernel (marks in the store's pinned memory)
 void GpuStoreMarks(const GpuDevice& d, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
                    int64_t n, int64_t* marks);
 // out[at[j]] = values[j] for j < n (device memory)
 void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, int64_t n, int64_t* out);
-// Both directions in one launch: rows evicted[j] (gathered on the device) written to store rows
-// store_row_of[evicted_slots[j]], j < n_out, while rows of keys not fresh are read from store rows
-// store_rows[j] into cache rows cache_rows[j], j < n_in (fresh ones: their initial value / fill; fresh
-// null: none is, and no pass sets them), so that the host link carries both at once. Store rows
-// written and read must differ (other keys).
-void GpuStoreMove(const GpuDevice& d, const float* evicted, const int64_t* evicted_slots, const int64_t* store_row_of,
-                  int64_t n_out, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,
-                  const int64_t* cache_rows, int64_t n_in, int64_t width, int init_kind, float a, float b,
-                  int64_t seed, float fill, float* store, float* cache);
+// The records of cache rows cache_rows[j] (every array of the layout, padding zero) into out [n, stride]
+// (device memory): the rows a call evicts, before new keys take their cache rows.
+void GpuGatherRecords(const GpuDevice& d, const StoreRecordLayout& l, const int64_t* cache_rows, int64_t n,
+                      float* out);
+// Both directions in one launch: records evicted[j] (GpuGatherRecords) written to store rows
+// store_row_of[evicted_slots[j]], j < n_out, while the records of keys not fresh are read from store
+// rows store_rows[j] into cache rows cache_rows[j] of every array, j < n_in (fresh null: none is), so
+// that the host link carries both at once, each record one contiguous run of host memory (store: the
+// records' start, HostStore::records()). Store rows written and read must differ (other keys).
+void GpuMoveRecords(const GpuDevice& d, const StoreRecordLayout& l, const float* evicted, const int64_t* evicted_slots,
+                    const int64_t* store_row_of, int64_t n_out, const int64_t* store_rows, const uint8_t* fresh,
+                    const int64_t* cache_rows, int64_t n_in, float* store);
+// StoreFresh (host_store.h) as a CUDA kernel (fresh null: none is)
+void GpuStoreFresh(const GpuDevice& d, int64_t width, const uint8_t* fresh, const int64_t* keys,
+                   const int64_t* cache_rows, int64_t n, int init_kind, float a, float b, int64_t seed, float fill,
+                   float* cache);
 // The host link measured with `bytes` of pinned host memory and device_buffer (as many bytes), the
 // best of `repeats` timings each (cudaEvents, after one round of warm-up), in GB/s: [0] copy to the
 // device, [1] copy to the host (cudaMemcpyAsync), [2] a kernel reading the host memory in place into

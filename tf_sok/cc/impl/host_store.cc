@@ -21,34 +21,30 @@ std::unique_ptr<HostMemory> NewPlainHostMemory() { return std::make_unique<Plain
 HostStore::HostStore(std::unique_ptr<HostMemory> memory) : memory_(std::move(memory)), row_of_key_(1024) {}
 
 HostStore::~HostStore() {
-  for (Array& a : arrays_) memory_->Free(a.base);
+  if (records_) memory_->Free(records_);
   if (marks_) memory_->Free(marks_);
   if (scores_) memory_->Free(scores_);
 }
 
+namespace {
+int64_t RoundUp4(int64_t n) { return (n + 3) / 4 * 4; }
+}  // namespace
+
 std::string HostStore::Reserve(int64_t rows) {
   if (rows <= capacity_) return "";
   const int64_t capacity = std::max<int64_t>({rows, 2 * capacity_, 1024});
-  std::vector<float*> fresh(arrays_.size(), nullptr);
   auto* marks = static_cast<int64_t*>(memory_->Allocate(sizeof(int64_t) * capacity));
   auto* scores = static_cast<int64_t*>(memory_->Allocate(sizeof(int64_t) * capacity));
-  bool ok = marks != nullptr && scores != nullptr;
-  for (size_t i = 0; i < arrays_.size() && ok; ++i) {
-    fresh[i] = static_cast<float*>(memory_->Allocate(sizeof(float) * capacity * arrays_[i].width));
-    ok = fresh[i] != nullptr;
-  }
-  if (!ok) {
-    for (float* f : fresh)
-      if (f) memory_->Free(f);
-    for (int64_t* p : {marks, scores})
+  auto* records = stride_ > 0 ? static_cast<float*>(memory_->Allocate(sizeof(float) * capacity * stride_)) : nullptr;
+  if (marks == nullptr || scores == nullptr || (stride_ > 0 && records == nullptr)) {
+    for (void* p : {static_cast<void*>(marks), static_cast<void*>(scores), static_cast<void*>(records)})
       if (p) memory_->Free(p);
     return "ran out of host memory for its host tier (" + std::to_string(capacity) + " rows)";
   }
-  for (size_t i = 0; i < arrays_.size(); ++i) {
-    Array& a = arrays_[i];
-    std::memcpy(fresh[i], a.base, sizeof(float) * count_ * a.width);
-    memory_->Free(a.base);
-    a.base = fresh[i];
+  if (records) {
+    std::memcpy(records, records_, sizeof(float) * count_ * stride_);
+    if (records_) memory_->Free(records_);
+    records_ = records;
   }
   for (auto [from, to] : {std::make_pair(marks_, marks), std::make_pair(scores_, scores)}) {
     if (!from) continue;
@@ -62,12 +58,23 @@ std::string HostStore::Reserve(int64_t rows) {
 }
 
 std::string HostStore::AddArray(int64_t width, float fill) {
+  if (num_arrays() >= kMaxRecordArrays)
+    return "its host tier holds at most " + std::to_string(kMaxRecordArrays) + " arrays (values and optimizer slots)";
   Array a;
+  a.offset = arrays_.empty() ? 0 : RoundUp4(arrays_.back().offset + arrays_.back().width);
   a.width = width;
   a.fill = fill;
-  a.base = static_cast<float*>(memory_->Allocate(sizeof(float) * std::max<int64_t>(capacity_, 1) * width));
-  if (a.base == nullptr) return "ran out of host memory for its host tier";
-  std::fill(a.base, a.base + count_ * width, fill);
+  const int64_t stride = RoundUp4(a.offset + width), rows = std::max<int64_t>(capacity_, 1);
+  auto* records = static_cast<float*>(memory_->Allocate(sizeof(float) * rows * stride));
+  if (records == nullptr) return "ran out of host memory for its host tier";
+  std::fill(records, records + rows * stride, 0.0f);
+  for (int64_t r = 0; r < count_; ++r) {   // every record widened: its arrays, then the new one at its fill
+    std::copy(records_ + r * stride_, records_ + (r + 1) * stride_, records + r * stride);
+    std::fill(records + r * stride + a.offset, records + r * stride + a.offset + width, fill);
+  }
+  if (records_) memory_->Free(records_);
+  records_ = records;
+  stride_ = stride;
   arrays_.push_back(a);
   return "";
 }
@@ -111,7 +118,11 @@ std::string HostStore::AddAbsent(const int64_t* keys, int64_t n, int64_t* rows, 
     order_[r] = 0;
     marks_[r] = 0;
     scores_[r] = 0;
-    for (Array& a : arrays_) std::fill(a.base + r * a.width, a.base + (r + 1) * a.width, a.fill);
+    std::fill(records_ + r * stride_, records_ + (r + 1) * stride_, 0.0f);   // (with the padding)
+    for (const Array& a : arrays_) {
+      float* row = records_ + r * stride_ + a.offset;
+      std::fill(row, row + a.width, a.fill);
+    }
     rows[j] = r;
   }
   return "";
@@ -121,7 +132,8 @@ void HostStore::Rows(const int64_t* keys, int64_t n, int64_t* rows) const {
   row_of_key_.GetMany(keys, n, -1, rows);
 }
 
-std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector<const float*>& data) {
+std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector<const float*>& data,
+                               int64_t pitch) {
   if (data.size() != arrays_.size())
     return "its host tier has " + std::to_string(arrays_.size()) + " arrays, " + std::to_string(data.size()) +
            " given";
@@ -132,8 +144,11 @@ std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector
   }
   const std::string error = Reserve(n);
   if (!error.empty()) return error;
-  for (size_t i = 0; i < arrays_.size(); ++i)
-    std::memcpy(arrays_[i].base, data[i], sizeof(float) * n * arrays_[i].width);
+  for (size_t i = 0; i < arrays_.size(); ++i) {
+    const Array& a = arrays_[i];
+    for (int64_t j = 0; j < n; ++j) std::copy(data[i] + j * pitch, data[i] + j * pitch + a.width,
+                                              records_ + j * stride_ + a.offset);
+  }
   row_of_key_ = std::move(seen);
   key_of_row_.assign(keys, keys + n);
   count_ = n;
@@ -222,19 +237,24 @@ void StoreMarks(const int64_t* cache_rows, const int64_t* values, const int64_t*
 }
 
 void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, const int64_t* store_row_of, int64_t n,
-                float* store) {
+                float* store, int64_t stride) {
   for (int64_t j = 0; j < n; ++j)
-    std::memcpy(store + store_row_of[cache_rows[j]] * width, cache + cache_rows[j] * width, sizeof(float) * width);
+    std::memcpy(store + store_row_of[cache_rows[j]] * stride, cache + cache_rows[j] * width, sizeof(float) * width);
 }
 
-void StoreRead(const float* store, int64_t width, const int64_t* store_rows, const uint8_t* fresh,
-               const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind, float a, float b,
-               int64_t seed, float fill, float* cache) {
+void StoreRead(const float* store, int64_t stride, int64_t width, const int64_t* store_rows, const uint8_t* fresh,
+               const int64_t* cache_rows, int64_t n, float* cache) {
+  for (int64_t j = 0; j < n; ++j)
+    if (fresh == nullptr || !fresh[j])
+      std::memcpy(cache + cache_rows[j] * width, store + store_rows[j] * stride, sizeof(float) * width);
+}
+
+void StoreFresh(int64_t width, const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n,
+                int init_kind, float a, float b, int64_t seed, float fill, float* cache) {
   for (int64_t j = 0; j < n; ++j) {
+    if (!fresh[j]) continue;
     float* out = cache + cache_rows[j] * width;
-    if (fresh == nullptr || !fresh[j]) {
-      std::memcpy(out, store + store_rows[j] * width, sizeof(float) * width);
-    } else if (init_kind >= 0) {
+    if (init_kind >= 0) {
       const uint64_t bits = InitialKeyBits(seed, keys[j]);
       for (int64_t c = 0; c < width; ++c) out[c] = InitialValue(init_kind, a, b, bits, c);
     } else {

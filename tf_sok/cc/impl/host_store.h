@@ -1,5 +1,7 @@
 // The host tier of a hybrid dynamic table: the row of every key the table holds, for
-// each of its arrays (the values, then every optimizer slot), in host memory.
+// each of its arrays (the values, then every optimizer slot), in host memory. A key's rows
+// are one record (its arrays side by side, each at a 16-byte boundary): a row moved between
+// the cache and the store is one contiguous run of host memory, however many arrays it has.
 //
 // A hybrid table's key index (dynamic_index.h, or its GPU form) is a cache of at most
 // max_keys rows in front of this store: a key the cache evicts has its rows written
@@ -44,12 +46,17 @@ class HostStore {
   HostStore(const HostStore&) = delete;
   HostStore& operator=(const HostStore&) = delete;
 
-  // A new array of `width` floats per row; rows already held get `fill`. "" or an error.
+  // A new array of `width` floats per row (kMaxRecordArrays at most); rows already held get `fill`.
+  // "" or an error.
   std::string AddArray(int64_t width, float fill);
   int num_arrays() const { return static_cast<int>(arrays_.size()); }
   int64_t width(int a) const { return arrays_[a].width; }
-  float* base(int a) { return arrays_[a].base; }
-  const float* base(int a) const { return arrays_[a].base; }
+  // Row r of array a is the `width(a)` floats at base(a) + r * stride(); base(a) - base(0) = offset(a).
+  float* base(int a) { return records_ + arrays_[a].offset; }
+  const float* base(int a) const { return records_ + arrays_[a].offset; }
+  int64_t offset(int a) const { return arrays_[a].offset; }
+  int64_t stride() const { return stride_; }
+  float* records() { return records_; }   // record r at records() + r * stride()
   int64_t size() const { return count_ - static_cast<int64_t>(free_rows_.size() + freed_.size()); }
   // Rows [0, rows_used()) hold a key each, except rows a bound dropped (alive(r) false).
   int64_t rows_used() const { return count_; }
@@ -101,14 +108,14 @@ class HostStore {
   // Insert's second half, after Rows: distinct keys[j] with rows[j] < 0 are added (at the arrays'
   // fills) and get their row, fresh[j] = 1 (else 0). "" or an error (nothing added then).
   std::string AddAbsent(const int64_t* keys, int64_t n, int64_t* rows, uint8_t* fresh);
-  // Replaces the contents: keys[n] and, per array, its rows data[a] ([n, width(a)]). A bound drops
-  // the keys not cached in the order given (before any key a later call touches).
-  std::string Replace(const int64_t* keys, int64_t n, const std::vector<const float*>& data);
+  // Replaces the contents: keys[n] and, per array, its rows: row j of array a at data[a] + j * pitch.
+  // A bound drops the keys not cached in the order given (before any key a later call touches).
+  std::string Replace(const int64_t* keys, int64_t n, const std::vector<const float*>& data, int64_t pitch);
 
  private:
   std::string Reserve(int64_t rows);
   struct Array {
-    float* base = nullptr;
+    int64_t offset = 0;   // in a record, floats
     int64_t width = 0;
     float fill = 0;
   };
@@ -127,23 +134,39 @@ class HostStore {
                       std::greater<>>
       queue_;
   std::vector<Array> arrays_;
+  float* records_ = nullptr;   // capacity_ records of stride_ floats
+  int64_t stride_ = 0;
   int64_t* marks_ = nullptr;
   int64_t* scores_ = nullptr;
   int64_t count_ = 0, capacity_ = 0;
 };
 
-// Row moves between a cache's arrays and the store's, on the host.
+// Row moves between a cache's arrays and the store's, on the host; the store's row r of an array is
+// at store + r * stride (HostStore::stride).
 // store[store_row_of[cache_rows[j]]] = cache[cache_rows[j]] (store_row_of: per cache row, its key's store row):
 void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, const int64_t* store_row_of, int64_t n,
-                float* store);
+                float* store, int64_t stride);
 // marks[store_row_of[cache_rows[j]]] = values[j] (the marks, or scores, of rows written back):
 void StoreMarks(const int64_t* cache_rows, const int64_t* values, const int64_t* store_row_of, int64_t n,
                 int64_t* marks);
-// cache[cache_rows[j]] = fresh[j] ? (init_kind >= 0 ? the initial value of keys[j] : fill) : store[store_rows[j]]
-// (fresh null: none is):
-void StoreRead(const float* store, int64_t width, const int64_t* store_rows, const uint8_t* fresh,
-               const int64_t* keys, const int64_t* cache_rows, int64_t n, int init_kind, float a, float b,
-               int64_t seed, float fill, float* cache);
+// cache[cache_rows[j]] = store[store_rows[j]] for the j not fresh (fresh null: none is):
+void StoreRead(const float* store, int64_t stride, int64_t width, const int64_t* store_rows, const uint8_t* fresh,
+               const int64_t* cache_rows, int64_t n, float* cache);
+// cache[cache_rows[j]] = init_kind >= 0 ? the initial value of keys[j] : fill, for the j fresh:
+void StoreFresh(int64_t width, const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n,
+                int init_kind, float a, float b, int64_t seed, float fill, float* cache);
+
+// The arrays of a call's moves between a cache and its store (on a GPU, moved in one launch): array
+// a's rows are the width[a] floats at offset[a] of the store's records (stride floats each), and at
+// cache[a] (width[a] floats apart) in the cache.
+constexpr int kMaxRecordArrays = 8;
+struct StoreRecordLayout {
+  int arrays = 0;
+  int64_t stride = 0;
+  int64_t offset[kMaxRecordArrays] = {};
+  int64_t width[kMaxRecordArrays] = {};
+  float* cache[kMaxRecordArrays] = {};
+};
 
 }  // namespace impl
 }  // namespace tf_sok

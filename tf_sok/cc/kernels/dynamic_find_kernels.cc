@@ -91,7 +91,8 @@ absl::Status DroppedOutputs(tf::OpKernelContext* ctx, const impl::CpuDevice&, co
   tf::Tensor *keys = nullptr, *values = nullptr;
   TF_RETURN_IF_ERROR(EvictedOutputs(ctx, res, n, &keys, &values));
   std::copy(plan.dropped_keys.begin(), plan.dropped_keys.begin() + n, keys->flat<int64_t>().data());
-  impl::GatherRows(res.store->base(0), res.dim, plan.dropped_rows.data(), n, values->flat<float>().data());
+  impl::GatherRows(res.store->base(0), res.store->stride(), res.dim, plan.dropped_rows.data(), n,
+                   values->flat<float>().data());
   return absl::OkStatus();
 }
 #if TF_SOK_WITH_CUDA
@@ -107,7 +108,7 @@ absl::Status DroppedOutputs(tf::OpKernelContext* ctx, const impl::GpuDevice& d, 
   // (from pageable memory: the copies have read their sources when they return)
   cudaMemcpyAsync(keys->flat<int64_t>().data(), plan.dropped_keys.data(), 8 * n, cudaMemcpyHostToDevice, stream);
   cudaMemcpyAsync(rows, plan.dropped_rows.data(), 8 * n, cudaMemcpyHostToDevice, stream);
-  impl::GpuGatherRows(d, res.store->base(0), res.dim, rows, n, values->flat<float>().data());
+  impl::GpuGatherRows(d, res.store->base(0), res.store->stride(), res.dim, rows, n, values->flat<float>().data());
   return absl::OkStatus();
 }
 #endif
@@ -258,20 +259,6 @@ absl::Status LockIndices(tf::OpKernelContext* ctx, int n, const char* op,
     return absl::InvalidArgumentError(std::string(op) + ": a dynamic table's index is given twice");
   for (IndexResource* r : order) locks->push_back(std::make_unique<tf::mutex_lock>(r->mu));
   return absl::OkStatus();
-}
-
-// A prefetch holds the locks of the tables' arrays (in address order, as TensorFlow's ops take them)
-// while it moves rows: an update that copies an array first (copy-on-write) then copies the rows
-// moved in. (KeepArraysInStep takes no lock for a prefetch's changes.)
-std::vector<std::unique_ptr<tf::mutex_lock>> LockArrays(const std::vector<IndexResource*>& tables) {
-  std::vector<tf::mutex*> mus;
-  for (IndexResource* r : tables)
-    for (auto& a : r->arrays) mus.push_back(a.var->mu());
-  std::sort(mus.begin(), mus.end());
-  mus.erase(std::unique(mus.begin(), mus.end()), mus.end());
-  std::vector<std::unique_ptr<tf::mutex_lock>> locks;
-  for (tf::mutex* m : mus) locks.push_back(std::make_unique<tf::mutex_lock>(*m));
-  return locks;
 }
 
 #if TF_SOK_WITH_CUDA

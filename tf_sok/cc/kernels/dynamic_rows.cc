@@ -19,6 +19,17 @@ absl::Status Failed(const IndexResource& res, const std::string& what, const std
   return absl::InvalidArgumentError("dynamic table '" + res.table + "'" + what + error);
 }
 
+std::vector<std::unique_ptr<tf::mutex_lock>> LockArrays(const std::vector<IndexResource*>& tables) {
+  std::vector<tf::mutex*> mus;
+  for (IndexResource* r : tables)
+    for (auto& a : r->arrays) mus.push_back(a.var->mu());
+  std::sort(mus.begin(), mus.end());
+  mus.erase(std::unique(mus.begin(), mus.end()), mus.end());
+  std::vector<std::unique_ptr<tf::mutex_lock>> locks;
+  for (tf::mutex* m : mus) locks.push_back(std::make_unique<tf::mutex_lock>(*m));
+  return locks;
+}
+
 absl::Status GetHybridIndex(tf::OpKernelContext* ctx, tf::core::RefCountPtr<IndexResource>* out) {
   TF_RETURN_IF_ERROR(GetIndex(ctx, out));
   if ((*out)->store == nullptr) return Failed(**out, ": ", "has no host tier (it is not a hybrid table)");
@@ -280,36 +291,52 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
     st.bytes_in += (c.num_new - plan.fresh_count) * row_bytes;
     st.bytes_out += c.num_evicted * row_bytes;
   }
+  // every array locked for the call (a prefetch's caller holds them)
+  std::vector<std::unique_ptr<tf::mutex_lock>> locks;
+  if (!c.prefetch) locks = LockArrays({res});
+  impl::StoreRecordLayout layout;
+  if (moves) {
+    layout.arrays = static_cast<int>(res->arrays.size());
+    layout.stride = res->store->stride();
+  }
   for (size_t i = 0; i < res->arrays.size(); ++i) {
     auto& a = res->arrays[i];
-    std::unique_ptr<tf::mutex_lock> l;
-    if (!c.prefetch) l = std::make_unique<tf::mutex_lock>(*a.var->mu());
     tf::Tensor* t = a.var->tensor();
     const int64_t width = t->dims() == 2 ? t->dim_size(1) : 1;
     if (a.values && evicted_values != nullptr && c.num_evicted > 0)
       GatherRows(d, t->flat<float>().data(), width, c.evicted_slots, c.num_evicted, evicted_values);
-    float* evicted = nullptr;   // written back before new keys take the rows (on a GPU, as they are read in)
-    if (moves && c.num_evicted > 0)
-      TF_RETURN_IF_ERROR(WriteBack(d, t->flat<float>().data(), width, c.evicted_slots, plan.store_row_of,
-                                   c.num_evicted, res->store->base(i), &evicted));
     const bool unchanged = c.num_new == 0 && t->dim_size(0) >= c.rows && !a.values;
-    // (a prefetch writes in place: its rows are none a running step reads or writes)
+    // (a prefetch writes in place: its rows are none a running step reads or writes; grown arrays keep
+    // the rows evicted keys leave, which the moves below write back)
     if (!unchanged && !c.prefetch) TF_RETURN_IF_ERROR(GrowArray(ctx, d, *res, a, c.rows));
     if (c.prefetch && t->dim_size(0) < c.rows)
       return absl::InternalError("dynamic table '" + res->table + "': a prefetch would grow the arrays");
     float* base = a.var->tensor()->flat<float>().data();
     // row 0, which keys not inserted read (an update may have moved it)
     if (a.values && !c.prefetch) Fill(d, base, width, 0.0f);
-    if (moves)
-      StoreRead(d, *res, a, res->store->base(i), width, plan.new_rows, plan.fresh_count > 0 ? plan.fresh : nullptr,
-                c.new_keys, c.new_slots,
-                unchanged ? 0 : c.num_new, base, evicted, c.evicted_slots, plan.store_row_of, c.num_evicted);
-    else if (unchanged)
+    if (moves) {
+      if (width != res->store->width(static_cast<int>(i)))
+        return absl::InternalError("dynamic table '" + res->table + "': an attached array's rows changed " +
+                                          "width (" + std::to_string(res->store->width(static_cast<int>(i))) +
+                                          " -> " + std::to_string(width) + ")");
+      layout.offset[i] = res->store->offset(static_cast<int>(i));
+      layout.width[i] = width;
+      layout.cache[i] = base;
+    } else if (unchanged) {
       continue;
-    else if (a.values)
+    } else if (a.values) {
       InitialRowsAt(d, *res, c.new_keys, c.new_slots, c.num_new, width, base);
-    else
+    } else {
       FillRows(d, base, width, c.new_slots, c.num_new, a.fill);
+    }
+  }
+  if (moves) {
+    const uint8_t* fresh = plan.fresh_count > 0 ? plan.fresh : nullptr;
+    TF_RETURN_IF_ERROR(MoveRecords(d, layout, c.evicted_slots, plan.store_row_of, c.num_evicted, plan.new_rows, fresh,
+                                   c.new_slots, c.num_new, res->store->records()));
+    for (size_t i = 0; fresh != nullptr && i < res->arrays.size(); ++i)
+      StoreFresh(d, *res, res->arrays[i], layout.width[i], fresh, c.new_keys, c.new_slots, c.num_new,
+                 layout.cache[i]);
   }
   // the evicted keys' store marks: the call that last touched each, and LFU's scores (before their cache
   // rows go to new keys); the keys taken in count on from the scores they left with

@@ -5,6 +5,7 @@
 #define TF_SOK_CC_KERNELS_DYNAMIC_ROWS_H_
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "tf_sok/cc/impl/optimizer.h"
@@ -23,12 +24,12 @@ inline void FillRows(const impl::CpuDevice&, float* base, int64_t width, const i
   impl::FillRows(base, width, rows, n, fill);
 }
 inline void GatherRows(const impl::CpuDevice&, const float* base, int64_t width, const int64_t* rows, int64_t n, float* out) {
-  impl::GatherRows(base, width, rows, n, out);
+  impl::GatherRows(base, width, width, rows, n, out);
 }
 inline void Fill(const impl::CpuDevice&, float* p, int64_t count, float value) { impl::Fill(p, count, value); }
 inline void StoreWrite(const impl::CpuDevice&, const float* cache, int64_t width, const int64_t* cache_rows,
-                const int64_t* store_row_of, int64_t n, float* store) {
-  impl::StoreWrite(cache, width, cache_rows, store_row_of, n, store);
+                const int64_t* store_row_of, int64_t n, float* store, int64_t stride) {
+  impl::StoreWrite(cache, width, cache_rows, store_row_of, n, store, stride);
 }
 inline void StoreMarks(const impl::CpuDevice&, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
                 int64_t n, int64_t* marks) {
@@ -39,28 +40,26 @@ inline void AddStoreScores(const impl::CpuDevice&, IndexResource* r, const int64
                            const int64_t* store_rows, const uint8_t* fresh, int64_t n) {
   r->host->AddStoreScores(cache_rows, store_rows, fresh, r->store->scores(), n);
 }
-// Evicted rows leave for the store: on the host written now (*out = nullptr); on a GPU gathered into
-// device memory (*out), to be written by StoreRead's launch while it reads the new rows in.
-inline absl::Status WriteBack(const impl::CpuDevice&, const float* cache, int64_t width, const int64_t* cache_rows,
-                       const int64_t* store_row_of, int64_t n, float* store, float** out) {
-  impl::StoreWrite(cache, width, cache_rows, store_row_of, n, store);
-  *out = nullptr;
+// A call's moves between the cache's arrays (l) and the host tier (store: HostStore::records()): the
+// evicted keys' records written back, then the new keys' read in (fresh ones left to StoreFresh).
+inline absl::Status MoveRecords(const impl::CpuDevice&, const impl::StoreRecordLayout& l, const int64_t* evicted_slots,
+                                const int64_t* store_row_of, int64_t n_out, const int64_t* store_rows,
+                                const uint8_t* fresh, const int64_t* cache_rows, int64_t n_in, float* store) {
+  for (int a = 0; a < l.arrays; ++a)
+    impl::StoreWrite(l.cache[a], l.width[a], evicted_slots, store_row_of, n_out, store + l.offset[a], l.stride);
+  for (int a = 0; a < l.arrays; ++a)
+    impl::StoreRead(store + l.offset[a], l.stride, l.width[a], store_rows, fresh, cache_rows, n_in, l.cache[a]);
   return absl::OkStatus();
 }
-// The rows of new keys read from the store (or set to their initial value / fill when fresh); on a
-// GPU, the rows WriteBack gathered (`evicted`, of cache rows evicted_slots) written back in the same
-// launch, so that the host link carries both directions at once.
-inline void StoreRead(const impl::CpuDevice&, const IndexResource& r, const IndexResource::Array& a, float* store,
-               int64_t width, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,
-               const int64_t* cache_rows, int64_t n, float* cache, const float* /*evicted*/,
-               const int64_t* /*evicted_slots*/, const int64_t* /*store_row_of*/, int64_t /*num_evicted*/) {
-  impl::StoreRead(store, width, store_rows, fresh, keys, cache_rows, n, a.values ? r.init_kind : -1, r.a, r.b, r.seed,
-                  a.fill, cache);
+// The rows of new keys the store had no row for: their initial value (values) or the array's fill.
+inline void StoreFresh(const impl::CpuDevice&, const IndexResource& r, const IndexResource::Array& a, int64_t width,
+                       const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n, float* cache) {
+  impl::StoreFresh(width, fresh, keys, cache_rows, n, a.values ? r.init_kind : -1, r.a, r.b, r.seed, a.fill, cache);
 }
 #if TF_SOK_WITH_CUDA
 inline void StoreWrite(const impl::GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
-                const int64_t* store_row_of, int64_t n, float* store) {
-  impl::GpuStoreWrite(d, cache, width, cache_rows, store_row_of, n, store);
+                const int64_t* store_row_of, int64_t n, float* store, int64_t stride) {
+  impl::GpuStoreWrite(d, cache, width, cache_rows, store_row_of, n, store, stride);
 }
 inline void StoreMarks(const impl::GpuDevice& d, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
                 int64_t n, int64_t* marks) {
@@ -70,19 +69,24 @@ inline void AddStoreScores(const impl::GpuDevice& d, IndexResource* r, const int
                            const int64_t* store_rows, const uint8_t* fresh, int64_t n) {
   r->gpu->AddStoreScores(d, cache_rows, store_rows, fresh, r->store->scores(), n);
 }
-inline absl::Status WriteBack(const impl::GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
-                       const int64_t* store_row_of, int64_t n, float* store, float** out) {
-  *out = static_cast<float*>(d.scratch->Allocate(sizeof(float) * static_cast<size_t>(n * width)));
-  if (*out == nullptr) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table evicts");
-  impl::GpuGatherRows(d, cache, width, cache_rows, n, *out);
+// On a GPU the evicted records are gathered into device memory first, then written back by the launch
+// that reads the new records in, so that the host link carries both directions at once.
+inline absl::Status MoveRecords(const impl::GpuDevice& d, const impl::StoreRecordLayout& l, const int64_t* evicted_slots,
+                                const int64_t* store_row_of, int64_t n_out, const int64_t* store_rows,
+                                const uint8_t* fresh, const int64_t* cache_rows, int64_t n_in, float* store) {
+  float* evicted = nullptr;
+  if (n_out > 0) {
+    evicted = static_cast<float*>(d.scratch->Allocate(sizeof(float) * static_cast<size_t>(n_out * l.stride)));
+    if (evicted == nullptr) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table evicts");
+    impl::GpuGatherRecords(d, l, evicted_slots, n_out, evicted);
+  }
+  impl::GpuMoveRecords(d, l, evicted, evicted_slots, store_row_of, n_out, store_rows, fresh, cache_rows, n_in, store);
   return absl::OkStatus();
 }
-inline void StoreRead(const impl::GpuDevice& d, const IndexResource& r, const IndexResource::Array& a, float* store,
-               int64_t width, const int64_t* store_rows, const uint8_t* fresh, const int64_t* keys,
-               const int64_t* cache_rows, int64_t n, float* cache, const float* evicted, const int64_t* evicted_slots,
-               const int64_t* store_row_of, int64_t num_evicted) {
-  impl::GpuStoreMove(d, evicted, evicted_slots, store_row_of, evicted != nullptr ? num_evicted : 0, store_rows, fresh,
-                     keys, cache_rows, n, width, a.values ? r.init_kind : -1, r.a, r.b, r.seed, a.fill, store, cache);
+inline void StoreFresh(const impl::GpuDevice& d, const IndexResource& r, const IndexResource::Array& a, int64_t width,
+                       const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n, float* cache) {
+  impl::GpuStoreFresh(d, width, fresh, keys, cache_rows, n, a.values ? r.init_kind : -1, r.a, r.b, r.seed, a.fill,
+                      cache);
 }
 inline void InitialRowsAt(const impl::GpuDevice& d, const IndexResource& r, const int64_t* keys, const int64_t* rows,
                    int64_t n, int64_t width, float* base) {
@@ -93,7 +97,7 @@ inline void FillRows(const impl::GpuDevice& d, float* base, int64_t width, const
 }
 inline void GatherRows(const impl::GpuDevice& d, const float* base, int64_t width, const int64_t* rows, int64_t n,
                 float* out) {
-  impl::GpuGatherRows(d, base, width, rows, n, out);
+  impl::GpuGatherRows(d, base, width, width, rows, n, out);
 }
 inline void Fill(const impl::GpuDevice& d, float* p, int64_t count, float value) { impl::GpuFill(d, p, count, value); }
 #endif
@@ -198,6 +202,9 @@ absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d
                               const std::vector<IndexResource*>& res, const std::vector<int64_t>& num_new,
                               std::vector<StorePlan>* plans);
 #endif
+
+// Locks the arrays of the tables (in address order, as TensorFlow's ops take them).
+std::vector<std::unique_ptr<tf::mutex_lock>> LockArrays(const std::vector<IndexResource*>& tables);
 
 // After an index call: every attached array grown to `c.rows` and the rows of new keys set (hybrid
 // tables: evicted rows written to the host store first, new keys' rows read from it);

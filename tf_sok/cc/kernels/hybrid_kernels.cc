@@ -50,7 +50,8 @@ absl::Status WriteCacheBack(tf::OpKernelContext* ctx, const Device& d, IndexReso
   for (size_t i = 0; i < res->arrays.size(); ++i) {
     tf::mutex_lock l(*res->arrays[i].var->mu());
     const tf::Tensor* t = res->arrays[i].var->tensor();
-    StoreWrite(d, t->flat<float>().data(), res->store->width(i), slots[0], store_row_of, n, res->store->base(i));
+    StoreWrite(d, t->flat<float>().data(), res->store->width(i), slots[0], store_row_of, n, res->store->base(i),
+               res->store->stride());
   }
   return Done(d);
 }
@@ -200,7 +201,8 @@ absl::Status StoreRowsOut(tf::OpKernelContext* ctx, const impl::HostStore& store
     widths->flat<int64_t>()(i) = store.width(i);
     const int64_t w = store.width(i);
     const float* base = store.base(i);
-    for (int64_t j = 0; j < n; ++j) std::copy(base + row(j) * w, base + (row(j) + 1) * w, out + j * total + at);
+    const int64_t stride = store.stride();
+    for (int64_t j = 0; j < n; ++j) std::copy(base + row(j) * stride, base + row(j) * stride + w, out + j * total + at);
   }
   return absl::OkStatus();
 }
@@ -316,16 +318,9 @@ class StoreImportOp : public tf::OpKernel {
       OP_REQUIRES_OK(ctx, CudaWait(static_cast<cudaStream_t>(MakeDevice<impl::GpuDevice>(ctx, &scratch).stream)));
     }
 #endif
-    std::vector<std::vector<float>> split(store.num_arrays());
-    std::vector<const float*> data;
-    const float* in = rows.flat<float>().data();
-    for (int i = 0, at = 0; i < store.num_arrays(); at += store.width(i), ++i) {
-      const int64_t w = store.width(i);
-      split[i].resize(n * w);
-      for (int64_t r = 0; r < n; ++r) std::copy(in + r * total + at, in + r * total + at + w, split[i].data() + r * w);
-      data.push_back(split[i].data());
-    }
-    const std::string error = store.Replace(keys.flat<int64_t>().data(), n, data);
+    std::vector<const float*> data;   // array i's rows: `total` floats apart in the input
+    for (int i = 0, at = 0; i < store.num_arrays(); at += store.width(i), ++i) data.push_back(rows.flat<float>().data() + at);
+    const std::string error = store.Replace(keys.flat<int64_t>().data(), n, data, total);
     OP_REQUIRES(ctx, error.empty(), Failed(*res, ": restoring its host tier: ", error));
     OP_REQUIRES_OK(ctx, RelinkCache(ctx, res.get(), true));
   }
