@@ -371,12 +371,12 @@ void DynamicIndex::TouchedSince(int64_t unix_ns, std::vector<int64_t>* keys, std
 }
 
 void DynamicIndex::AddStoreScores(const int64_t* cache_rows, const int64_t* store_rows, const uint8_t* fresh,
-                                  const int64_t* store_scores, int64_t n) {
+                                  const int64_t* store_scores, int64_t stride, int64_t n) {
   const int64_t cap = ScoreCap();
   for (int64_t j = 0; j < n; ++j) {
     if (fresh != nullptr && fresh[j]) continue;
     int64_t& score = score_[cache_rows[j]];
-    score = std::min(cap, score + store_scores[store_rows[j]]);
+    score = std::min(cap, score + store_scores[store_rows[j] * stride]);
   }
 }
 

@@ -161,9 +161,9 @@ class DynamicIndex {
   int64_t FirstCallAtOrAfter(int64_t unix_ns) const { return call_times_.FirstAtOrAfter(unix_ns); }
   // A cache's (hybrid tables') LFU scores carried over the host tier: the keys a call took in count
   // the calls that touched them while the tier held them too. score[cache_rows[j]] += store_scores
-  // [store_rows[j]] for j < n where fresh is null or fresh[j] == 0, at most ScoreCap().
+  // [store_rows[j] * stride] for j < n where fresh is null or fresh[j] == 0, at most ScoreCap().
   void AddStoreScores(const int64_t* cache_rows, const int64_t* store_rows, const uint8_t* fresh,
-                      const int64_t* store_scores, int64_t n);
+                      const int64_t* store_scores, int64_t stride, int64_t n);
   // Above any score a row can have: one count per call since the index was made or imported, on top
   // of the largest imported score.
   int64_t ScoreCap() const { return imported_score_ + clock_ + 1; }

@@ -321,11 +321,12 @@ __global__ void EvictKernel(const int64_t* victims, int64_t n, const int64_t* tk
 
 // a cache's LFU scores carried over its host tier (DynamicIndex::AddStoreScores)
 __global__ void AddStoreScoresKernel(const int64_t* cache_rows, const int64_t* store_rows, const uint8_t* fresh,
-                                     const int64_t* store_scores, int64_t n, int64_t cap, int64_t* score) {
+                                     const int64_t* store_scores, int64_t stride, int64_t n, int64_t cap,
+                                     int64_t* score) {
   const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (j >= n || (fresh != nullptr && fresh[j])) return;
   int64_t& s = score[cache_rows[j]];
-  s = min(cap, s + store_scores[store_rows[j]]);
+  s = min(cap, s + store_scores[store_rows[j] * stride]);
 }
 
 // new key j gets the row free[free_count - 1 - j] while there are free rows, then next_free + ...
@@ -392,13 +393,22 @@ __device__ void ReadRecordWord(const StoreRecordLayout& l, int64_t i, const int6
     reinterpret_cast<V*>(l.cache[a])[cache_rows[j] * l.width[a] + (w - l.offset[a])] = store[store_rows[j] * l.stride + w];
 }
 
-// The evicted records (every array's cache row evicted_slots[j], padding zero) gathered into device
-// memory, `out` [n, stride], before new keys take the rows.
+// The evicted records (their meta: the marks and scores given; every array's cache row
+// evicted_slots[j]; padding zero) gathered into device memory, `out` [n, stride], before new keys
+// take the rows.
 template <typename V>
 __global__ void GatherRecordsKernel(StoreRecordLayout l, const int64_t* cache_rows, int64_t n, V* out) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n * l.stride) return;
   const int64_t j = i / l.stride, w = i - j * l.stride;
+  if (w < l.meta) {   // (its first word's thread writes both int64)
+    if (w == 0) {
+      int64_t* meta = reinterpret_cast<int64_t*>(out + i);
+      meta[0] = l.touched[j];
+      meta[1] = l.scores != nullptr ? l.scores[j] : 0;
+    }
+    return;
+  }
   const int a = RecordArray(l, w);
   out[i] = a >= 0 ? reinterpret_cast<const V*>(l.cache[a])[cache_rows[j] * l.width[a] + (w - l.offset[a])] : V{};
 }
@@ -442,12 +452,6 @@ __global__ void StoreFreshKernel(int64_t width, const uint8_t* fresh, const int6
   if (fresh[j])
     cache[cache_rows[j] * width + c] =
         init_kind >= 0 ? InitialValue(init_kind, a, b, InitialKeyBits(seed, keys[j]), c) : fill;
-}
-
-__global__ void StoreMarksKernel(const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
-                                 int64_t n, int64_t* marks) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) marks[store_row_of[cache_rows[i]]] = calls[i];
 }
 
 __global__ void Scatter64Kernel(const int64_t* at, const int64_t* values, int64_t n, int64_t* out) {
@@ -1135,10 +1139,10 @@ std::string GpuDynamicIndex::Import(const GpuDevice& d, const DynamicIndexSnapsh
 }
 
 void GpuDynamicIndex::AddStoreScores(const GpuDevice& d, const int64_t* cache_rows, const int64_t* store_rows,
-                                     const uint8_t* fresh, const int64_t* store_scores, int64_t n) {
+                                     const uint8_t* fresh, const int64_t* store_scores, int64_t stride, int64_t n) {
   if (n > 0)
-    AddStoreScoresKernel<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(cache_rows, store_rows, fresh, store_scores, n,
-                                                                   ScoreCap(), score_);
+    AddStoreScoresKernel<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(cache_rows, store_rows, fresh, store_scores, stride,
+                                                                   n, ScoreCap(), score_);
 }
 
 std::string GpuDynamicIndex::ForgetCandidates(const GpuDevice& d, const int64_t* keys, int64_t n) {
@@ -1214,6 +1218,7 @@ bool Float4Records(const StoreRecordLayout& l, const void* store, const void* ev
 
 StoreRecordLayout InWords(StoreRecordLayout l, int64_t words) {
   l.stride /= words;
+  l.meta /= words;
   for (int a = 0; a < l.arrays; ++a) {
     l.offset[a] /= words;
     l.width[a] /= words;
@@ -1267,11 +1272,6 @@ void GpuStoreFresh(const GpuDevice& d, int64_t width, const uint8_t* fresh, cons
   if (n * width > 0 && fresh != nullptr)
     StoreFreshKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(width, fresh, keys, cache_rows, n, init_kind, a,
                                                                        b, seed, fill, cache);
-}
-
-void GpuStoreMarks(const GpuDevice& d, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
-                   int64_t n, int64_t* marks) {
-  if (n > 0) StoreMarksKernel<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(cache_rows, calls, store_row_of, n, marks);
 }
 
 void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, int64_t n, int64_t* out) {

@@ -120,7 +120,7 @@ class GpuDynamicIndex {
 
   // As DynamicIndex's (rows, flags and the store's scores where the device reads them).
   void AddStoreScores(const GpuDevice& d, const int64_t* cache_rows, const int64_t* store_rows, const uint8_t* fresh,
-                      const int64_t* store_scores, int64_t n);
+                      const int64_t* store_scores, int64_t stride, int64_t n);
   int64_t ScoreCap() const { return imported_score_ + clock_ + 1; }
 
   std::string Export(const GpuDevice& d, DynamicIndexSnapshot* s);
@@ -171,13 +171,11 @@ std::unique_ptr<HostMemory> NewPinnedHostMemory();
 // row lists in either (device-accessible) memory; and the moves of a call below.
 void GpuStoreWrite(const GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,
                    const int64_t* store_row_of, int64_t n, float* store, int64_t stride);
-// StoreMarks (host_store.h) as a CUDA kernel (marks in the store's pinned memory)
-void GpuStoreMarks(const GpuDevice& d, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
-                   int64_t n, int64_t* marks);
 // out[at[j]] = values[j] for j < n (device memory)
 void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, int64_t n, int64_t* out);
-// The records of cache rows cache_rows[j] (every array of the layout, padding zero) into out [n, stride]
-// (device memory): the rows a call evicts, before new keys take their cache rows.
+// The records of cache rows cache_rows[j] (meta: l.touched[j] and l.scores[j] or 0; every array of the
+// layout; padding zero) into out [n, stride] (device memory): the rows a call evicts, before new keys
+// take their cache rows.
 void GpuGatherRecords(const GpuDevice& d, const StoreRecordLayout& l, const int64_t* cache_rows, int64_t n,
                       float* out);
 // Both directions in one launch: records evicted[j] (GpuGatherRecords) written to store rows

@@ -22,8 +22,6 @@ HostStore::HostStore(std::unique_ptr<HostMemory> memory) : memory_(std::move(mem
 
 HostStore::~HostStore() {
   if (records_) memory_->Free(records_);
-  if (marks_) memory_->Free(marks_);
-  if (scores_) memory_->Free(scores_);
 }
 
 namespace {
@@ -33,26 +31,13 @@ int64_t RoundUp4(int64_t n) { return (n + 3) / 4 * 4; }
 std::string HostStore::Reserve(int64_t rows) {
   if (rows <= capacity_) return "";
   const int64_t capacity = std::max<int64_t>({rows, 2 * capacity_, 1024});
-  auto* marks = static_cast<int64_t*>(memory_->Allocate(sizeof(int64_t) * capacity));
-  auto* scores = static_cast<int64_t*>(memory_->Allocate(sizeof(int64_t) * capacity));
-  auto* records = stride_ > 0 ? static_cast<float*>(memory_->Allocate(sizeof(float) * capacity * stride_)) : nullptr;
-  if (marks == nullptr || scores == nullptr || (stride_ > 0 && records == nullptr)) {
-    for (void* p : {static_cast<void*>(marks), static_cast<void*>(scores), static_cast<void*>(records)})
-      if (p) memory_->Free(p);
-    return "ran out of host memory for its host tier (" + std::to_string(capacity) + " rows)";
-  }
-  if (records) {
+  auto* records = static_cast<float*>(memory_->Allocate(sizeof(float) * capacity * stride_));
+  if (records == nullptr) return "ran out of host memory for its host tier (" + std::to_string(capacity) + " rows)";
+  if (records_) {
     std::memcpy(records, records_, sizeof(float) * count_ * stride_);
-    if (records_) memory_->Free(records_);
-    records_ = records;
+    memory_->Free(records_);
   }
-  for (auto [from, to] : {std::make_pair(marks_, marks), std::make_pair(scores_, scores)}) {
-    if (!from) continue;
-    std::memcpy(to, from, sizeof(int64_t) * count_);
-    memory_->Free(from);
-  }
-  marks_ = marks;
-  scores_ = scores;
+  records_ = records;
   capacity_ = capacity;
   return "";
 }
@@ -61,14 +46,14 @@ std::string HostStore::AddArray(int64_t width, float fill) {
   if (num_arrays() >= kMaxRecordArrays)
     return "its host tier holds at most " + std::to_string(kMaxRecordArrays) + " arrays (values and optimizer slots)";
   Array a;
-  a.offset = arrays_.empty() ? 0 : RoundUp4(arrays_.back().offset + arrays_.back().width);
+  a.offset = arrays_.empty() ? kMetaFloats : RoundUp4(arrays_.back().offset + arrays_.back().width);
   a.width = width;
   a.fill = fill;
   const int64_t stride = RoundUp4(a.offset + width), rows = std::max<int64_t>(capacity_, 1);
   auto* records = static_cast<float*>(memory_->Allocate(sizeof(float) * rows * stride));
   if (records == nullptr) return "ran out of host memory for its host tier";
   std::fill(records, records + rows * stride, 0.0f);
-  for (int64_t r = 0; r < count_; ++r) {   // every record widened: its arrays, then the new one at its fill
+  for (int64_t r = 0; r < count_; ++r) {   // every record widened: its meta and arrays, then the new one at its fill
     std::copy(records_ + r * stride_, records_ + (r + 1) * stride_, records + r * stride);
     std::fill(records + r * stride + a.offset, records + r * stride + a.offset + width, fill);
   }
@@ -116,9 +101,7 @@ std::string HostStore::AddAbsent(const int64_t* keys, int64_t n, int64_t* rows, 
     alive_[r] = 1;
     cached_[r] = 0;
     order_[r] = 0;
-    marks_[r] = 0;
-    scores_[r] = 0;
-    std::fill(records_ + r * stride_, records_ + (r + 1) * stride_, 0.0f);   // (with the padding)
+    std::fill(records_ + r * stride_, records_ + (r + 1) * stride_, 0.0f);   // (meta 0, with the padding)
     for (const Array& a : arrays_) {
       float* row = records_ + r * stride_ + a.offset;
       std::fill(row, row + a.width, a.fill);
@@ -173,7 +156,7 @@ int64_t HostStore::MarkLoaded(const int64_t* rows, int64_t n, int64_t call) {
   for (int64_t j = 0; j < n; ++j) {
     added += !cached_[rows[j]];
     cached_[rows[j]] = 1;
-    marks_[rows[j]] = call;
+    meta()[rows[j] * meta_stride()] = call;
   }
   return added;
 }
@@ -184,7 +167,7 @@ void HostStore::WrittenBack(const int64_t* keys, const int64_t* calls, const int
     if (r < 0) continue;
     cached_count_ -= cached_[r];
     cached_[r] = 0;
-    marks_[r] = calls[j];
+    meta()[r * meta_stride()] = calls[j];
     // written back in order of last use (the cache's own eviction order, call after call), or by score
     order_[r] = scores ? scores[j] : ++written_back_;
     if (max_keys_ > 0) queue_.emplace(order_[r], keys[j], r);
@@ -227,13 +210,7 @@ std::string HostStore::Bound(std::vector<int64_t>* keys, std::vector<int64_t>* r
 }
 
 void HostStore::ClearMarks() {
-  for (int64_t* p : {marks_, scores_})
-    if (p) std::fill(p, p + count_, int64_t{0});
-}
-
-void StoreMarks(const int64_t* cache_rows, const int64_t* values, const int64_t* store_row_of, int64_t n,
-                int64_t* marks) {
-  for (int64_t j = 0; j < n; ++j) marks[store_row_of[cache_rows[j]]] = values[j];
+  for (int64_t r = 0; r < count_; ++r) meta()[r * meta_stride()] = meta()[r * meta_stride() + 1] = 0;
 }
 
 void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, const int64_t* store_row_of, int64_t n,

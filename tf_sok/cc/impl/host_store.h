@@ -29,6 +29,25 @@
 namespace tf_sok {
 namespace impl {
 
+// The arrays of a call's moves between a cache and its store (on a GPU, moved in one launch): array
+// a's rows are the width[a] floats at offset[a] of the store's records (stride floats each), and at
+// cache[a] (width[a] floats apart) in the cache.
+constexpr int kMaxRecordArrays = 8;
+// the floats a record's meta (HostStore::meta) takes before its arrays
+constexpr int64_t kMetaFloats = 4;
+struct StoreRecordLayout {
+  int arrays = 0;
+  int64_t stride = 0;
+  int64_t meta = kMetaFloats;   // (in words of the moves)
+  // written back with each evicted record: its mark (the call that last touched it) and LFU score
+  // (none: 0), per evicted key
+  const int64_t* touched = nullptr;
+  const int64_t* scores = nullptr;
+  int64_t offset[kMaxRecordArrays] = {};
+  int64_t width[kMaxRecordArrays] = {};
+  float* cache[kMaxRecordArrays] = {};
+};
+
 // Where a store's rows live (plain host memory, or pinned and device-mapped memory).
 class HostMemory {
  public:
@@ -51,7 +70,7 @@ class HostStore {
   std::string AddArray(int64_t width, float fill);
   int num_arrays() const { return static_cast<int>(arrays_.size()); }
   int64_t width(int a) const { return arrays_[a].width; }
-  // Row r of array a is the `width(a)` floats at base(a) + r * stride(); base(a) - base(0) = offset(a).
+  // Row r of array a is the `width(a)` floats at base(a) + r * stride(); base(a) = records() + offset(a).
   float* base(int a) { return records_ + arrays_[a].offset; }
   const float* base(int a) const { return records_ + arrays_[a].offset; }
   int64_t offset(int a) const { return arrays_[a].offset; }
@@ -65,17 +84,16 @@ class HostStore {
   int64_t order(int64_t r) const { return order_[r]; }
   // The key of each row, rows [0, rows_used()).
   const std::vector<int64_t>& keys() const { return key_of_row_; }
-  // Per row, the index call that last touched its key as of the key's last move between cache and
-  // store (the call that brought it in, or the last to touch it before it was written back): with
-  // the cache's own marks, the keys touched since a time. In the store's memory (device-mapped on
-  // GPU builds, where kernels write the marks of the rows they write back); 0 for rows added since.
-  int64_t* marks() { return marks_; }
-  const int64_t* marks() const { return marks_; }
-  // Per row, an LFU cache's score of its key as of its last write-back (the calls that touched it
-  // since the index was made or imported), carried over while the key is not cached; in the store's
-  // memory like the marks; 0 for rows added since.
-  int64_t* scores() { return scores_; }
-  const int64_t* scores() const { return scores_; }
+  // Per row, two int64 at the start of its record (kMetaFloats), written back with its rows: [0] its
+  // mark, the index call that last touched its key as of the key's last move between cache and store
+  // (the call that brought it in, or the last to touch it before it was written back): with the
+  // cache's own marks, the keys touched since a time; [1] an LFU cache's score of its key as of its
+  // last write-back (the calls that touched it since the index was made or imported), carried over
+  // while the key is not cached. Row r's at meta() + r * meta_stride(); 0 for rows added since.
+  int64_t* meta() { return reinterpret_cast<int64_t*>(records_); }
+  int64_t meta_stride() const { return stride_ / 2; }
+  int64_t mark(int64_t r) const { return reinterpret_cast<const int64_t*>(records_)[r * meta_stride()]; }
+  int64_t score(int64_t r) const { return reinterpret_cast<const int64_t*>(records_)[r * meta_stride() + 1]; }
   void ClearMarks();   // marks and scores (after the index was replaced)
 
   // A bound on the keys held (0: none). The cache's keys are tracked: Loaded marks rows taken into
@@ -134,10 +152,8 @@ class HostStore {
                       std::greater<>>
       queue_;
   std::vector<Array> arrays_;
-  float* records_ = nullptr;   // capacity_ records of stride_ floats
-  int64_t stride_ = 0;
-  int64_t* marks_ = nullptr;
-  int64_t* scores_ = nullptr;
+  float* records_ = nullptr;   // capacity_ records of stride_ floats: the meta, then the arrays
+  int64_t stride_ = kMetaFloats;
   int64_t count_ = 0, capacity_ = 0;
 };
 
@@ -146,27 +162,12 @@ class HostStore {
 // store[store_row_of[cache_rows[j]]] = cache[cache_rows[j]] (store_row_of: per cache row, its key's store row):
 void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, const int64_t* store_row_of, int64_t n,
                 float* store, int64_t stride);
-// marks[store_row_of[cache_rows[j]]] = values[j] (the marks, or scores, of rows written back):
-void StoreMarks(const int64_t* cache_rows, const int64_t* values, const int64_t* store_row_of, int64_t n,
-                int64_t* marks);
 // cache[cache_rows[j]] = store[store_rows[j]] for the j not fresh (fresh null: none is):
 void StoreRead(const float* store, int64_t stride, int64_t width, const int64_t* store_rows, const uint8_t* fresh,
                const int64_t* cache_rows, int64_t n, float* cache);
 // cache[cache_rows[j]] = init_kind >= 0 ? the initial value of keys[j] : fill, for the j fresh:
 void StoreFresh(int64_t width, const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n,
                 int init_kind, float a, float b, int64_t seed, float fill, float* cache);
-
-// The arrays of a call's moves between a cache and its store (on a GPU, moved in one launch): array
-// a's rows are the width[a] floats at offset[a] of the store's records (stride floats each), and at
-// cache[a] (width[a] floats apart) in the cache.
-constexpr int kMaxRecordArrays = 8;
-struct StoreRecordLayout {
-  int arrays = 0;
-  int64_t stride = 0;
-  int64_t offset[kMaxRecordArrays] = {};
-  int64_t width[kMaxRecordArrays] = {};
-  float* cache[kMaxRecordArrays] = {};
-};
 
 }  // namespace impl
 }  // namespace tf_sok

@@ -298,6 +298,8 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
   if (moves) {
     layout.arrays = static_cast<int>(res->arrays.size());
     layout.stride = res->store->stride();
+    layout.touched = c.evicted_touched;   // (the evicted keys' store marks, and LFU's scores)
+    layout.scores = res->lfu ? c.evicted_scores : nullptr;
   }
   for (size_t i = 0; i < res->arrays.size(); ++i) {
     auto& a = res->arrays[i];
@@ -338,13 +340,7 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
       StoreFresh(d, *res, res->arrays[i], layout.width[i], fresh, c.new_keys, c.new_slots, c.num_new,
                  layout.cache[i]);
   }
-  // the evicted keys' store marks: the call that last touched each, and LFU's scores (before their cache
-  // rows go to new keys); the keys taken in count on from the scores they left with
-  if (moves && c.num_evicted > 0) {
-    StoreMarks(d, c.evicted_slots, c.evicted_touched, plan.store_row_of, c.num_evicted, res->store->marks());
-    if (res->lfu)
-      StoreMarks(d, c.evicted_slots, c.evicted_scores, plan.store_row_of, c.num_evicted, res->store->scores());
-  }
+  // the keys taken in count on from the LFU scores they left with
   if (moves && res->lfu && plan.fresh_count < c.num_new)
     AddStoreScores(d, res, c.new_slots, plan.new_rows, plan.fresh_count > 0 ? plan.fresh : nullptr, c.num_new);
   if (moves && c.num_new > 0) SetStoreRows(d, plan.store_row_of, c.new_slots, plan.new_rows, c.num_new);

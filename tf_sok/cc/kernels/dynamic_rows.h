@@ -31,22 +31,24 @@ inline void StoreWrite(const impl::CpuDevice&, const float* cache, int64_t width
                 const int64_t* store_row_of, int64_t n, float* store, int64_t stride) {
   impl::StoreWrite(cache, width, cache_rows, store_row_of, n, store, stride);
 }
-inline void StoreMarks(const impl::CpuDevice&, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
-                int64_t n, int64_t* marks) {
-  impl::StoreMarks(cache_rows, calls, store_row_of, n, marks);
-}
 // An LFU cache's scores carried over its host tier (DynamicIndex::AddStoreScores).
 inline void AddStoreScores(const impl::CpuDevice&, IndexResource* r, const int64_t* cache_rows,
                            const int64_t* store_rows, const uint8_t* fresh, int64_t n) {
-  r->host->AddStoreScores(cache_rows, store_rows, fresh, r->store->scores(), n);
+  r->host->AddStoreScores(cache_rows, store_rows, fresh, r->store->meta() + 1, r->store->meta_stride(), n);
 }
 // A call's moves between the cache's arrays (l) and the host tier (store: HostStore::records()): the
-// evicted keys' records written back, then the new keys' read in (fresh ones left to StoreFresh).
+// evicted keys' records written back (with their marks and scores), then the new keys' read in
+// (fresh ones left to StoreFresh).
 inline absl::Status MoveRecords(const impl::CpuDevice&, const impl::StoreRecordLayout& l, const int64_t* evicted_slots,
                                 const int64_t* store_row_of, int64_t n_out, const int64_t* store_rows,
                                 const uint8_t* fresh, const int64_t* cache_rows, int64_t n_in, float* store) {
   for (int a = 0; a < l.arrays; ++a)
     impl::StoreWrite(l.cache[a], l.width[a], evicted_slots, store_row_of, n_out, store + l.offset[a], l.stride);
+  for (int64_t j = 0; j < n_out; ++j) {
+    int64_t* meta = reinterpret_cast<int64_t*>(store + store_row_of[evicted_slots[j]] * l.stride);
+    meta[0] = l.touched[j];
+    meta[1] = l.scores ? l.scores[j] : 0;
+  }
   for (int a = 0; a < l.arrays; ++a)
     impl::StoreRead(store + l.offset[a], l.stride, l.width[a], store_rows, fresh, cache_rows, n_in, l.cache[a]);
   return absl::OkStatus();
@@ -61,13 +63,9 @@ inline void StoreWrite(const impl::GpuDevice& d, const float* cache, int64_t wid
                 const int64_t* store_row_of, int64_t n, float* store, int64_t stride) {
   impl::GpuStoreWrite(d, cache, width, cache_rows, store_row_of, n, store, stride);
 }
-inline void StoreMarks(const impl::GpuDevice& d, const int64_t* cache_rows, const int64_t* calls, const int64_t* store_row_of,
-                int64_t n, int64_t* marks) {
-  impl::GpuStoreMarks(d, cache_rows, calls, store_row_of, n, marks);
-}
 inline void AddStoreScores(const impl::GpuDevice& d, IndexResource* r, const int64_t* cache_rows,
                            const int64_t* store_rows, const uint8_t* fresh, int64_t n) {
-  r->gpu->AddStoreScores(d, cache_rows, store_rows, fresh, r->store->scores(), n);
+  r->gpu->AddStoreScores(d, cache_rows, store_rows, fresh, r->store->meta() + 1, r->store->meta_stride(), n);
 }
 // On a GPU the evicted records are gathered into device memory first, then written back by the launch
 // that reads the new records in, so that the host link carries both directions at once.

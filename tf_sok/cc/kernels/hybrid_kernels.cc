@@ -273,8 +273,7 @@ class StoreTouchedSinceOp : public tf::OpKernel {
     }
     const impl::HostStore& store = *res->store;
     std::vector<uint8_t> pick(store.rows_used(), 0);
-    const int64_t* marks = store.marks();
-    for (int64_t r = 0; r < store.rows_used(); ++r) pick[r] = store.alive(r) && marks[r] >= first;
+    for (int64_t r = 0; r < store.rows_used(); ++r) pick[r] = store.alive(r) && store.mark(r) >= first;
     std::vector<int64_t> rows(cached_keys.size());
     store.Rows(cached_keys.data(), static_cast<int64_t>(cached_keys.size()), rows.data());
     for (int64_t r : rows)
