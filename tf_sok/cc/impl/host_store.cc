@@ -156,7 +156,7 @@ int64_t HostStore::MarkLoaded(const int64_t* rows, int64_t n, int64_t call) {
   for (int64_t j = 0; j < n; ++j) {
     added += !cached_[rows[j]];
     cached_[rows[j]] = 1;
-    meta()[rows[j] * meta_stride()] = call;
+    set_mark(rows[j], call);
   }
   return added;
 }
@@ -167,7 +167,7 @@ void HostStore::WrittenBack(const int64_t* keys, const int64_t* calls, const int
     if (r < 0) continue;
     cached_count_ -= cached_[r];
     cached_[r] = 0;
-    meta()[r * meta_stride()] = calls[j];
+    set_mark(r, calls[j]);
     // written back in order of last use (the cache's own eviction order, call after call), or by score
     order_[r] = scores ? scores[j] : ++written_back_;
     if (max_keys_ > 0) queue_.emplace(order_[r], keys[j], r);
@@ -210,7 +210,10 @@ std::string HostStore::Bound(std::vector<int64_t>* keys, std::vector<int64_t>* r
 }
 
 void HostStore::ClearMarks() {
-  for (int64_t r = 0; r < count_; ++r) meta()[r * meta_stride()] = meta()[r * meta_stride() + 1] = 0;
+  for (int64_t r = 0; r < count_; ++r) {
+    set_mark(r, 0);
+    meta()[r * meta_stride() + 1] = 0;   // (the score)
+  }
 }
 
 void StoreWrite(const float* cache, int64_t width, const int64_t* cache_rows, const int64_t* store_row_of, int64_t n,
