@@ -5,6 +5,16 @@ memory, in one run.
                                     [--cache-share 0.1] [--dists zipf:1.05 zipf:1.2 uniform]
                                     [--evict lru lfu] [--warmup 100] [--iters 10] [--rounds 5]
     python benchmarks/tier_bench.py --quick         (small sizes, any device)
+    python benchmarks/tier_bench.py --find [--find-keys 67108864] [--find-dim 64] [--find-batch 1048576]
+                                    [--find-shares 0.5 0.1]
+
+--find measures the hybrid table's lookup alone against HierarchicalKV's hybrid find (the issue's
+anchor: dim 64, 128M keys, half the values in HBM, 1M random held keys per call, A100: find
+0.118-0.148 G-KV/s, find_or_insert 0.079-0.122): one dynamic table of --find-keys keys (every key
+inserted first), forward lookups (`sok.lookup_sparse`, no gradient) of --find-batch uniform random
+held keys per call, as G keys/s, with a cache of each --find-shares of the values and all in device
+memory. A miss here takes the key's row into the cache (and writes back an evicted one), which
+HierarchicalKV's find does not: it reads the row over the link where it is.
 
 The DLRM-like step: `--tables` dynamic tables of `--keys` keys each (every key inserted before the
 timed steps, so the tables hold their full size; `--static`: `sok.Variable`s of `--keys` rows, with a
@@ -146,6 +156,52 @@ class Runner:
         return res
 
 
+def find_rate(a, device, share):
+    """G keys/s of forward lookups of random held keys in one table (share None: all in device memory),
+    and the hit rate over the timed calls."""
+    with tf.device(device):
+        kw = dict(init_capacity=a.find_keys + 1) if share is None else \
+            dict(var_type="hybrid", max_hbm_for_vectors=share * a.find_keys * a.find_dim * 4 / 2**30)
+        t = sok.DynamicVariable(a.find_dim, initializer="uniform", name=f"find_{share}", **kw)
+        every = np.arange(a.find_keys, dtype=np.int64) * HASH
+        for lo in range(0, a.find_keys, 1 << 20):
+            t.rows_for(tf.constant(every[lo:lo + (1 << 20)]))
+        del every
+        rng = np.random.default_rng(11)
+        splits = tf.range(a.find_batch + 1, dtype=tf.int64)
+        calls = [tf.RaggedTensor.from_row_splits(tf.constant(rng.integers(0, a.find_keys, a.find_batch) * HASH),
+                                                 splits) for _ in range(a.iters + 3)]
+        look = tf.function(lambda ids: tf.reduce_sum(sok.lookup_sparse(t, ids, combiners="sum")[0:1]))
+        for ids in calls[:3]:
+            look(ids).numpy()
+        before = sok.cache_stats(t) if share is not None else None
+        times = []
+        for ids in calls[3:]:
+            t0 = time.perf_counter()
+            look(ids).numpy()
+            times.append(time.perf_counter() - t0)
+        hit = None
+        if before:
+            after = sok.cache_stats(t)
+            hit = 1 - (after["misses"] - before["misses"]) / (after["lookups"] - before["lookups"])
+    del t, look
+    gc.collect()
+    return a.find_batch / float(np.median(times)) / 1e9, hit
+
+
+def find_section(a, device):
+    print(f"hybrid find: one table of {a.find_keys:,} keys x dim {a.find_dim} "
+          f"({a.find_keys * a.find_dim * 4 / 1e9:.1f} GB of values), {a.find_batch:,} random held keys per lookup; "
+          f"HierarchicalKV's hybrid find (A100, half the values in HBM): 0.118-0.148 G-KV/s", flush=True)
+    out = {}
+    for share in [None, *a.find_shares]:
+        rate, hit = find_rate(a, device, share)
+        what = "all in device memory" if share is None else f"cache {share:.0%} of the values"
+        print(f"  {what:28s} {rate:6.3f} G keys/s" + ("" if hit is None else f" | hit rate {hit:.3f}"), flush=True)
+        out["hbm" if share is None else f"share_{share}"] = {"gkeys_s": rate, "hit_rate": hit}
+    return out
+
+
 def main():
     gpu = bool(tf.config.list_physical_devices("GPU"))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,14 +222,26 @@ def main():
     p.add_argument("--static", action="store_true",
                    help="static tables (sok.Variable with max_hbm_for_vectors) against plain sok.Variables")
     p.add_argument("--no-prefetch", action="store_true", help="skip the hybrid run with sok.prefetch")
+    p.add_argument("--find", action="store_true", help="the hybrid find against HierarchicalKV's (only that)")
+    p.add_argument("--find-keys", type=int, default=1 << 26)
+    p.add_argument("--find-dim", type=int, default=64)
+    p.add_argument("--find-batch", type=int, default=1 << 20)
+    p.add_argument("--find-shares", type=float, nargs="+", default=[0.5, 0.1])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json")
     a = p.parse_args()
     if a.quick:
         a.tables, a.keys, a.dim, a.batch, a.iters, a.warmup, a.link_mib = 2, 20_000, 16, 2048, 3, 2, 64
+        a.find_keys, a.find_dim, a.find_batch = 200_000, 16, 16_384
     if a.static:
         a.evict = ["lru"]   # a static table's host tier evicts the least recently used rows
     device = "/GPU:0" if gpu else "/CPU:0"
+    if a.find:
+        out = find_section(a, device)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return
     total = a.tables * a.keys * 2 * a.dim * 4
     kind = "static" if a.static else "dynamic"
     print(f"tier_bench on {device}: {a.tables} {kind} tables x {a.keys:,} keys x dim {a.dim} + Adagrad state = "
