@@ -184,8 +184,6 @@ def find_rate(a, device, share):
         if before:
             after = sok.cache_stats(t)
             hit = 1 - (after["misses"] - before["misses"]) / (after["lookups"] - before["lookups"])
-    del t, look
-    gc.collect()
     return a.find_batch / float(np.median(times)) / 1e9, hit
 
 
@@ -196,6 +194,7 @@ def find_section(a, device):
     out = {}
     for share in [None, *a.find_shares]:
         rate, hit = find_rate(a, device, share)
+        gc.collect()   # the lookup's tf.function holds its table in a reference cycle
         what = "all in device memory" if share is None else f"cache {share:.0%} of the values"
         print(f"  {what:28s} {rate:6.3f} G keys/s" + ("" if hit is None else f" | hit rate {hit:.3f}"), flush=True)
         out["hbm" if share is None else f"share_{share}"] = {"gkeys_s": rate, "hit_rate": hit}
