@@ -334,6 +334,33 @@ def test_a_bounded_hybrid_tables_keys_follow_the_cache_model(rng, policy, budget
     assert sok.cache_stats(table)["dropped"] > 0
 
 
+@pytest.mark.parametrize("budget_rows,capacity", [(1, None), (7, None), (7, 30)])
+def test_an_lfu_tables_counts_come_back_from_a_checkpoint(rng, tmp_path, budget_rows, capacity):
+    """An LFU hybrid table's checkpoint holds every key's count, cached or in host memory: a new table
+    restored from it midway goes on as the plain-Python cache model of all the calls says (keys
+    missed, taken in, written back, dropped, held), which counts restarted at the restore would not."""
+    pool = random_keys(rng, 90)
+    batches = [rng.choice(pool, rng.integers(1, 12), p=_zipf(90)) for _ in range(90)]
+    kw = dict(initializer="uniform", var_type="hybrid", max_hbm_for_vectors=_gib(budget_rows, [DIM]),
+              evict_strategy="lfu", max_capacity=capacity)
+    table = sok.DynamicVariable(DIM, name=f"lfuck{budget_rows}{capacity}a", **kw)
+    model = _cache_model(budget_rows, batches, "lfu", capacity)
+    names = ("misses", "loaded", "new_keys", "evicted", "dropped")
+    for b in batches[:45]:
+        tf.gather(table, tf.constant(b))
+    path = tf.train.Checkpoint(table=table).write(str(tmp_path / "ck"))
+    twin = sok.DynamicVariable(DIM, name=f"lfuck{budget_rows}{capacity}b", **kw)
+    tf.train.Checkpoint(table=twin).read(path).assert_consumed()
+    before = sok.cache_stats(twin)
+    for step, (b, (*want, keys)) in enumerate(zip(batches[45:], model[45:]), 45):
+        np.testing.assert_array_equal(tf.gather(twin, tf.constant(b)).numpy(), tf.gather(table, tf.constant(b)).numpy())
+        now = sok.cache_stats(twin)
+        assert [now[k] - before[k] for k in names] == want, step
+        assert set(sok.export(twin)[0].numpy().tolist()) == keys, step
+        before = now
+    assert sok.cache_stats(twin)["evicted"] > 0
+
+
 @pytest.mark.parametrize("budget_rows", [2, 10**6])
 def test_a_batch_over_a_bounded_hybrid_tables_capacity_is_refused_unchanged(rng, budget_rows):
     """A lookup whose own keys exceed a hybrid table's max_capacity is an InvalidArgumentError naming

@@ -109,8 +109,8 @@ class _KeyIndex(resource_lib.TrackableResource):
         out = {}
         with tf.device(self._resource_device):
             if self._attrs.get("cache_bytes", -1) >= 0:   # the host tier, its rows current first
-                keys, rows, _ = ops().tf_sok_dynamic_store_export(self.resource_handle)
-                out.update(store_keys=keys, store_rows=rows)
+                keys, rows, _, scores = ops().tf_sok_dynamic_store_export(self.resource_handle)
+                out.update(store_keys=keys, store_rows=rows, store_scores=scores)
                 with tf.control_dependencies([keys, rows]):
                     parts = ops().tf_sok_dynamic_export(self.resource_handle)
             else:
@@ -129,7 +129,8 @@ class _KeyIndex(resource_lib.TrackableResource):
                                  f"has no host tier for it (saved from a table without max_hbm_for_vectors?)")
             with tf.control_dependencies([done] if done is not None else []):
                 return ops().tf_sok_dynamic_store_import(self.resource_handle, restored_tensors["store_keys"],
-                                                         restored_tensors["store_rows"], clear_cache=False)
+                                                         restored_tensors["store_rows"],
+                                                         restored_tensors["store_scores"], clear_cache=False)
 
 
 _EXPORT_PARTS = ("keys", "slots", "scores", "generations", "candidate_keys", "candidate_counts", "counters")
@@ -382,7 +383,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
             with tf.device(self._index_device):
                 return keys, [self._base_gather(rows) if a is self else tf.gather(a, rows) for a in arrays]
         with tf.device(self._index_device):
-            keys, rows, widths = ops().tf_sok_dynamic_store_export(self._index.resource_handle)
+            keys, rows, widths, _ = ops().tf_sok_dynamic_store_export(self._index.resource_handle)
         bounds = np.concatenate([[0], np.cumsum(widths.numpy())])
         out = []
         for a, i in zip(arrays, where):
@@ -402,7 +403,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
                  for a, f in zip(self._attached[1:], self._fills[1:])]
         with tf.device(self._index_device):
             ops().tf_sok_dynamic_store_import(self._index.resource_handle, keys, tf.concat([values] + state, 1),
-                                              clear_cache=True)
+                                              tf.zeros([0], tf.int64), clear_cache=True)
 
     def state_fills(self) -> list:
         """The value a new key's row of each attached array takes after the values (attach order)."""
@@ -451,12 +452,12 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         """Takes `keys` (those held; None: every key) out of the table; their rows become free. Eager only."""
         if self._hybrid:
             with tf.device(self._index_device):
-                held, rows, _ = ops().tf_sok_dynamic_store_export(self._index.resource_handle)
-                held, rows = held.numpy(), rows.numpy()
+                held, rows, _, counts = ops().tf_sok_dynamic_store_export(self._index.resource_handle)
+                held, rows, counts = held.numpy(), rows.numpy(), counts.numpy()
                 keep = np.zeros(len(held), bool) if keys is None else \
                     ~np.isin(held, np.asarray(keys, np.int64).reshape(-1))
                 ops().tf_sok_dynamic_store_import(self._index.resource_handle, tf.constant(held[keep]),
-                                                  tf.constant(rows[keep]), clear_cache=True)
+                                                  tf.constant(rows[keep]), tf.constant(counts[keep]), clear_cache=True)
             return
         with tf.device(self._index_device):
             parts = [p.numpy() for p in ops().tf_sok_dynamic_export(self._index.resource_handle)]

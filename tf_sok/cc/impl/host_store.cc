@@ -116,7 +116,7 @@ void HostStore::Rows(const int64_t* keys, int64_t n, int64_t* rows) const {
 }
 
 std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector<const float*>& data,
-                               int64_t pitch) {
+                               int64_t pitch, const int64_t* scores) {
   if (data.size() != arrays_.size())
     return "its host tier has " + std::to_string(arrays_.size()) + " arrays, " + std::to_string(data.size()) +
            " given";
@@ -145,6 +145,8 @@ std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector
   ClearMarks();
   order_.resize(n);
   for (int64_t j = 0; j < n; ++j) order_[j] = j - n;
+  if (scores)
+    for (int64_t j = 0; j < n; ++j) meta()[j * meta_stride() + 1] = order_[j] = scores[j];
   Requeue();
   return "";
 }

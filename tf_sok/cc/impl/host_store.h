@@ -128,8 +128,11 @@ class HostStore {
   // fills) and get their row, fresh[j] = 1 (else 0). "" or an error (nothing added then).
   std::string AddAbsent(const int64_t* keys, int64_t n, int64_t* rows, uint8_t* fresh);
   // Replaces the contents: keys[n] and, per array, its rows: row j of array a at data[a] + j * pitch.
-  // A bound drops the keys not cached in the order given (before any key a later call touches).
-  std::string Replace(const int64_t* keys, int64_t n, const std::vector<const float*>& data, int64_t pitch);
+  // A bound drops the keys not cached in the order given (before any key a later call touches) or,
+  // given scores (an LFU table's counts, scores[n]: kept as the keys' scores), in the order of
+  // (score, key), as WrittenBack orders them.
+  std::string Replace(const int64_t* keys, int64_t n, const std::vector<const float*>& data, int64_t pitch,
+                      const int64_t* scores = nullptr);
 
  private:
   std::string Reserve(int64_t rows);

@@ -179,8 +179,10 @@ class HostLinkBandwidthOp : public tf::OpKernel {
 };
 
 // A hybrid table's store rows `picked` (every key's when null) as outputs keys [n], rows [n, sum of
-// the arrays' widths] and widths, after the cached rows were written back (Flush).
-absl::Status StoreRowsOut(tf::OpKernelContext* ctx, const impl::HostStore& store, const std::vector<int64_t>* picked) {
+// the arrays' widths] and widths, after the cached rows were written back (Flush); and, where the op
+// has a fourth output, scores [n]: score_of_row[r] of each (0 without score_of_row).
+absl::Status StoreRowsOut(tf::OpKernelContext* ctx, const impl::HostStore& store, const std::vector<int64_t>* picked,
+                          const std::vector<int64_t>* score_of_row = nullptr) {
   std::vector<int64_t> every;
   if (!picked) {
     for (int64_t r = 0; r < store.rows_used(); ++r)
@@ -196,6 +198,11 @@ absl::Status StoreRowsOut(tf::OpKernelContext* ctx, const impl::HostStore& store
   TF_RETURN_IF_ERROR(ctx->allocate_output(2, tf::TensorShape({store.num_arrays()}), &widths));
   auto row = [&](int64_t j) { return (*picked)[j]; };
   for (int64_t j = 0; j < n; ++j) keys->flat<int64_t>()(j) = store.keys()[row(j)];
+  if (ctx->num_outputs() > 3) {
+    tf::Tensor* scores = nullptr;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(3, tf::TensorShape({n}), &scores));
+    for (int64_t j = 0; j < n; ++j) scores->flat<int64_t>()(j) = score_of_row ? (*score_of_row)[row(j)] : 0;
+  }
   float* out = rows->flat<float>().data();
   for (int i = 0, at = 0; i < store.num_arrays(); at += store.width(i), ++i) {
     widths->flat<int64_t>()(i) = store.width(i);
@@ -216,16 +223,30 @@ class StoreExportOp : public tf::OpKernel {
     tf::mutex_lock l(res->mu);
     OP_REQUIRES_OK(ctx, Flush(ctx, res.get()));
     const impl::HostStore& store = *res->store;
-    if (store.max_keys() <= 0) {
+    const bool bounded = store.max_keys() > 0;
+    if (!bounded && !res->lfu) {
       OP_REQUIRES_OK(ctx, StoreRowsOut(ctx, store, nullptr));
       return;
     }
-    // a bounded store's keys in the order its bound drops them (restored so): those not cached in
-    // that order, then the cached ones by (cache score, key)
     impl::DynamicIndexSnapshot snap;
     OP_REQUIRES_OK(ctx, ExportIndex(ctx, res.get(), &snap));
     std::vector<int64_t> cached_rows(snap.keys.size());
     store.Rows(snap.keys.data(), static_cast<int64_t>(snap.keys.size()), cached_rows.data());
+    // an LFU table's counts: the cache's of the keys cached, those the others were written back with
+    std::vector<int64_t> score_of_row;
+    if (res->lfu) {
+      score_of_row.resize(store.rows_used());
+      for (int64_t r = 0; r < store.rows_used(); ++r) score_of_row[r] = store.score(r);
+      for (size_t j = 0; j < snap.keys.size(); ++j)
+        if (cached_rows[j] >= 0) score_of_row[cached_rows[j]] = snap.scores[j];
+    }
+    const std::vector<int64_t>* scores = res->lfu ? &score_of_row : nullptr;
+    if (!bounded) {
+      OP_REQUIRES_OK(ctx, StoreRowsOut(ctx, store, nullptr, scores));
+      return;
+    }
+    // a bounded store's keys in the order its bound drops them (restored so): those not cached in
+    // that order, then the cached ones by (cache score, key)
     std::vector<uint8_t> cached(store.rows_used(), 0);
     std::vector<std::tuple<int64_t, int64_t, int64_t>> hot;   // (score, key, row)
     for (size_t j = 0; j < snap.keys.size(); ++j) {
@@ -241,7 +262,7 @@ class StoreExportOp : public tf::OpKernel {
     std::vector<int64_t> picked;
     for (const auto& c : cold) picked.push_back(std::get<2>(c));
     for (const auto& h : hot) picked.push_back(std::get<2>(h));
-    OP_REQUIRES_OK(ctx, StoreRowsOut(ctx, store, &picked));
+    OP_REQUIRES_OK(ctx, StoreRowsOut(ctx, store, &picked, scores));
   }
 };
 
@@ -295,6 +316,15 @@ class StoreImportOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, GetHybridIndex(ctx, &res));
     const tf::Tensor& keys = ctx->input(1);
     const tf::Tensor& rows = ctx->input(2);
+    const tf::Tensor& scores = ctx->input(3);
+    const int64_t given = scores.NumElements();
+    OP_REQUIRES(ctx, scores.dims() == 1 && (given == 0 || given == keys.NumElements()),
+                Failed(*res, ": restoring its host tier: ", "expected scores [0] or [" +
+                       std::to_string(keys.NumElements()) + "], got " + scores.shape().DebugString()));
+    for (int64_t j = 0; j < given; ++j)
+      OP_REQUIRES(ctx, scores.flat<int64_t>()(j) >= 0,
+                  Failed(*res, ": restoring its host tier: ", "key " + std::to_string(keys.flat<int64_t>()(j)) +
+                         " has the negative count " + std::to_string(scores.flat<int64_t>()(j))));
     tf::mutex_lock l(res->mu);
     impl::HostStore& store = *res->store;
     int64_t total = 0;
@@ -319,7 +349,8 @@ class StoreImportOp : public tf::OpKernel {
 #endif
     std::vector<const float*> data;   // array i's rows: `total` floats apart in the input
     for (int i = 0, at = 0; i < store.num_arrays(); at += store.width(i), ++i) data.push_back(rows.flat<float>().data() + at);
-    const std::string error = store.Replace(keys.flat<int64_t>().data(), n, data, total);
+    const std::string error = store.Replace(keys.flat<int64_t>().data(), n, data, total,
+                                            res->lfu && given > 0 ? scores.flat<int64_t>().data() : nullptr);
     OP_REQUIRES(ctx, error.empty(), Failed(*res, ": restoring its host tier: ", error));
     OP_REQUIRES_OK(ctx, RelinkCache(ctx, res.get(), true));
   }
@@ -340,7 +371,8 @@ REGISTER_KERNEL_BUILDER(Name("TfSokDynamicStoreExport")
                             .HostMemory("index")
                             .HostMemory("keys")
                             .HostMemory("rows")
-                            .HostMemory("widths"),
+                            .HostMemory("widths")
+                            .HostMemory("scores"),
                         StoreExportOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicStoreTouchedSince")
                             .Device(tf::DEVICE_GPU)
@@ -354,7 +386,8 @@ REGISTER_KERNEL_BUILDER(Name("TfSokDynamicCacheStats").Device(tf::DEVICE_GPU).Ho
                         CacheStatsOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokHostLinkBandwidth").Device(tf::DEVICE_GPU).HostMemory("gbps"), HostLinkBandwidthOp);
 REGISTER_KERNEL_BUILDER(
-    Name("TfSokDynamicStoreImport").Device(tf::DEVICE_GPU).HostMemory("index").HostMemory("keys").HostMemory("rows"),
+    Name("TfSokDynamicStoreImport").Device(tf::DEVICE_GPU).HostMemory("index").HostMemory("keys").HostMemory("rows")
+        .HostMemory("scores"),
     StoreImportOp);
 #endif
 

@@ -16,6 +16,7 @@ absl::Status StoreRowsShape(InferenceContext* c) {
   c->set_output(0, c->Vector(c->UnknownDim()));
   c->set_output(1, c->Matrix(c->UnknownDim(), c->UnknownDim()));
   c->set_output(2, c->Vector(c->UnknownDim()));
+  if (c->num_outputs() > 3) c->set_output(3, c->Vector(c->UnknownDim()));
   return absl::OkStatus();
 }
 
@@ -222,12 +223,15 @@ REGISTER_OP("TfSokDynamicStoreExport")
     .Output("keys: int64")
     .Output("rows: float")
     .Output("widths: int64")
+    .Output("scores: int64")
     .SetIsStateful()
     .SetShapeFn(StoreRowsShape)
     .Doc(R"doc(
 A hybrid table's every key and its rows, after the cached rows are written back
 to the host store (they stay cached). rows [n, sum(widths)]: each key's row of
-every attached array side by side, in attach order (the values first).
+every attached array side by side, in attach order (the values first). scores:
+an LFU table's count of each key (the calls that used it, cached or not; 0 for
+other tables), which TfSokDynamicStoreImport takes back.
 )doc");
 
 REGISTER_OP("TfSokDynamicCacheStats")
@@ -286,13 +290,16 @@ REGISTER_OP("TfSokDynamicStoreImport")
     .Input("index: resource")
     .Input("keys: int64")
     .Input("rows: float")
+    .Input("scores: int64")
     .Attr("clear_cache: bool = true")
     .SetIsStateful()
     .SetShapeFn(::tensorflow::shape_inference::NoOutputs)
     .Doc(R"doc(
 Replaces a hybrid table's host store with keys and their rows (laid out as
-TfSokDynamicStoreExport gives them). clear_cache: the cache drops its keys first
-(else the caller restores the cache itself, as a checkpoint does).
+TfSokDynamicStoreExport gives them) and, for an LFU table, their counts (scores
+[n], as the export gives them; empty: every count 0). clear_cache: the cache
+drops its keys first (else the caller restores the cache itself, as a
+checkpoint does).
 )doc");
 
 }  // namespace tf_sok
