@@ -105,6 +105,37 @@ def test_gpu_hybrid_checkpoint_restores_on_the_cpu_and_back(rng, tmp_path):
     _assert_same_tables(gpu, cpu, opt_g, opt_c, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("capacity", [None, 300])
+def test_gpu_lfu_counts_come_back_from_a_checkpoint_on_either_device(rng, tmp_path, capacity):
+    """An LFU hybrid table saved on the GPU midway, restored into new tables on the GPU and on the
+    CPU: both go on as the cache model of all the calls says (the counts of keys cached and in host
+    memory came back)."""
+    pool = random_keys(rng, 1000)
+    batches = [rng.choice(pool, rng.integers(1, 200), p=_zipf(1000)) for _ in range(24)]
+    kw = dict(initializer="uniform", var_type="hybrid", max_hbm_for_vectors=_gib(60, [DIM]), evict_strategy="lfu",
+              max_capacity=capacity)
+    model = _cache_model(60, batches, "lfu", capacity)
+    with tf.device("/GPU:0"):
+        saved = sok.DynamicVariable(DIM, name=f"glfu{capacity}", **kw)
+        for b in batches[:12]:
+            tf.gather(saved, tf.constant(b))
+    path = tf.train.Checkpoint(t=saved).write(str(tmp_path / "ck"))
+    names = ("misses", "loaded", "new_keys", "evicted", "dropped")
+    for device in ("/GPU:0", "/CPU:0"):
+        with tf.device(device):
+            table = sok.DynamicVariable(DIM, name=f"glfu{capacity}{device[1]}", **kw)
+        tf.train.Checkpoint(t=table).read(path).assert_consumed()
+        before = sok.cache_stats(table)
+        for step, (b, (*want, keys)) in enumerate(zip(batches[12:], model[12:]), 12):
+            with tf.device(device):
+                tf.gather(table, tf.constant(b))
+            now = sok.cache_stats(table)
+            assert [now[k] - before[k] for k in names] == want, (device, step)
+            assert set(sok.export(table)[0].numpy().tolist()) == keys, (device, step)
+            before = now
+        assert sok.cache_stats(table)["evicted"] > 0
+
+
 def test_host_link_bandwidth_is_measured_each_way():
     got = sok.host_link_bandwidth(64, repeats=2)
     assert set(got) == {"copy_to_device", "copy_to_host", "read_in_place", "write_in_place"}
