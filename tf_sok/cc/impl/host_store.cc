@@ -145,8 +145,10 @@ std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector
   ClearMarks();
   order_.resize(n);
   for (int64_t j = 0; j < n; ++j) order_[j] = j - n;
-  if (scores)
-    for (int64_t j = 0; j < n; ++j) meta()[j * meta_stride() + 1] = order_[j] = scores[j];
+  for (int64_t j = 0; scores != nullptr && j < n; ++j) {
+    set_score(j, scores[j]);
+    order_[j] = scores[j];
+  }
   Requeue();
   return "";
 }
@@ -214,7 +216,7 @@ std::string HostStore::Bound(std::vector<int64_t>* keys, std::vector<int64_t>* r
 void HostStore::ClearMarks() {
   for (int64_t r = 0; r < count_; ++r) {
     set_mark(r, 0);
-    meta()[r * meta_stride() + 1] = 0;   // (the score)
+    set_score(r, 0);
   }
 }
 

@@ -95,6 +95,7 @@ class HostStore {
   int64_t mark(int64_t r) const { return reinterpret_cast<const int64_t*>(records_)[r * meta_stride()]; }
   int64_t score(int64_t r) const { return reinterpret_cast<const int64_t*>(records_)[r * meta_stride() + 1]; }
   void set_mark(int64_t r, int64_t mark) { meta()[r * meta_stride()] = mark; }
+  void set_score(int64_t r, int64_t score) { meta()[r * meta_stride() + 1] = score; }
   void ClearMarks();   // marks and scores (after the index was replaced)
 
   // A bound on the keys held (0: none). The cache's keys are tracked: Loaded marks rows taken into
