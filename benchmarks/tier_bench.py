@@ -6,15 +6,16 @@ memory, in one run.
                                     [--evict lru lfu] [--warmup 100] [--iters 10] [--rounds 5]
     python benchmarks/tier_bench.py --quick         (small sizes, any device)
     python benchmarks/tier_bench.py --find [--find-keys 67108864] [--find-dim 64] [--find-batch 1048576]
-                                    [--find-shares 0.5 0.1]
+                                    [--find-shares 0.5 0.1] [--find-dist uniform]
 
 --find measures the hybrid table's lookup alone against HierarchicalKV's hybrid find (the issue's
 anchor: dim 64, 128M keys, half the values in HBM, 1M random held keys per call, A100: find
 0.118-0.148 G-KV/s, find_or_insert 0.079-0.122): one dynamic table of --find-keys keys (every key
-inserted first), forward lookups (`sok.lookup_sparse`, no gradient) of --find-batch uniform random
-held keys per call, as G keys/s, with a cache of each --find-shares of the values and all in device
-memory. A miss here takes the key's row into the cache (and writes back an evicted one), which
-HierarchicalKV's find does not: it reads the row over the link where it is.
+inserted first), forward lookups (`sok.lookup_sparse`, no gradient) of --find-batch held keys per
+call (uniform, or --find-dist), as G keys/s, with a cache of each --find-shares of the values and all in device
+memory; each two ways: training lookups (a miss takes the key's row into the cache and writes back
+an evicted one), then lookups that do not train (`training=False`: a key not cached is read from
+host memory where it is, as HierarchicalKV's find does, and nothing changes).
 
 The DLRM-like step: `--tables` dynamic tables of `--keys` keys each (every key inserted before the
 timed steps, so the tables hold their full size; `--static`: `sok.Variable`s of `--keys` rows, with a
@@ -157,8 +158,10 @@ class Runner:
 
 
 def find_rate(a, device, share):
-    """G keys/s of forward lookups of random held keys in one table (share None: all in device memory),
-    and the hit rate over the timed calls."""
+    """For one table of random held keys (share None: all in device memory): G keys/s of lookups that
+    do not train (`training=False`: a key not cached is read from host memory in place) and of
+    training lookups without their gradient (a miss moves the key's row into the cache), the
+    training lookups' hit rate, and the reads' bytes from host memory per call."""
     with tf.device(device):
         kw = dict(init_capacity=a.find_keys + 1) if share is None else \
             dict(var_type="hybrid", max_hbm_for_vectors=share * a.find_keys * a.find_dim * 4 / 2**30)
@@ -169,35 +172,56 @@ def find_rate(a, device, share):
         del every
         rng = np.random.default_rng(11)
         splits = tf.range(a.find_batch + 1, dtype=tf.int64)
-        calls = [tf.RaggedTensor.from_row_splits(tf.constant(rng.integers(0, a.find_keys, a.find_batch) * HASH),
-                                                 splits) for _ in range(a.iters + 3)]
-        look = tf.function(lambda ids: tf.reduce_sum(sok.lookup_sparse(t, ids, combiners="sum")[0:1]))
-        for ids in calls[:3]:
-            look(ids).numpy()
-        before = sok.cache_stats(t) if share is not None else None
-        times = []
-        for ids in calls[3:]:
-            t0 = time.perf_counter()
-            look(ids).numpy()
-            times.append(time.perf_counter() - t0)
-        hit = None
-        if before:
-            after = sok.cache_stats(t)
-            hit = 1 - (after["misses"] - before["misses"]) / (after["lookups"] - before["lookups"])
-    return a.find_batch / float(np.median(times)) / 1e9, hit
+        out = {}
+        for training in (True, False):   # (the training lookups first: they fill the cache with hot keys)
+            # (each kind its own calls: the reads' keys are not those the training lookups just cached)
+            calls = [tf.RaggedTensor.from_row_splits(
+                tf.constant(ids_for(rng, a.find_keys, a.find_batch, a.find_dist) * HASH), splits)
+                for _ in range(a.iters + 3)]
+            look = tf.function(lambda ids: tf.reduce_sum(
+                sok.lookup_sparse(t, ids, combiners="sum", training=training)[0:1]))
+            for ids in calls[:3]:
+                look(ids).numpy()
+            before = sok.cache_stats(t) if share is not None else None
+            times = []
+            for ids in calls[3:]:
+                t0 = time.perf_counter()
+                look(ids).numpy()
+                times.append(time.perf_counter() - t0)
+            sec = float(np.median(times))
+            res = {"gkeys_s": a.find_batch / sec / 1e9}
+            if before:
+                after = sok.cache_stats(t)
+                d = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
+                if training:
+                    res["hit_rate"] = 1 - d["misses"] / d["lookups"]
+                else:
+                    res["host_bytes_per_call"] = d["bytes_read_in_place"] / len(times)
+                    res["host_gb_s"] = res["host_bytes_per_call"] / sec / 1e9
+            out["find" if training else "read"] = res
+    return out
 
 
 def find_section(a, device):
     print(f"hybrid find: one table of {a.find_keys:,} keys x dim {a.find_dim} "
-          f"({a.find_keys * a.find_dim * 4 / 1e9:.1f} GB of values), {a.find_batch:,} random held keys per lookup; "
+          f"({a.find_keys * a.find_dim * 4 / 1e9:.1f} GB of values), {a.find_batch:,} held keys per lookup "
+          f"({a.find_dist}); "
           f"HierarchicalKV's hybrid find (A100, half the values in HBM): 0.118-0.148 G-KV/s", flush=True)
     out = {}
     for share in [None, *a.find_shares]:
-        rate, hit = find_rate(a, device, share)
+        res = find_rate(a, device, share)
         gc.collect()   # the lookup's tf.function holds its table in a reference cycle
         what = "all in device memory" if share is None else f"cache {share:.0%} of the values"
-        print(f"  {what:28s} {rate:6.3f} G keys/s" + ("" if hit is None else f" | hit rate {hit:.3f}"), flush=True)
-        out["hbm" if share is None else f"share_{share}"] = {"gkeys_s": rate, "hit_rate": hit}
+        read, find = res["read"], res["find"]
+        line = f"  {what:28s} read (training=False) {read['gkeys_s']:6.3f} G keys/s"
+        if "host_gb_s" in read:
+            line += (f" ({read['host_bytes_per_call'] / 1e6:.1f} MB from host memory per call, "
+                     f"{read['host_gb_s']:.1f} GB/s)")
+        line += f" | training lookup {find['gkeys_s']:6.3f} G keys/s"
+        if "hit_rate" in find:
+            line += f", hit rate {find['hit_rate']:.3f}"
+        print(line, flush=True)
+        out["hbm" if share is None else f"share_{share}"] = res
     return out
 
 
@@ -226,6 +250,7 @@ def main():
     p.add_argument("--find-dim", type=int, default=64)
     p.add_argument("--find-batch", type=int, default=1 << 20)
     p.add_argument("--find-shares", type=float, nargs="+", default=[0.5, 0.1])
+    p.add_argument("--find-dist", default="uniform", help="the --find keys' distribution (uniform, zipf:A)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json")
     a = p.parse_args()

@@ -9,6 +9,7 @@ import tf_sok as sok
 from tests.helpers import to_ragged
 from tests.python.test_dynamic import random_keys
 from tests.python.test_hybrid import DIM, OPTIMIZERS, _assert_same_tables, _cache_model, _gib, _slot_widths, _zipf
+from tests.python.test_read_lookup import check_read
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
                                                   reason="no GPU visible to TensorFlow")]
@@ -134,6 +135,13 @@ def test_gpu_lfu_counts_come_back_from_a_checkpoint_on_either_device(rng, tmp_pa
             assert set(sok.export(table)[0].numpy().tolist()) == keys, (device, step)
             before = now
         assert sok.cache_stats(table)["evicted"] > 0
+
+
+@pytest.mark.parametrize("budget_rows", [None, 0, 16])
+def test_gpu_read_gives_values_and_initial_values_and_changes_nothing(rng, budget_rows):
+    """Lookups with training=False on the GPU (ReadRowsKernel: rows of width 4 as float4 words, of
+    width 6 as floats; a hybrid table's keys not cached read from pinned host memory in place)."""
+    check_read(rng, budget_rows, "/GPU:0", keys=400, dims=(DIM, 6), batch=300)
 
 
 def test_host_link_bandwidth_is_measured_each_way():

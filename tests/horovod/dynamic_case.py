@@ -85,6 +85,27 @@ def loss_fn(tables, dense_w, feats, target, **lookup_kw):
     return tf.reduce_mean(tf.reduce_sum(x * target * dense_w, 1) + 0.1 * tf.reduce_sum(x * x, 1))
 
 
+def read_batch(seed):
+    """A global batch for a lookup that does not train: the hybrid scenario's ids, a third of the
+    dynamic tables' replaced by keys no step used."""
+    feats, _ = global_batch(seed, STEPS, HYBRID_POOL, hybrid=True)
+    rng = np.random.default_rng(seed + 5)
+    for name, table, _ in FEATURES:
+        if TABLES[table][1] is not None:
+            lens, ids = feats[name]
+            new = rng.integers(-2**63, 2**63 - 1, len(ids), dtype=np.int64, endpoint=True)
+            feats[name] = (lens, np.where(rng.random(len(ids)) < 0.3, new, ids))
+    return feats
+
+
+def read_outputs(tables, feats):
+    """The lookup of feats with training=False (every table read, none changed), [b, 15]."""
+    ids = [tf.RaggedTensor.from_row_lengths(feats[f][1], tf.cast(feats[f][0], tf.int64)) for f, _, _ in FEATURES]
+    outs = sok.lookup_sparse([tables[t] for _, t, _ in FEATURES], ids, combiners=[c for _, _, c in FEATURES],
+                             feature_names=[f for f, _, _ in FEATURES], training=False)
+    return tf.concat(outs, 1).numpy()
+
+
 def dense_init():
     return np.linspace(0.5, 1.5, 15).astype(np.float32)
 

@@ -249,7 +249,9 @@ def test_dynamic_tables_train_like_one_process(tmp_path, seed, n, scenario):
     SOK's scripts are (comm_tool, OptimizerWrapper over a tf_keras legacy optimizer). hybrid_training:
     the ranks' tables, static and dynamic, have host tiers (3 cached rows) and prefetch each next
     batch's keys, the one process's none; filtered_hybrid_training: so, under the low-frequency
-    filter (ratio 0.5) in both."""
+    filter (ratio 0.5) in both. Then each rank reads its slice of a batch with training=False (keys
+    new to the tables among them) before its results are taken: the outputs are the one process's,
+    and no table changed."""
     import tf_keras
 
     from tests.horovod import dynamic_case as dc
@@ -266,6 +268,11 @@ def test_dynamic_tables_train_like_one_process(tmp_path, seed, n, scenario):
     batches = [dc.global_batch(seed, s, pool, hybrid) for s in range(dc.STEPS)]
     dc.train(tables, dense_w, batches, sparse_opt=sparse_opt, **(dc.FILTER if scenario.startswith("filtered") else {}))
     ref = dc.results(tables, dense_w)
+    if scenario != "sok_script":   # (written as SOK's scripts are: no lookup without training)
+        read = dc.read_outputs(tables, dc.read_batch(seed))
+        b = dc.GLOBAL_BATCH // n
+        for r, res in enumerate(ranks):
+            np.testing.assert_allclose(res["read"], read[r * b:(r + 1) * b], **TRAINED, err_msg=f"rank {r}")
     if scenario.startswith("filtered"):   # the filter left keys out (they read zeros, on one process as on N)
         used = {int(k) for feats, _ in batches for f in ("u", "u2") for k in feats[f][1]}
         assert len(ref["users/keys"]) < len(used)

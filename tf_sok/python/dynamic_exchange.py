@@ -19,7 +19,7 @@ from typing import List, Sequence
 import tensorflow as tf
 
 from tf_sok.python.comm import Communicator
-from tf_sok.python.dynamic_variable import rows_for_tables
+from tf_sok.python.dynamic_variable import read_tables, rows_for_tables
 from tf_sok.python.exchange import _gather_rows, _scale_gradient
 from tf_sok.python.lookup import row_id_checks, splits_ok
 from tf_sok.python.ops import lookup_ops
@@ -79,8 +79,9 @@ def _check(comm: Communicator, step: int, metas, feature_table, combiners, names
 def dynamic_exchanged_lookup(comm: Communicator, tables: Sequence, metas: Sequence[TableMeta],
                              feature_table: Sequence[int], ids: Sequence[tf.Tensor], splits: Sequence[tf.Tensor],
                              weights: Sequence, combiners, names: Sequence[str], reduction: str, step: int,
-                             insert_ratio: float = 1.0) -> List[tf.Tensor]:
-    """Pooled [batch, dim] outputs of features whose tables are all dynamic (see the module doc)."""
+                             insert_ratio: float = 1.0, training: bool = True) -> List[tf.Tensor]:
+    """Pooled [batch, dim] outputs of features whose tables are all dynamic (see the module doc);
+    training=False: the owners read their keys without inserting or moving any (read_tables)."""
     N, F, T = comm.size, len(ids), len(metas)
     ids = [tf.cast(v, tf.int64) for v in ids]
     keys = tf.concat(ids, 0)
@@ -107,8 +108,11 @@ def dynamic_exchanged_lookup(comm: Communicator, tables: Sequence, metas: Sequen
         pos = _positions(tf.equal(r_table, t))
         uniq, back = tf.unique(tf.gather(r_keys, pos), out_idx=tf.int64)
         received.append((pos, uniq, back))
-    found = rows_for_tables([backing_variable(tables[t]) for t in range(T)], [u for _, u, _ in received],
-                            insert_ratio)
+    variables = [backing_variable(tables[t]) for t in range(T)]
+    if training:
+        found = rows_for_tables(variables, [u for _, u, _ in received], insert_ratio)
+    else:
+        read = read_tables(variables, [u for _, u, _ in received])
     dims = sorted({m.dim for m in metas})
     returned_by_dim, in_group_position = [], [None] * T
     for dim in dims:
@@ -120,9 +124,9 @@ def dynamic_exchanged_lookup(comm: Communicator, tables: Sequence, metas: Sequen
         parts_pos, parts_vec = [], []
         for t in group:
             pos, _, back = received[t]
-            var, rows = backing_variable(tables[t]), found[t]
             parts_pos.append(tf.cast(tf.gather(place, pos), tf.int32))   # dynamic_stitch: int32
-            parts_vec.append(_gather_rows(var.sparse_read_rows(rows), back))
+            parts_vec.append(_gather_rows(variables[t].sparse_read_rows(found[t]), back) if training
+                             else tf.gather(read[t], back))
         vectors = tf.dynamic_stitch(parts_pos, parts_vec) if len(group) > 1 else parts_vec[0]
         vectors = tf.reshape(vectors, [-1, dim])
         if reduction == "mean":

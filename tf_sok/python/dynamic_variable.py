@@ -515,8 +515,30 @@ def rows_for_tables(variables, keys, insert_ratio: float = 1.0) -> list:
     return rows
 
 
+def read_tables(variables, keys) -> list:
+    """The values [n, dim] of `keys` (vectors) in each of `variables`, nothing changed (a lookup
+    that does not train: no key inserted, no score touched, no row moved): cached keys' rows from
+    device memory, a hybrid table's other keys read from its host tier in place, keys not held
+    their initial value (zeros for a table with min_frequency > 1), as a served model reads them.
+    Tables whose indices share a device are read by one op."""
+    values = [None] * len(variables)
+    by_device = {}
+    for i, v in enumerate(variables):
+        by_device.setdefault(v._index_device, []).append(i)
+    for device, members in by_device.items():
+        with tf.device(device):
+            out = ops().tf_sok_dynamic_read([variables[i]._index.resource_handle for i in members],
+                                            [variables[i]._keys(keys[i]) for i in members],
+                                            dims=[variables[i].dimension for i in members])
+        for i, r in zip(members, out):
+            values[i] = r
+    return values
+
+
+tf.no_gradient("TfSokDynamicRead")
+
 _STAT_NAMES = ("finds", "lookups", "misses", "loaded", "new_keys", "evicted", "bytes_to_device", "bytes_to_host",
-               "dropped", "prefetched")
+               "dropped", "prefetched", "reads", "reads_from_host", "bytes_read_in_place")
 
 
 def cache_stats(var) -> dict:
@@ -526,7 +548,9 @@ def cache_stats(var) -> dict:
     the table had never held), `evicted` (keys written back to host memory to make room),
     `bytes_to_device` / `bytes_to_host` (rows of values and optimizer state moved), `dropped` (keys
     the table's max_capacity removed from it), `prefetched` (of `loaded`, keys `sok.prefetch` took in:
-    their ids count as hits when a lookup uses them), `keys` (held in all), `cached` (held in device memory).
+    their ids count as hits when a lookup uses them), `reads` (ids read by lookups that do not train,
+    `training=False`), `reads_from_host` (of those, ids read from host memory in place, not cached),
+    `bytes_read_in_place`, `keys` (held in all), `cached` (held in device memory).
 
     Example:
         >>> v = sok.DynamicVariable(dimension=16, var_type="hybrid", max_hbm_for_vectors=0.5)

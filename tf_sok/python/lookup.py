@@ -111,7 +111,7 @@ def _listify(x):
 def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequence[Optional[str]], None] = None,
                   name: Optional[str] = None, feature_names: Optional[Sequence[str]] = None, dtype=tf.float32,
                   prune_negative_ids: Optional[bool] = None, use_low_frequency_filter: bool = False,
-                  filter_ratio: float = 0.0):
+                  filter_ratio: float = 0.0, training: bool = True):
     """Looks up and combines many features in ONE fused op.
 
     Args:
@@ -137,6 +137,14 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
         only with probability `filter_ratio` (default 0: none), drawn per key and
         lookup; the others read zeros and their gradients are dropped. Keys
         already held are looked up as always.
+      training: False for a lookup that only reads (evaluation, inference;
+        Keras passes it in `evaluate` / `predict`): dynamic tables are left as
+        they are — no key inserted, no eviction score touched, no row moved into
+        a hybrid table's cache (its keys in host memory are read there in place,
+        over the host link) — and a key a table does not hold reads what a
+        served model gives it: its initial value (zeros when the table admits
+        keys after min_frequency > 1 sightings). No gradient reaches the tables.
+        Static tables read as always.
     Returns:
       A [batch, dim] tensor per feature (a list when sp_ids is a list); a
       sequence feature's is a [batch, (ids), dim] tf.RaggedTensor.
@@ -201,6 +209,8 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
     insert_ratio = float(filter_ratio) if use_low_frequency_filter else 1.0
     if prune_negative_ids not in (None, True, False):
         raise TypeError(f"lookup_sparse: prune_negative_ids must be None or a bool, got {prune_negative_ids!r}")
+    if not isinstance(training, bool):
+        raise TypeError(f"lookup_sparse: training must be a bool, got {training!r}")
 
     with tf.name_scope(name or "sok_lookup_sparse"):
         ragged, sparse_order = [], {}   # SparseTensor ids: the order their entries take
@@ -243,7 +253,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
             splits[f] = tf.range(tf.size(ids[f], out_type=tf.int64) + 1)
         comb = ["sum" if c is None else c for c in comb]
         outs = _lookup(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype,
-                       insert_ratio)
+                       insert_ratio, training)
         for f, row_splits in sequence.items():
             outs[f] = tf.RaggedTensor.from_row_splits(outs[f], row_splits, validate=False)
     return outs if as_list else outs[0]
@@ -258,12 +268,13 @@ def _pruned(ids, splits, weights):
     return tf.boolean_mask(ids, keep), splits, None if weights is None else tf.boolean_mask(weights, keep)
 
 
-def _lookup(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype, insert_ratio):
+def _lookup(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype, insert_ratio,
+            training=True):
     """The fused lookup of lookup_sparse's checked, flattened features (pooled outputs)."""
     if any(m.dynamic for m in metas):
-        if ctx.num_ranks > 1:
+        if ctx.num_ranks > 1 or not training:
             return _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb,
-                                        names, dtype, insert_ratio)
+                                        names, dtype, insert_ratio, training)
         ids = _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio)
     handles = []
     for t in tables:
@@ -283,20 +294,24 @@ def _lookup(ctx, tables, metas, feature_table, ids, splits, weights, weighted, c
 
 
 def _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype,
-                         insert_ratio):
-    """A multi-rank lookup over dynamic tables (and static ones): the dynamic tables' features by
-    their exchange (dynamic_exchange), the static tables' by lookup_sparse's, outputs in order."""
+                         insert_ratio, training=True):
+    """A lookup over dynamic tables (and static ones) across ranks, or one that does not train: the
+    dynamic tables' features by their exchange (dynamic_exchange) or their read (_read_pooled), the
+    static tables' by lookup_sparse's, outputs in order."""
     from tf_sok.python import dynamic_exchange
 
     dyn = [f for f in range(len(ids)) if metas[feature_table[f]].dynamic]
     static = [f for f in range(len(ids)) if not metas[feature_table[f]].dynamic]
     dyn_tables = sorted({feature_table[f] for f in dyn})
     outs = [None] * len(ids)
-    pooled = dynamic_exchange.dynamic_exchanged_lookup(
-        ctx.communicator, [tables[t] for t in dyn_tables], [metas[t] for t in dyn_tables],
-        [dyn_tables.index(feature_table[f]) for f in dyn], [ids[f] for f in dyn], [splits[f] for f in dyn],
-        [weights[f] if weighted[f] else None for f in dyn], [comb[f] for f in dyn], [names[f] for f in dyn],
-        ctx.sparse_grad_reduction, ctx.collective_index(), insert_ratio)
+    args = ([tables[t] for t in dyn_tables], [metas[t] for t in dyn_tables],
+            [dyn_tables.index(feature_table[f]) for f in dyn], [ids[f] for f in dyn], [splits[f] for f in dyn],
+            [weights[f] if weighted[f] else None for f in dyn], [comb[f] for f in dyn], [names[f] for f in dyn])
+    if ctx.num_ranks > 1:
+        pooled = dynamic_exchange.dynamic_exchanged_lookup(ctx.communicator, *args, ctx.sparse_grad_reduction,
+                                                           ctx.collective_index(), insert_ratio, training)
+    else:
+        pooled = _read_pooled(*args)
     for f, o in zip(dyn, pooled):
         outs[f] = tf.cast(o, dtype)
     if static:
@@ -305,7 +320,7 @@ def _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights
                              [tf.RaggedTensor.from_row_splits(weights[f], splits[f], validate=False)
                               if weighted[f] else None for f in static] if any(weighted[f] for f in static) else None,
                              combiners=[comb[f] for f in static], feature_names=[names[f] for f in static],
-                             dtype=dtype)
+                             dtype=dtype, training=training)
         for f, o in zip(static, rest):
             outs[f] = o
     return outs
@@ -340,10 +355,9 @@ def row_id_checks(metas, feature_table, ids, names):
     return feats, tf.logical_and(lo >= 0, hi < rows), tf.where(lo < 0, lo, hi), message
 
 
-def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio=1.0):
-    """The ids of features on dynamic tables replaced by the rows holding them (missing keys
-    inserted): one find per table over all its features' ids, so that keys of one feature never
-    evict those of another in the same step. Every feature's ids become int64."""
+def _checked_ids(metas, feature_table, ids, splits, names):
+    """Every feature's ids as int64, those of dynamic tables only once their row splits (and a static
+    table's rows behind a host tier, their range) passed one check for all features."""
     ids = [tf.cast(v, tf.int64) for v in ids]
     # the finds insert keys: a malformed feature must fail before them, not in the lookup after. One
     # check for all features (on a GPU, a check is a wait for the device)
@@ -364,19 +378,54 @@ def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio
             return tf.constant(False)
     check = tf.cond(ok, lambda: tf.constant(True), fail)
     with tf.control_dependencies([check]):
-        ids = [tf.identity(v) if f in dynamic else v for f, v in enumerate(ids)]
-    from tf_sok.python.dynamic_variable import rows_for_tables
+        return [tf.identity(v) if f in dynamic else v for f, v in enumerate(ids)]
 
+
+def _keys_of_tables(metas, feature_table, ids):
+    """Per dynamic table (ascending), its features and the concatenation of their ids."""
     dyn = [t for t, meta in enumerate(metas) if meta.dynamic]
     features = [[f for f, ft in enumerate(feature_table) if ft == t] for t in dyn]
-    rows = rows_for_tables([backing_variable(tables[t]) for t in dyn],
-                           [tf.concat([ids[f] for f in fs], 0) if len(fs) > 1 else ids[fs[0]] for fs in features],
-                           insert_ratio)
+    return dyn, features, [tf.concat([ids[f] for f in fs], 0) if len(fs) > 1 else ids[fs[0]] for fs in features]
+
+
+def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio=1.0):
+    """The ids of features on dynamic tables replaced by the rows holding them (missing keys
+    inserted): one find per table over all its features' ids, so that keys of one feature never
+    evict those of another in the same step. Every feature's ids become int64."""
+    ids = _checked_ids(metas, feature_table, ids, splits, names)
+    from tf_sok.python.dynamic_variable import rows_for_tables
+
+    dyn, features, keys = _keys_of_tables(metas, feature_table, ids)
+    rows = rows_for_tables([backing_variable(tables[t]) for t in dyn], keys, insert_ratio)
     for fs, r in zip(features, rows):
         parts = tf.split(r, [tf.size(ids[f]) for f in fs]) if len(fs) > 1 else [r]
         for f, part in zip(fs, parts):
             ids[f] = part
     return ids
+
+
+def _read_pooled(tables, metas, feature_table, ids, splits, weights, combiners, names):
+    """Pooled [batch, dim] float32 outputs of features whose tables are all dynamic, read without
+    training (dynamic_variable.read_tables): each table's values of its features' ids in one read,
+    one vector per id, pooled by the fused combine."""
+    from tf_sok.python.dynamic_variable import read_tables
+
+    ids = _checked_ids(metas, feature_table, ids, splits, names)
+    dyn, features, keys = _keys_of_tables(metas, feature_table, ids)   # (every table here is dynamic)
+    values = read_tables([backing_variable(tables[t]) for t in dyn], keys)
+    positions = [None] * len(ids)   # each id's vector: its place in its table's read
+    for fs in features:
+        start = tf.constant(0, tf.int64)
+        for f in fs:
+            n = tf.size(ids[f], out_type=tf.int64)
+            positions[f] = tf.range(start, start + n)
+            start = start + n
+    weighted = [w is not None for w in weights]
+    return lookup_ops.fused_combine(
+        values, positions, [tf.cast(s, tf.int64) for s in splits],
+        [w if w is not None else tf.zeros([0], tf.float32) for w in weights],
+        feature_table=[dyn.index(t) for t in feature_table], combiners=list(combiners), weighted=weighted,
+        feature_names=list(names), table_names=[metas[t].name for t in dyn], checked=True)
 
 
 def _outside_replicas(params_list, ids_list, names, as_list, dtype):

@@ -454,6 +454,32 @@ __global__ void StoreFreshKernel(int64_t width, const uint8_t* fresh, const int6
         init_kind >= 0 ? InitialValue(init_kind, a, b, InitialKeyBits(seed, keys[j]), c) : fill;
 }
 
+// ReadRows (host_store.h) on the device, one thread per word of the out rows (V: float, or float4 when
+// the rows are whole float4s: width and stride in words), striding over them: a cached key's word from
+// device memory, a key of the host tier's read over the host link in place, others computed
+template <typename V>
+__global__ void ReadRowsKernel(const int64_t* keys, const int64_t* slots, const int64_t* store_rows, int64_t n,
+                               const V* cache, int64_t width, const V* store, int64_t stride, int init_kind, float a,
+                               float b, int64_t seed, V* out) {
+  constexpr int kFloats = sizeof(V) / sizeof(float);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n * width;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t j = i / width, c = i - j * width;
+    const int64_t s = slots[j], r = store_rows != nullptr ? store_rows[j] : -1;
+    if (s >= 0) {
+      out[i] = cache[s * width + c];
+    } else if (r >= 0) {
+      out[i] = store[r * stride + c];
+    } else {
+      float v[kFloats];
+      const uint64_t bits = init_kind >= 0 ? InitialKeyBits(seed, keys[j]) : 0;
+      for (int k = 0; k < kFloats; ++k)
+        v[k] = init_kind >= 0 ? InitialValue(init_kind, a, b, bits, c * kFloats + k) : 0.0f;
+      out[i] = *reinterpret_cast<const V*>(v);
+    }
+  }
+}
+
 __global__ void Scatter64Kernel(const int64_t* at, const int64_t* values, int64_t n, int64_t* out) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < n) out[at[i]] = values[i];
@@ -1272,6 +1298,22 @@ void GpuStoreFresh(const GpuDevice& d, int64_t width, const uint8_t* fresh, cons
   if (n * width > 0 && fresh != nullptr)
     StoreFreshKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(width, fresh, keys, cache_rows, n, init_kind, a,
                                                                        b, seed, fill, cache);
+}
+
+void GpuReadRows(const GpuDevice& d, const int64_t* keys, const int64_t* slots, const int64_t* store_rows, int64_t n,
+                 const float* cache, int64_t width, const float* store, int64_t stride, int init_kind, float a,
+                 float b, int64_t seed, float* out) {
+  if (n * width == 0) return;
+  const bool words4 = Float4Rows(width, cache, out) && (store == nullptr || (Float4Rows(stride, store, out)));
+  const int64_t k = words4 ? 4 : 1;
+  const int grid = static_cast<int>(std::min<int64_t>(Blocks(n * width / k), kStrideBlocks));
+  if (words4)
+    ReadRowsKernel<float4><<<grid, kThreads, 0, StreamOf(d)>>>(
+        keys, slots, store_rows, n, reinterpret_cast<const float4*>(cache), width / 4,
+        reinterpret_cast<const float4*>(store), stride / 4, init_kind, a, b, seed, reinterpret_cast<float4*>(out));
+  else
+    ReadRowsKernel<float><<<grid, kThreads, 0, StreamOf(d)>>>(keys, slots, store_rows, n, cache, width, store, stride,
+                                                              init_kind, a, b, seed, out);
 }
 
 void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, int64_t n, int64_t* out) {

@@ -190,6 +190,11 @@ void GpuMoveRecords(const GpuDevice& d, const StoreRecordLayout& l, const float*
 void GpuStoreFresh(const GpuDevice& d, int64_t width, const uint8_t* fresh, const int64_t* keys,
                    const int64_t* cache_rows, int64_t n, int init_kind, float a, float b, int64_t seed, float fill,
                    float* cache);
+// ReadRows (host_store.h) as a CUDA kernel: keys, slots, store rows and out in device memory, the
+// cache rows in device memory, the store in pinned host memory, read in place.
+void GpuReadRows(const GpuDevice& d, const int64_t* keys, const int64_t* slots, const int64_t* store_rows, int64_t n,
+                 const float* cache, int64_t width, const float* store, int64_t stride, int init_kind, float a,
+                 float b, int64_t seed, float* out);
 // The host link measured with `bytes` of pinned host memory and device_buffer (as many bytes), the
 // best of `repeats` timings each (cudaEvents, after one round of warm-up), in GB/s: [0] copy to the
 // device, [1] copy to the host (cudaMemcpyAsync), [2] a kernel reading the host memory in place into

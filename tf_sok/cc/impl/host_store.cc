@@ -233,16 +233,35 @@ void StoreRead(const float* store, int64_t stride, int64_t width, const int64_t*
       std::memcpy(cache + cache_rows[j] * width, store + store_rows[j] * stride, sizeof(float) * width);
 }
 
+namespace {
+// out = the initial value of `key` (init_kind >= 0), else `fill`
+void InitialRow(int init_kind, float a, float b, int64_t seed, int64_t key, int64_t width, float fill, float* out) {
+  if (init_kind < 0) {
+    std::fill(out, out + width, fill);
+    return;
+  }
+  const uint64_t bits = InitialKeyBits(seed, key);
+  for (int64_t c = 0; c < width; ++c) out[c] = InitialValue(init_kind, a, b, bits, c);
+}
+}  // namespace
+
 void StoreFresh(int64_t width, const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n,
                 int init_kind, float a, float b, int64_t seed, float fill, float* cache) {
-  for (int64_t j = 0; j < n; ++j) {
-    if (!fresh[j]) continue;
-    float* out = cache + cache_rows[j] * width;
-    if (init_kind >= 0) {
-      const uint64_t bits = InitialKeyBits(seed, keys[j]);
-      for (int64_t c = 0; c < width; ++c) out[c] = InitialValue(init_kind, a, b, bits, c);
+  for (int64_t j = 0; j < n; ++j)
+    if (fresh[j]) InitialRow(init_kind, a, b, seed, keys[j], width, fill, cache + cache_rows[j] * width);
+}
+
+void ReadRows(const int64_t* keys, const int64_t* slots, const int64_t* store_rows, int64_t n, const float* cache,
+              int64_t width, const float* store, int64_t stride, int init_kind, float a, float b, int64_t seed,
+              float* out) {
+  for (int64_t j = 0; j < n; ++j, out += width) {
+    const int64_t r = store_rows != nullptr ? store_rows[j] : -1;
+    if (slots[j] >= 0) {
+      std::memcpy(out, cache + slots[j] * width, sizeof(float) * width);
+    } else if (r >= 0) {
+      std::memcpy(out, store + r * stride, sizeof(float) * width);
     } else {
-      std::fill(out, out + width, fill);
+      InitialRow(init_kind, a, b, seed, keys[j], width, 0.0f, out);
     }
   }
 }

@@ -173,6 +173,12 @@ void StoreRead(const float* store, int64_t stride, int64_t width, const int64_t*
 // cache[cache_rows[j]] = init_kind >= 0 ? the initial value of keys[j] : fill, for the j fresh:
 void StoreFresh(int64_t width, const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n,
                 int init_kind, float a, float b, int64_t seed, float fill, float* cache);
+// A read-only lookup's rows, nothing moved: out[j] = cache row slots[j] when it is >= 0, else store
+// row store_rows[j] read in place (store_rows null, or -1: the store does not hold the key), else
+// the initial value of keys[j] (init_kind -1: zeros). Rows of `width` floats; the store's `stride` apart.
+void ReadRows(const int64_t* keys, const int64_t* slots, const int64_t* store_rows, int64_t n, const float* cache,
+              int64_t width, const float* store, int64_t stride, int init_kind, float a, float b, int64_t seed,
+              float* out);
 
 }  // namespace impl
 }  // namespace tf_sok

@@ -686,6 +686,144 @@ class PrefetchOp : public tf::OpKernel {
 #endif
 };
 
+// TfSokDynamicRead: the values of keys in several dynamic tables, nothing changed: cached keys' rows
+// from the arrays, the rest of a hybrid table's keys read from its host tier in place, keys not held
+// their initial value (zeros for tables that admit keys after min_frequency > 1 sightings).
+class ReadOp : public tf::OpKernel {
+ public:
+  explicit ReadOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) { OP_REQUIRES_OK(c, c->GetAttr("dims", &dims_)); }
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    const int n = ctx->num_inputs() / 2;
+    std::vector<tf::core::RefCountPtr<IndexResource>> res;
+    std::vector<std::unique_ptr<tf::mutex_lock>> locks;
+    OP_REQUIRES_OK(ctx, LockIndices(ctx, n, "TfSokDynamicRead", &res, &locks));
+    std::vector<IndexResource*> tables;
+    std::vector<tf::Tensor*> out(n);
+    for (int i = 0; i < n; ++i) {
+      IndexResource* r = res[i].get();
+      tables.push_back(r);
+      OP_REQUIRES(ctx, !r->arrays.empty() && r->arrays[0].values,
+                  Failed(*r, ": ", "has no value array attached to read"));
+      OP_REQUIRES(ctx, dims_[i] == r->dim,
+                  Failed(*r, ": ", "is " + std::to_string(r->dim) + " wide, read as " + std::to_string(dims_[i])));
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, tf::TensorShape({ctx->input(n + i).NumElements(), r->dim}), &out[i]));
+    }
+    const auto arrays = LockArrays(tables);
+    TensorScratch scratch(ctx);
+#if TF_SOK_WITH_CUDA
+    if (tables[0]->gpu) {
+      OP_REQUIRES_OK(ctx, ComputeGpu(ctx, MakeDevice<impl::GpuDevice>(ctx, &scratch), tables, out));
+      return;
+    }
+#endif
+    const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+    for (int i = 0; i < n; ++i) {
+      IndexResource* r = tables[i];
+      OP_REQUIRES(ctx, r->host != nullptr, Failed(*r, ": ", "its index lives on a GPU; read it there"));
+      const tf::Tensor& keys = ctx->input(n + i);
+      const int64_t count = keys.NumElements();
+      const int64_t* k = keys.flat<int64_t>().data();
+      std::vector<int64_t> slots(count), store_rows;
+      impl::FindChanges ch;
+      const std::string error = r->host->Find(k, count, false, slots.data(), &ch, false, 1.0f, {}, &d.parallel_for);
+      OP_REQUIRES(ctx, error.empty(), Failed(*r, " ", error));
+      if (r->store) {   // the keys not cached looked up in the host tier
+        std::vector<int64_t> missing_at, missing_keys, rows;
+        for (int64_t j = 0; j < count; ++j)
+          if (slots[j] < 0) {
+            missing_at.push_back(j);
+            missing_keys.push_back(k[j]);
+          }
+        rows.resize(missing_keys.size());
+        r->store->Rows(missing_keys.data(), static_cast<int64_t>(missing_keys.size()), rows.data());
+        store_rows.assign(count, -1);
+        for (size_t m = 0; m < rows.size(); ++m) store_rows[missing_at[m]] = rows[m];
+        Count(r, count, std::count_if(rows.begin(), rows.end(), [](int64_t x) { return x >= 0; }));
+      }
+      const float* cache = r->arrays[0].var->tensor()->flat<float>().data();
+      impl::ReadRows(k, slots.data(), r->store ? store_rows.data() : nullptr, count, cache, r->dim,
+                     r->store ? r->store->base(0) : nullptr, r->store ? r->store->stride() : 0, InitKind(*r), r->a,
+                     r->b, r->seed, out[i]->flat<float>().data());
+    }
+  }
+
+ private:
+  // keys not held read their initial value, or zeros when the table admits keys late (as serving does)
+  static int InitKind(const IndexResource& r) { return r.min_frequency > 1 ? -1 : r.init_kind; }
+  static void Count(IndexResource* r, int64_t reads, int64_t from_host) {
+    r->stats.reads += reads;
+    r->stats.reads_from_host += from_host;
+    r->stats.bytes_read_in_place += from_host * r->dim * static_cast<int64_t>(sizeof(float));
+  }
+#if TF_SOK_WITH_CUDA
+  // Every table's index probed, the hybrid tables' keys and slots brought to the host (each table's
+  // pinned staging: [keys | slots | store rows]) with one wait, the keys not cached looked up in all
+  // host tiers together, their store rows sent back; one read kernel per table.
+  absl::Status ComputeGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d, const std::vector<IndexResource*>& res,
+                          const std::vector<tf::Tensor*>& out) {
+    const int n = static_cast<int>(res.size());
+    const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+    std::vector<impl::GpuFindResult> found(n);
+    std::vector<int64_t*> staging(n, nullptr);
+    for (int i = 0; i < n; ++i) {
+      IndexResource* r = res[i];
+      if (r->gpu == nullptr) return Failed(*r, ": ", "its index is on the host; read it there");
+      const tf::Tensor& keys = ctx->input(n + i);
+      const int64_t count = keys.NumElements();
+      const std::string error = r->gpu->Find(d, keys.flat<int64_t>().data(), count, false, &found[i]);
+      if (!error.empty()) return Failed(*r, " ", error);
+      if (!r->store || count == 0) continue;
+      staging[i] = reinterpret_cast<int64_t*>(r->Staging(24 * static_cast<size_t>(count)));
+      if (staging[i] == nullptr) return Failed(*r, ": ", "ran out of host memory");
+      cudaMemcpyAsync(staging[i], keys.flat<int64_t>().data(), 8 * count, cudaMemcpyDeviceToHost, stream);
+      cudaMemcpyAsync(staging[i] + count, found[i].slots, 8 * count, cudaMemcpyDeviceToHost, stream);
+    }
+    if (std::any_of(staging.begin(), staging.end(), [](int64_t* p) { return p != nullptr; }))
+      TF_RETURN_IF_ERROR(CudaWait(stream));
+    std::vector<std::vector<int64_t>> missing_at(n), missing_keys(n), rows(n);
+    std::vector<const int64_t*> key_lists(n);
+    std::vector<int64_t*> row_lists(n);
+    std::vector<int64_t> counts(n, 0);
+    for (int i = 0; i < n; ++i) {
+      const int64_t count = staging[i] ? ctx->input(n + i).NumElements() : 0;
+      for (int64_t j = 0; j < count; ++j)
+        if (staging[i][count + j] < 0) {
+          missing_at[i].push_back(j);
+          missing_keys[i].push_back(staging[i][j]);
+        }
+      counts[i] = static_cast<int64_t>(missing_keys[i].size());
+      rows[i].resize(counts[i]);
+      key_lists[i] = missing_keys[i].data();
+      row_lists[i] = rows[i].data();
+    }
+    StoreRowsOfTables(ctx, res, key_lists, counts, row_lists);
+    for (int i = 0; i < n; ++i) {
+      IndexResource* r = res[i];
+      const tf::Tensor& keys = ctx->input(n + i);
+      const int64_t count = keys.NumElements();
+      int64_t* store_rows = nullptr;
+      if (staging[i]) {
+        int64_t* host_rows = staging[i] + 2 * count;   // each key's store row, -1 when cached
+        std::fill(host_rows, host_rows + count, -1);
+        for (size_t m = 0; m < rows[i].size(); ++m) host_rows[missing_at[i][m]] = rows[i][m];
+        store_rows = static_cast<int64_t*>(d.scratch->Allocate(8 * count));
+        if (store_rows == nullptr) return Failed(*r, ": ", "out of GPU memory");
+        // (pinned: the next call to use the staging waits for this stream first)
+        cudaMemcpyAsync(store_rows, host_rows, 8 * count, cudaMemcpyHostToDevice, stream);
+        Count(r, count, std::count_if(rows[i].begin(), rows[i].end(), [](int64_t x) { return x >= 0; }));
+      }
+      impl::GpuReadRows(d, keys.flat<int64_t>().data(), found[i].slots, store_rows, count,
+                        r->arrays[0].var->tensor()->flat<float>().data(), r->dim,
+                        r->store ? r->store->base(0) : nullptr, r->store ? r->store->stride() : 0, InitKind(*r), r->a,
+                        r->b, r->seed, out[i]->flat<float>().data());
+    }
+    return absl::OkStatus();
+  }
+#endif
+  std::vector<int64_t> dims_;
+};
+
 template <typename Device>
 class RowSplitsValidOp : public tf::OpKernel {
  public:
@@ -733,10 +871,12 @@ void RowSplitsValidOp<impl::GpuDevice>::Check(tf::OpKernelContext* ctx, const st
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_CPU), FindOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFindMany").Device(tf::DEVICE_CPU), FindManyOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicPrefetch").Device(tf::DEVICE_CPU), PrefetchOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicRead").Device(tf::DEVICE_CPU), ReadOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokRowSplitsValid").Device(tf::DEVICE_CPU), RowSplitsValidOp<impl::CpuDevice>);
 #if TF_SOK_WITH_CUDA
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_GPU).HostMemory("index"), FindOp);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFindMany").Device(tf::DEVICE_GPU).HostMemory("indices"), FindManyOp);
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicRead").Device(tf::DEVICE_GPU).HostMemory("indices"), ReadOp);
 // (on a thread of its own: TensorFlow runs a GPU op's Compute in line with the step's others, which
 // would wait for the prefetch's waits)
 REGISTER_KERNEL_BUILDER(

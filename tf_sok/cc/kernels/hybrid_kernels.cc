@@ -136,12 +136,14 @@ class CacheStatsOp : public tf::OpKernel {
     tf::core::RefCountPtr<IndexResource> res;
     OP_REQUIRES_OK(ctx, GetHybridIndex(ctx, &res));
     tf::Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({10}), &out));
     tf::mutex_lock l(res->mu);
     const IndexResource::Stats& st = res->stats;
-    const int64_t v[10] = {st.calls,   st.lookups,  st.misses,    st.loaded,  st.fresh,
-                           st.evicted, st.bytes_in, st.bytes_out, st.dropped, st.prefetched};
-    std::copy(v, v + 10, out->flat<int64_t>().data());
+    const int64_t v[] = {st.calls,   st.lookups,  st.misses,    st.loaded,  st.fresh,      st.evicted,
+                         st.bytes_in, st.bytes_out, st.dropped, st.prefetched, st.reads, st.reads_from_host,
+                         st.bytes_read_in_place};
+    constexpr int64_t kCount = sizeof(v) / sizeof(v[0]);
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({kCount}), &out));
+    std::copy(v, v + kCount, out->flat<int64_t>().data());
   }
 };
 

@@ -112,6 +112,33 @@ in one op: on a GPU the calls read their missing-key counts back together, one
 wait for all tables instead of one each. Each index appears once.
 )doc");
 
+REGISTER_OP("TfSokDynamicRead")
+    .Input("indices: N * resource")
+    .Input("keys: N * int64")
+    .Output("values: N * float")
+    .Attr("N: int >= 1")
+    .Attr("dims: list(int)")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      std::vector<::tensorflow::shape_inference::ShapeHandle> keys;
+      TF_RETURN_IF_ERROR(KeyVectors(c, &keys));
+      std::vector<int64_t> dims;
+      TF_RETURN_IF_ERROR(c->GetAttr("dims", &dims));
+      if (dims.size() != keys.size()) return absl::InvalidArgumentError("TfSokDynamicRead: one dim per table");
+      for (size_t i = 0; i < keys.size(); ++i)
+        c->set_output(static_cast<int>(i), c->Matrix(c->Dim(keys[i], 0), dims[i]));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The values [n, dim] of keys in several dynamic tables (each index once), and
+nothing changes: no key is inserted, no score touched, no row moved. A cached
+key's row comes from the value array; a hybrid table's key that is not cached
+is read from its host tier in place (over the host link, on a GPU); a key the
+table does not hold reads its initial value, or zeros when the table admits keys
+only after min_frequency > 1 sightings (as a served model does). dims: each
+table's width. On a GPU: one wait for all tables' keys not cached.
+)doc");
+
 REGISTER_OP("TfSokRowSplitsValid")
     .Input("splits: N * int64")
     .Input("values: N * T")
@@ -239,7 +266,7 @@ REGISTER_OP("TfSokDynamicCacheStats")
     .Output("stats: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(10));
+      c->set_output(0, c->Vector(13));
       return absl::OkStatus();
     })
     .Doc(R"doc(
@@ -247,7 +274,9 @@ A hybrid table's counters since it was made, in this order: finds, key positions
 looked up, positions whose key was not cached, keys taken into the cache, keys
 of those the table had never held, keys written back to host memory, bytes read
 from host memory, bytes written to it, keys its bound (max_capacity) dropped,
-keys of those taken in that prefetches took in.
+keys of those taken in that prefetches took in; then of read-only lookups
+(TfSokDynamicRead): key positions read, those read from host memory in place,
+and their bytes.
 )doc");
 
 REGISTER_OP("TfSokDynamicPrefetch")

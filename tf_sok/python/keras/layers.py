@@ -151,15 +151,17 @@ class Embedding(_TableLayer):
                                   min_frequency=min_frequency, max_hbm_for_vectors=max_hbm_for_vectors)
         self.table = _add_table(self, self.config)
 
-    def call(self, ids, weights=None):
+    def call(self, ids, weights=None, training=None):
         ids, weights = ragged_pair(ids), ragged_pair(weights)
         serving = serving_tables_of(self)
         if serving is not None:   # being exported (sok.export_saved_model): stock TensorFlow ops
             return serving_lookup(serving[self.config.name], ids, weights, self.combiner, self.compute_dtype)
         # outputs in the compute dtype (bfloat16/float16 under a Keras mixed policy) straight from the
         # kernel; tables, their gradients' rows and optimizer state stay float32
+        # (evaluate / predict pass training=False: dynamic tables are read, not changed)
         return lookup_sparse([self.table], [ids], None if weights is None else [weights],
-                             combiners=[self.combiner], feature_names=[self.name], dtype=self.compute_dtype)[0]
+                             combiners=[self.combiner], feature_names=[self.name], dtype=self.compute_dtype,
+                             training=training is not False)[0]
 
     def get_config(self):
         c = self.config
@@ -234,7 +236,7 @@ class EmbeddingCollection(_TableLayer):
                             for t in config["tables"]]
         return cls(**config)
 
-    def call(self, inputs, weights=None):
+    def call(self, inputs, weights=None, training=None):
         missing = [f for f in self.feature_names if f not in inputs]
         if missing:
             raise ValueError(f"EmbeddingCollection: inputs lack features {missing}")
@@ -246,7 +248,8 @@ class EmbeddingCollection(_TableLayer):
                                       self.compute_dtype)
                     for i, (f, x, c) in enumerate(zip(self.feature_names, ids, self.combiners))}
         outs = lookup_sparse([self.tables[self.feature_to_table[f]] for f in self.feature_names], ids, w,
-                             combiners=self.combiners, feature_names=self.feature_names, dtype=self.compute_dtype)
+                             combiners=self.combiners, feature_names=self.feature_names, dtype=self.compute_dtype,
+                             training=training is not False)
         return dict(zip(self.feature_names, outs))   # in the compute dtype, as Embedding's
 
 
