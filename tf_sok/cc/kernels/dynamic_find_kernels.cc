@@ -707,7 +707,8 @@ class ReadOp : public tf::OpKernel {
                   Failed(*r, ": ", "has no value array attached to read"));
       OP_REQUIRES(ctx, dims_[i] == r->dim,
                   Failed(*r, ": ", "is " + std::to_string(r->dim) + " wide, read as " + std::to_string(dims_[i])));
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, tf::TensorShape({ctx->input(n + i).NumElements(), r->dim}), &out[i]));
+      const tf::TensorShape shape({ctx->input(n + i).NumElements(), r->dim});
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, shape, &out[i]));
     }
     const auto arrays = LockArrays(tables);
     TensorScratch scratch(ctx);
@@ -729,17 +730,8 @@ class ReadOp : public tf::OpKernel {
       const std::string error = r->host->Find(k, count, false, slots.data(), &ch, false, 1.0f, {}, &d.parallel_for);
       OP_REQUIRES(ctx, error.empty(), Failed(*r, " ", error));
       if (r->store) {   // the keys not cached looked up in the host tier
-        std::vector<int64_t> missing_at, missing_keys, rows;
-        for (int64_t j = 0; j < count; ++j)
-          if (slots[j] < 0) {
-            missing_at.push_back(j);
-            missing_keys.push_back(k[j]);
-          }
-        rows.resize(missing_keys.size());
-        r->store->Rows(missing_keys.data(), static_cast<int64_t>(missing_keys.size()), rows.data());
-        store_rows.assign(count, -1);
-        for (size_t m = 0; m < rows.size(); ++m) store_rows[missing_at[m]] = rows[m];
-        Count(r, count, std::count_if(rows.begin(), rows.end(), [](int64_t x) { return x >= 0; }));
+        store_rows.resize(count);
+        Count(r, count, StoreRowsOfMissing(ctx, {r}, {k}, {slots.data()}, {count}, {store_rows.data()})[0]);
       }
       const float* cache = r->arrays[0].var->tensor()->flat<float>().data();
       impl::ReadRows(k, slots.data(), r->store ? store_rows.data() : nullptr, count, cache, r->dim,
@@ -781,37 +773,28 @@ class ReadOp : public tf::OpKernel {
     }
     if (std::any_of(staging.begin(), staging.end(), [](int64_t* p) { return p != nullptr; }))
       TF_RETURN_IF_ERROR(CudaWait(stream));
-    std::vector<std::vector<int64_t>> missing_at(n), missing_keys(n), rows(n);
-    std::vector<const int64_t*> key_lists(n);
-    std::vector<int64_t*> row_lists(n);
+    std::vector<const int64_t*> key_lists(n), slot_lists(n);
+    std::vector<int64_t*> row_lists(n);   // each key's store row (-1: cached, or not held)
     std::vector<int64_t> counts(n, 0);
     for (int i = 0; i < n; ++i) {
-      const int64_t count = staging[i] ? ctx->input(n + i).NumElements() : 0;
-      for (int64_t j = 0; j < count; ++j)
-        if (staging[i][count + j] < 0) {
-          missing_at[i].push_back(j);
-          missing_keys[i].push_back(staging[i][j]);
-        }
-      counts[i] = static_cast<int64_t>(missing_keys[i].size());
-      rows[i].resize(counts[i]);
-      key_lists[i] = missing_keys[i].data();
-      row_lists[i] = rows[i].data();
+      if (staging[i] == nullptr) continue;
+      counts[i] = ctx->input(n + i).NumElements();
+      key_lists[i] = staging[i];
+      slot_lists[i] = staging[i] + counts[i];
+      row_lists[i] = staging[i] + 2 * counts[i];
     }
-    StoreRowsOfTables(ctx, res, key_lists, counts, row_lists);
+    const std::vector<int64_t> held = StoreRowsOfMissing(ctx, res, key_lists, slot_lists, counts, row_lists);
     for (int i = 0; i < n; ++i) {
       IndexResource* r = res[i];
       const tf::Tensor& keys = ctx->input(n + i);
       const int64_t count = keys.NumElements();
       int64_t* store_rows = nullptr;
       if (staging[i]) {
-        int64_t* host_rows = staging[i] + 2 * count;   // each key's store row, -1 when cached
-        std::fill(host_rows, host_rows + count, -1);
-        for (size_t m = 0; m < rows[i].size(); ++m) host_rows[missing_at[i][m]] = rows[i][m];
         store_rows = static_cast<int64_t*>(d.scratch->Allocate(8 * count));
         if (store_rows == nullptr) return Failed(*r, ": ", "out of GPU memory");
         // (pinned: the next call to use the staging waits for this stream first)
-        cudaMemcpyAsync(store_rows, host_rows, 8 * count, cudaMemcpyHostToDevice, stream);
-        Count(r, count, std::count_if(rows[i].begin(), rows[i].end(), [](int64_t x) { return x >= 0; }));
+        cudaMemcpyAsync(store_rows, row_lists[i], 8 * count, cudaMemcpyHostToDevice, stream);
+        Count(r, count, held[i]);
       }
       impl::GpuReadRows(d, keys.flat<int64_t>().data(), found[i].slots, store_rows, count,
                         r->arrays[0].var->tensor()->flat<float>().data(), r->dim,

@@ -107,6 +107,57 @@ void SetStoreRows(const impl::CpuDevice&, int64_t* store_row_of, const int64_t* 
   for (int64_t j = 0; j < n; ++j) store_row_of[cache_rows[j]] = rows[j];
 }
 
+// f(i, at, count) over the items [at, at + count) of table i, for every table's n[i] items, on the
+// host's threads when they are many (each item random memory accesses in a large map or array).
+template <typename F>
+void ForItemsOfTables(tf::OpKernelContext* ctx, const std::vector<int64_t>& n, F f) {
+  const size_t tables = n.size();
+  std::vector<int64_t> start(tables + 1, 0);   // table i's items: [start[i], start[i + 1]) of all
+  for (size_t i = 0; i < tables; ++i) start[i + 1] = start[i] + n[i];
+  auto run = [&](int64_t begin, int64_t end) {
+    for (size_t i = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1; begin < end; ++i) {
+      const int64_t stop = std::min(end, start[i + 1]);
+      if (stop > begin) f(i, begin - start[i], stop - begin);
+      begin = stop;
+    }
+  };
+  TensorScratch scratch(ctx);
+  const impl::CpuDevice host = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+  if (start.back() > 4096)
+    host.parallel_for(start.back(), 200, run);
+  else if (start.back() > 0)
+    run(0, start.back());
+}
+
+// (each chunk of a table's keys: those not cached gathered, looked up in one batch, scattered back)
+std::vector<int64_t> StoreRowsOfMissing(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
+                                        const std::vector<const int64_t*>& keys,
+                                        const std::vector<const int64_t*>& slots, const std::vector<int64_t>& n,
+                                        const std::vector<int64_t*>& rows) {
+  std::vector<std::atomic<int64_t>> held(res.size());
+  for (auto& h : held) h.store(0);
+  ForItemsOfTables(ctx, n, [&](size_t i, int64_t at, int64_t count) {
+    std::vector<int64_t> missing, where, found;
+    for (int64_t j = at; j < at + count; ++j) {
+      rows[i][j] = -1;
+      if (slots[i][j] >= 0) continue;
+      missing.push_back(keys[i][j]);
+      where.push_back(j);
+    }
+    found.resize(missing.size());
+    res[i]->store->Rows(missing.data(), static_cast<int64_t>(missing.size()), found.data());
+    int64_t in_tier = 0;
+    for (size_t m = 0; m < found.size(); ++m) {
+      rows[i][where[m]] = found[m];
+      in_tier += found[m] >= 0;
+    }
+    held[i] += in_tier;
+  });
+  std::vector<int64_t> out(res.size());
+  for (size_t i = 0; i < res.size(); ++i) out[i] = held[i].load();
+  return out;
+}
+
 #if TF_SOK_WITH_CUDA
 absl::Status CudaWait(cudaStream_t stream) {
   const cudaError_t e = cudaStreamSynchronize(stream);
@@ -165,28 +216,6 @@ absl::Status StartStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, 
     p->num_written_back = k;
   }
   return absl::OkStatus();
-}
-
-// f(i, at, count) over the items [at, at + count) of table i, for every table's n[i] items, on the
-// host's threads when they are many (each item random memory accesses in a large map or array).
-template <typename F>
-void ForItemsOfTables(tf::OpKernelContext* ctx, const std::vector<int64_t>& n, F f) {
-  const size_t tables = n.size();
-  std::vector<int64_t> start(tables + 1, 0);   // table i's items: [start[i], start[i + 1]) of all
-  for (size_t i = 0; i < tables; ++i) start[i + 1] = start[i] + n[i];
-  auto run = [&](int64_t begin, int64_t end) {
-    for (size_t i = std::upper_bound(start.begin(), start.end(), begin) - start.begin() - 1; begin < end; ++i) {
-      const int64_t stop = std::min(end, start[i + 1]);
-      if (stop > begin) f(i, begin - start[i], stop - begin);
-      begin = stop;
-    }
-  };
-  TensorScratch scratch(ctx);
-  const impl::CpuDevice host = MakeDevice<impl::CpuDevice>(ctx, &scratch);
-  if (start.back() > 4096)
-    host.parallel_for(start.back(), 200, run);
-  else if (start.back() > 0)
-    run(0, start.back());
 }
 
 void StoreRowsOfTables(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,

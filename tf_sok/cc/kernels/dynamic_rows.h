@@ -174,6 +174,14 @@ absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::CpuDevice& d, Index
 // store_row_of[cache_rows[j]] = rows[j]
 void SetStoreRows(const impl::CpuDevice& d, int64_t* store_row_of, const int64_t* cache_rows, const int64_t* rows,
                   int64_t n);
+// Per table i (a hybrid table's), the store row of each of its n[i] keys whose slot is < 0 (-1: its
+// host tier does not hold the key; -1 for slots >= 0 too) into rows[i], looked up on the host's
+// threads for all tables at once (the stores must not change meanwhile). Returns per table the keys
+// its tier held.
+std::vector<int64_t> StoreRowsOfMissing(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
+                                        const std::vector<const int64_t*>& keys,
+                                        const std::vector<const int64_t*>& slots, const std::vector<int64_t>& n,
+                                        const std::vector<int64_t*>& rows);
 #if TF_SOK_WITH_CUDA
 // rows[i][j]: the store row of keys[i][j] in table i's host tier (-1: absent), j < n[i], for all
 // tables at once on the host's threads (the stores must not change meanwhile).
