@@ -402,6 +402,10 @@ def run_dynamic(case, tf, sok):
             want = np_lookup(model.rows(ids), lens, np.arange(len(ids)), None, comb)
             if outs[k].shape != want.shape or not np.allclose(outs[k], want, rtol=1e-4, atol=1e-4):
                 return "wrong_result"
+        if rng.random() < 0.3:   # a lookup that does not train: changes nothing, counts no sighting
+            verdict = _read_lookup(case, tf, sok, table, model, pool)
+            if verdict != "ok":
+                return verdict
         if tier and rng.random() < 0.5:   # a prefetch of keys held or not: it changes no value, counts nothing
             ahead = tf.constant(rng.choice(pool, int(rng.integers(0, 12))))
             (tf.function(sok.prefetch) if case.graph else sok.prefetch)([table], [ahead])
@@ -413,6 +417,30 @@ def run_dynamic(case, tf, sok):
         if not np.array_equal(v, model.value[k]):
             return "wrong_result"
     return "ok"
+
+
+def _read_lookup(case, tf, sok, table, model, pool):
+    """lookup_sparse(training=False) of keys of the pool and new ones: held keys read their values,
+    others the initial value (zeros when keys are admitted late); the table stays as it was."""
+    rng = case.rng
+    lens = rng.integers(0, 5, int(rng.integers(0, 8)))
+    n = int(lens.sum())
+    new = rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64, endpoint=True)
+    ids = np.where(rng.random(n) < 0.7, rng.choice(pool, n), new).astype(np.int64)
+    comb = str(rng.choice(["sum", "mean", "sqrtn"]))
+    ragged = tf.RaggedTensor.from_row_lengths(ids, lens.astype(np.int64))
+
+    def read():
+        return sok.lookup_sparse([table], [ragged], combiners=[comb], training=False)[0]
+
+    before = _held(table)
+    out = (tf.function(read) if case.graph else read)().numpy()
+    unheld = np.full(model.dim, model.const if model.minf == 1 else 0.0, np.float32)
+    rows = np.stack([model.value.get(int(k), unheld) for k in ids]) if n else np.zeros((0, model.dim), np.float32)
+    want = np_lookup(rows, lens, np.arange(n), None, comb)
+    if out.shape != want.shape or not np.allclose(out, want, rtol=1e-4, atol=1e-4):
+        return "wrong_result"
+    return "ok" if _held(table) == before else "state_changed"
 
 
 def _verdict(case, error, unchanged):
