@@ -3,6 +3,8 @@ dynamic and hybrid tables are read and never changed. Held keys read their value
 table's keys in host memory read there, not moved into the cache), other keys their initial value
 (zeros under min_frequency > 1); checked against NumPy pooling of the tables' exports and against
 the training lookup of a twin table."""
+import logging
+
 import keras
 import numpy as np
 import pytest
@@ -151,9 +153,10 @@ def test_a_read_equals_the_training_lookup_of_a_twin_table(rng, budget_rows, min
         assert int(b.size.numpy()[0]) > size
 
 
-def test_keras_evaluate_and_predict_leave_dynamic_tables_unchanged(rng):
-    """fit inserts and trains; evaluate and predict read (training=False): the table keeps its keys and
-    values, and predict gives what the model's training call then gives."""
+def test_keras_evaluate_and_predict_leave_dynamic_tables_unchanged(rng, caplog):
+    """fit inserts and trains; its validation, evaluate and predict read (training=False): the table
+    keeps its keys and values, predict gives what the model's training call then gives, and
+    sok.keras.CacheStats logs the validation's reads."""
     pool = random_keys(rng, 50)
     ids_in = keras.Input(shape=(None,), dtype="int64", ragged=True, name="ids")
     layer = sok.layers.Embedding(8, DIM, combiner="sum", dynamic=True, name="emb", initializer="normal",
@@ -167,11 +170,16 @@ def test_keras_evaluate_and_predict_leave_dynamic_tables_unchanged(rng):
         return to_ragged(lens, keys_from[rng.integers(0, len(keys_from), int(lens.sum()))])
 
     x = batch(pool[:30])
-    model.fit(tf.data.Dataset.from_tensors((x, tf.ones([32, 1]))).repeat(3), verbose=0)
+    fresh = batch(np.concatenate([pool, rng.integers(-2**63, 2**63 - 1, 20, dtype=np.int64, endpoint=True)]))
+    with caplog.at_level(logging.INFO, logger="tf_sok"):
+        model.fit(tf.data.Dataset.from_tensors((x, tf.ones([32, 1]))).repeat(3), verbose=0,
+                  validation_data=tf.data.Dataset.from_tensors((fresh, tf.ones([32, 1]))),
+                  callbacks=[sok.keras.CacheStats()])
     table = layer.table
     before = _contents(table)
-    assert len(before) > 0
-    fresh = batch(np.concatenate([pool, rng.integers(-2**63, 2**63 - 1, 20, dtype=np.int64, endpoint=True)]))
+    assert set(before) == set(x.flat_values.numpy().tolist())   # the validation inserted nothing
+    n_read = int(tf.size(fresh.flat_values))
+    assert any(f"{n_read} ids read without training" in r.getMessage() for r in caplog.records)
     model.evaluate(tf.data.Dataset.from_tensors((fresh, tf.ones([32, 1]))), verbose=0)
     predicted = model.predict(tf.data.Dataset.from_tensors(fresh), verbose=0)
     after = _contents(table)

@@ -20,7 +20,8 @@ def _hybrid_tables(model):
 
 class CacheStats(keras.callbacks.Callback):
     """Logs one line per epoch and hybrid table (var_type "hybrid"): the epoch's cache hit rate, keys
-    taken in and written back, bytes moved each way, keys held in all and in device memory; also
+    taken in and written back, bytes moved each way, keys held in all and in device memory, and ids
+    read by lookups that do not train (validation) with those read from host memory; also
     puts `<table>_hit_rate` into the epoch's logs (History, TensorBoard).
 
     Example:
@@ -42,11 +43,17 @@ class CacheStats(keras.callbacks.Callback):
         for t in self._targets():
             now, before = cache_stats(t), self._start.get(t.table.name, {})
             d = {k: now[k] - before.get(k, 0) for k in ("lookups", "misses", "loaded", "new_keys", "evicted",
-                                                        "bytes_to_device", "bytes_to_host", "dropped", "prefetched")}
+                                                        "bytes_to_device", "bytes_to_host", "dropped", "prefetched",
+                                                        "reads", "reads_from_host", "bytes_read_in_place")}
             rate = 1.0 - d["misses"] / d["lookups"] if d["lookups"] else 0.0
+            # (lookups that do not train, e.g. validation's: ids read, of them read from host memory in place)
+            reads = "" if not d["reads"] else \
+                f"; {d['reads']} ids read without training ({d['reads_from_host']} from host memory, " \
+                f"{d['bytes_read_in_place'] / 1e6:.1f} MB)"
             _log.info("epoch %d, table %r: hit rate %.4f, %d keys taken in (%d new, %d prefetched), %d written back, "
-                      "%.1f MB to the device, %.1f MB to the host; %d keys (%d dropped by max_capacity), %d cached",
+                      "%.1f MB to the device, %.1f MB to the host; %d keys (%d dropped by max_capacity), %d cached%s",
                       epoch + 1, t.table.name, rate, d["loaded"], d["new_keys"], d["prefetched"], d["evicted"],
-                      d["bytes_to_device"] / 1e6, d["bytes_to_host"] / 1e6, now["keys"], d["dropped"], now["cached"])
+                      d["bytes_to_device"] / 1e6, d["bytes_to_host"] / 1e6, now["keys"], d["dropped"], now["cached"],
+                      reads)
             if logs is not None:
                 logs[f"{t.table.name}_hit_rate"] = rate
