@@ -13,7 +13,9 @@ out=${2:-out/gpu}
 mkdir -p "$out"
 quiet() { grep -v -E "^(W|I|E)0000|WARNING: All log|retracing|UserWarning|self\._interrupted" ; }
 case $part in
-  tests)       python3 -m pytest -q -m gpu tests 2>&1 | tail -40 | tee "$out/gpu_tests.txt" ;;
+  tests)       # (the whole log written as it goes: a run cut off by a timeout keeps what had passed)
+               python3 -m pytest -v -m gpu tests -p no:cacheprovider --durations=10 > "$out/gpu_tests.txt" 2>&1
+               rc=$?; tail -40 "$out/gpu_tests.txt"; exit $rc ;;
   e2e-readers) shift 2; python3 benchmarks/e2e_bench.py --sections readers embedding "$@" --json "$out/e2e_readers.json" 2>&1 | quiet | tee -a "$out/e2e_readers.txt" ;;
   e2e-fit)     shift 2; runs=${*:+--fit-runs $*}
                python3 benchmarks/e2e_bench.py --sections fit ${E2E_ARGS:-} $runs --json "$out/e2e_fit.json" 2>&1 | quiet | tee -a "$out/e2e_fit.txt" ;;
