@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "tf_sok/cc/impl/common.h"
+#include "tf_sok/cc/impl/cpu_memory.h"
 
 namespace tf_sok {
 namespace impl {
@@ -99,7 +100,7 @@ class KeyMap {
   int64_t Home(int64_t key) const;
   int64_t Position(int64_t key) const;  // of key, or the empty bucket ending its run
   void Grow();
-  std::vector<Bucket> buckets_;
+  std::vector<Bucket, HugePageAllocator<Bucket>> buckets_;   // (huge pages: lookups miss the TLB less)
   int64_t mask_ = 0, count_ = 0;
 };
 

@@ -10,7 +10,7 @@ namespace {
 
 class PlainHostMemory : public HostMemory {
  public:
-  void* Allocate(size_t bytes) override { return std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) / 64 * 64); }
+  void* Allocate(size_t bytes) override { return AllocateForRandomAccess(bytes); }
   void Free(void* p) override { std::free(p); }
 };
 

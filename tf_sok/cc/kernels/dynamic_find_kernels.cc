@@ -21,7 +21,7 @@ absl::Status EvictedOutputs(tf::OpKernelContext* ctx, const IndexResource& res, 
 }
 
 #if TF_SOK_WITH_CUDA
-// With TF_SOK_FIND_STAGES=1 in the environment, the GPU finds (one table, or many) time their
+// With TF_SOK_FIND_STAGES=1 in the environment, the GPU finds (one table, or many) and reads time their
 // stages on the host (kernel launches, each wait for counts, the host store's lookups; a last wait
 // takes the device's remaining work) and print their means to stderr every 20 calls: where a
 // dynamic or hybrid table's step goes. The extra wait changes the overlap it measures; for
@@ -29,7 +29,9 @@ absl::Status EvictedOutputs(tf::OpKernelContext* ctx, const IndexResource& res, 
 class StageClock {
  public:
   static constexpr int kStages = 9;
-  enum Kind { kFind = 0, kFindMany = 1, kPrefetch = 2 };
+  enum Kind { kFind = 0, kFindMany = 1, kPrefetch = 2, kRead = 3 };
+  // a read's stages (its clock marks these, then the last stage takes the device's tail)
+  enum ReadStage { kReadProbe = 0, kReadWait = 1, kReadHostLookups = 2, kReadLaunched = 3 };
   StageClock(cudaStream_t stream, Kind kind, bool active = true)
       : stream_(stream), on_(active && Enabled()), kind_(kind) {
     if (on_) last_ = Now();
@@ -50,9 +52,15 @@ class StageClock {
                                          "wait distinct",  "room",                   "wait evictable",
                                          "commit + wait new keys", "host store lookups / array upkeep launched",
                                          "arrays + device tail"};
-    static const char* kinds[3] = {"find", "find-many", "prefetch"};
+    static const char* read_names[kStages] = {"probe + keys to the host launched", "wait", "host store lookups",
+                                              "rows back + read kernels launched", "", "", "", "",
+                                              "device tail"};
+    static const char* kinds[4] = {"find", "find-many", "prefetch", "read"};
     std::fprintf(stderr, "tf_sok %s stages (ms per call, mean of 20):", kinds[kind_]);
-    for (int i = 0; i < kStages; ++i) std::fprintf(stderr, " %s %.3f;", names[i], t.ms[i] / 20);
+    for (int i = 0; i < kStages; ++i) {
+      const char* name = kind_ == kRead ? read_names[i] : names[i];
+      if (name[0] != 0) std::fprintf(stderr, " %s %.3f;", name, t.ms[i] / 20);
+    }
     std::fprintf(stderr, "\n");
     t = Sums();
   }
@@ -70,7 +78,7 @@ class StageClock {
     return on;
   }
   static Sums& Totals(Kind kind) {
-    static Sums sums[3];
+    static Sums sums[4];
     return sums[kind];
   }
   static double Now() {
@@ -734,9 +742,13 @@ class ReadOp : public tf::OpKernel {
         Count(r, count, StoreRowsOfMissing(ctx, {r}, {k}, {slots.data()}, {count}, {store_rows.data()})[0]);
       }
       const float* cache = r->arrays[0].var->tensor()->flat<float>().data();
-      impl::ReadRows(k, slots.data(), r->store ? store_rows.data() : nullptr, count, cache, r->dim,
-                     r->store ? r->store->base(0) : nullptr, r->store ? r->store->stride() : 0, InitKind(*r), r->a,
-                     r->b, r->seed, out[i]->flat<float>().data());
+      float* values = out[i]->flat<float>().data();
+      // (on the host's threads: each row a random access into a large array)
+      d.parallel_for(count, 50 + 4 * r->dim, [&](int64_t lo, int64_t hi) {
+        impl::ReadRows(k + lo, slots.data() + lo, r->store ? store_rows.data() + lo : nullptr, hi - lo, cache, r->dim,
+                       r->store ? r->store->base(0) : nullptr, r->store ? r->store->stride() : 0, InitKind(*r), r->a,
+                       r->b, r->seed, values + lo * r->dim);
+      });
     }
   }
 
@@ -756,6 +768,7 @@ class ReadOp : public tf::OpKernel {
                           const std::vector<tf::Tensor*>& out) {
     const int n = static_cast<int>(res.size());
     const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+    StageClock clock(stream, StageClock::kRead);
     std::vector<impl::GpuFindResult> found(n);
     std::vector<int64_t*> staging(n, nullptr);
     for (int i = 0; i < n; ++i) {
@@ -771,8 +784,10 @@ class ReadOp : public tf::OpKernel {
       cudaMemcpyAsync(staging[i], keys.flat<int64_t>().data(), 8 * count, cudaMemcpyDeviceToHost, stream);
       cudaMemcpyAsync(staging[i] + count, found[i].slots, 8 * count, cudaMemcpyDeviceToHost, stream);
     }
+    clock.Mark(StageClock::kReadProbe);
     if (std::any_of(staging.begin(), staging.end(), [](int64_t* p) { return p != nullptr; }))
       TF_RETURN_IF_ERROR(CudaWait(stream));
+    clock.Mark(StageClock::kReadWait);
     std::vector<const int64_t*> key_lists(n), slot_lists(n);
     std::vector<int64_t*> row_lists(n);   // each key's store row (-1: cached, or not held)
     std::vector<int64_t> counts(n, 0);
@@ -784,6 +799,7 @@ class ReadOp : public tf::OpKernel {
       row_lists[i] = staging[i] + 2 * counts[i];
     }
     const std::vector<int64_t> held = StoreRowsOfMissing(ctx, res, key_lists, slot_lists, counts, row_lists);
+    clock.Mark(StageClock::kReadHostLookups);
     for (int i = 0; i < n; ++i) {
       IndexResource* r = res[i];
       const tf::Tensor& keys = ctx->input(n + i);
@@ -801,6 +817,7 @@ class ReadOp : public tf::OpKernel {
                         r->store ? r->store->base(0) : nullptr, r->store ? r->store->stride() : 0, InitKind(*r), r->a,
                         r->b, r->seed, out[i]->flat<float>().data());
     }
+    clock.Mark(StageClock::kReadLaunched);
     return absl::OkStatus();
   }
 #endif
