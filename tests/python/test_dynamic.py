@@ -187,6 +187,30 @@ def test_large_batches_find_the_values_assigned_to_their_keys(rng):
     assert len(set(new_keys.tolist()) & set(batch.tolist())) > 0
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_tables_past_huge_page_sizes_read_the_values_assigned_to_their_keys(rng, hybrid):
+    """2.5M keys: the key maps (and a hybrid table's host tier) grow past 64 MiB, from where their
+    memory is allocated for huge pages (the small maps' memory freed as they grow). Every sampled
+    key reads the value NumPy assigned it, keys not held their initial value (zeros here)."""
+    n = 2_500_000
+    keys = np.unique(rng.integers(-2**63, 2**63 - 1, n + n // 20, dtype=np.int64))[:n]
+    keys = rng.permutation(keys)
+    values = rng.standard_normal((len(keys), 2)).astype(np.float32)
+    kw = dict(var_type="hybrid", max_hbm_for_vectors=0.01) if hybrid else {}
+    table = sok.DynamicVariable(2, initializer="zeros", name=f"past_huge_{hybrid}", **kw)
+    for lo in range(0, len(keys), 1 << 19):
+        sok.assign(table, tf.constant(keys[lo:lo + (1 << 19)]), tf.constant(values[lo:lo + (1 << 19)]))
+    assert table.size.numpy()[0] == len(keys)
+    pick = rng.choice(len(keys), 200_000)
+    absent = rng.integers(-2**63, 2**63 - 1, 1_000, dtype=np.int64)
+    absent = absent[~np.isin(absent, keys)]
+    ids = np.concatenate([keys[pick], absent])
+    out, = sok.lookup_sparse([table], [to_ragged(np.ones(len(ids), np.int64), tf.constant(ids))], combiners=["sum"], training=False)
+    want = np.concatenate([values[pick], np.zeros((len(absent), 2), np.float32)])
+    np.testing.assert_array_equal(out.numpy(), want)
+    assert table.size.numpy()[0] == len(keys)   # (reads insert nothing)
+
+
 def test_evicted_key_returns_with_fresh_value_and_optimizer_state(rng):
     keys = random_keys(rng, 3)
     table = sok.DynamicVariable(2, initializer="ones", max_capacity=2, evict_strategy="lru", name="small")

@@ -188,8 +188,7 @@ class DynamicIndex {
   int64_t reserved_ = 0;
   KeyMap slot_of_key_;
   KeyMap candidates_;  // admission: times seen, for keys not admitted yet
-  // per row
-  // per row, each touched at random by a find (huge pages: TLB misses fewer)
+  // per row, each touched at random by a find (huge pages: fewer TLB misses)
   std::vector<int64_t, HugePageAllocator<int64_t>> slot_key_, score_, generation_, touched_;
   std::vector<uint8_t, HugePageAllocator<uint8_t>> live_row_;
   std::vector<int64_t> free_;
