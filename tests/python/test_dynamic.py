@@ -205,7 +205,8 @@ def test_tables_past_huge_page_sizes_read_the_values_assigned_to_their_keys(rng,
     absent = rng.integers(-2**63, 2**63 - 1, 1_000, dtype=np.int64)
     absent = absent[~np.isin(absent, keys)]
     ids = np.concatenate([keys[pick], absent])
-    out, = sok.lookup_sparse([table], [to_ragged(np.ones(len(ids), np.int64), tf.constant(ids))], combiners=["sum"], training=False)
+    ragged = to_ragged(np.ones(len(ids), np.int64), tf.constant(ids))
+    out, = sok.lookup_sparse([table], [ragged], combiners=["sum"], training=False)
     want = np.concatenate([values[pick], np.zeros((len(absent), 2), np.float32)])
     np.testing.assert_array_equal(out.numpy(), want)
     assert table.size.numpy()[0] == len(keys)   # (reads insert nothing)

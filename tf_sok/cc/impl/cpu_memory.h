@@ -19,6 +19,7 @@
 #include <mutex>
 #include <new>
 #include <unordered_set>
+#include <vector>
 
 namespace tf_sok {
 namespace impl {
@@ -77,6 +78,10 @@ struct HugePageAllocator {
   template <typename U>
   bool operator!=(const HugePageAllocator<U>&) const { return false; }
 };
+
+// A vector of such an array.
+template <typename T>
+using HugePageVector = std::vector<T, HugePageAllocator<T>>;
 
 }  // namespace impl
 }  // namespace tf_sok

@@ -63,7 +63,7 @@ void KeyMap::GetMany(const int64_t* keys, int64_t n, int64_t missing, int64_t* o
 }
 
 void KeyMap::Grow() {
-  std::vector<Bucket, HugePageAllocator<Bucket>> old;
+  HugePageVector<Bucket> old;
   old.swap(buckets_);
   buckets_.assign(old.size() * 2, Bucket{0, kEmpty});
   mask_ = static_cast<int64_t>(buckets_.size()) - 1;

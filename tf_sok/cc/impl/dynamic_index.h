@@ -100,7 +100,7 @@ class KeyMap {
   int64_t Home(int64_t key) const;
   int64_t Position(int64_t key) const;  // of key, or the empty bucket ending its run
   void Grow();
-  std::vector<Bucket, HugePageAllocator<Bucket>> buckets_;   // (huge pages: lookups miss the TLB less)
+  HugePageVector<Bucket> buckets_;   // (huge pages: fewer TLB misses)
   int64_t mask_ = 0, count_ = 0;
 };
 
@@ -189,8 +189,8 @@ class DynamicIndex {
   KeyMap slot_of_key_;
   KeyMap candidates_;  // admission: times seen, for keys not admitted yet
   // per row, each touched at random by a find (huge pages: fewer TLB misses)
-  std::vector<int64_t, HugePageAllocator<int64_t>> slot_key_, score_, generation_, touched_;
-  std::vector<uint8_t, HugePageAllocator<uint8_t>> live_row_;
+  HugePageVector<int64_t> slot_key_, score_, generation_, touched_;
+  HugePageVector<uint8_t> live_row_;
   std::vector<int64_t> free_;
   int64_t next_free_ = 0, rows_ = 0, live_ = 0, clock_ = 0, call_ = 0;
   int64_t last_prefetch_ = 0;   // the call the last prefetch extended

@@ -83,7 +83,7 @@ class HostStore {
   // A row's place in the order a bound drops keys not cached (lowest first).
   int64_t order(int64_t r) const { return order_[r]; }
   // The key of each row, rows [0, rows_used()).
-  const std::vector<int64_t, HugePageAllocator<int64_t>>& keys() const { return key_of_row_; }
+  const HugePageVector<int64_t>& keys() const { return key_of_row_; }
   // Per row, two int64 at the start of its record (kMetaFloats), written back with its rows: [0] its
   // mark, the index call that last touched its key as of the key's last move between cache and store
   // (the call that brought it in, or the last to touch it before it was written back): with the
@@ -146,8 +146,8 @@ class HostStore {
   std::unique_ptr<HostMemory> memory_;
   KeyMap row_of_key_;
   // per row, touched at random by calls' lookups (huge pages: fewer TLB misses)
-  std::vector<int64_t, HugePageAllocator<int64_t>> key_of_row_;
-  std::vector<uint8_t, HugePageAllocator<uint8_t>> alive_, cached_;
+  HugePageVector<int64_t> key_of_row_;
+  HugePageVector<uint8_t> alive_, cached_;
   std::vector<int64_t> free_rows_, freed_;   // reusable rows; rows dropped by the last Bound
   // per row: restored keys -n..-1 in the order given, then each key written back the next number
   // (given scores: its score)
