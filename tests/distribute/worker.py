@@ -305,7 +305,7 @@ def dynamic(seed, res):
         init(res)
         tables = dc.make_tables(seed)
         dense_w = tf.Variable(dc.dense_init())
-        sparse_opt = sok.optimizers.Adam(learning_rate=0.05)
+        sparse_opt = dc.adam()
         dense_opt = keras.optimizers.SGD(0.05)
     batches = [dc.global_batch(seed, s) for s in range(2 * dc.STEPS)]
 
@@ -340,7 +340,7 @@ def dynamic(seed, res):
     sok.dump(path, list(tables.values()), sparse_opt)
     with STRATEGY.scope():
         resumed = dc.make_tables(seed, {"users": f"localized:{N - 1}", "pairs": "distributed"}, hybrid=True)
-        resumed_opt = sok.optimizers.Adam(learning_rate=0.05)
+        resumed_opt = dc.adam()
     sok.load(path, list(resumed.values()), resumed_opt)
     train(resumed, resumed_opt, range(dc.STEPS, 2 * dc.STEPS))
     record(resumed, "resumed/")

@@ -320,7 +320,7 @@ def dump_tables(seed, out):
     sok.init(sparse_grad_reduction="mean")
     tables = dc.make_tables(seed)
     dense_w = tf.Variable(dc.dense_init())
-    opt = sok.optimizers.Adam(learning_rate=0.05)
+    opt = dc.adam()
     batches = [dc.rank_slice(*dc.global_batch(seed, s), r, N) for s in range(dc.STEPS)]
     dc.train(tables, dense_w, batches, dense_tape=hvd.DistributedGradientTape, sparse_opt=opt)
     sok.dump(os.path.join(os.path.dirname(out), "dump"), list(tables.values()), opt)
@@ -336,7 +336,7 @@ def load_tables(seed, out):
     sok.init(sparse_grad_reduction="mean")
     modes = {"users": f"localized:{N - 1}", "pairs": "distributed"}
     tables = dc.make_tables(seed, modes)
-    opt = sok.optimizers.Adam(learning_rate=0.05)
+    opt = dc.adam()
     sok.load(os.path.join(os.path.dirname(out), "dump"), list(tables.values()), opt)
     dense_w = tf.Variable(np.load(os.path.join(os.path.dirname(out), "dump_tables.rank0.npz"))["dense"])
     batches = [dc.rank_slice(*dc.global_batch(seed, s), r, N) for s in range(dc.STEPS, 2 * dc.STEPS)]
