@@ -7,7 +7,9 @@
 //   nvcc -O2 -arch=sm_90 -o host_link_rows benchmarks/host_link_rows.cu
 //   ./host_link_rows [GiB, 8] [row bytes, 512: a multiple of 16; the same bytes in fewer, larger rows]
 // Modes: interleaved (blocks of writes and reads alternating in one grid, as the hybrid step's
-// moves), writes then reads in one grid, writes and reads as two grids, grid-stride (grid size).
+// moves), writes then reads in one grid, writes and reads as two grids, grid-stride (grid size);
+// and "log" duplex: random rows read while the written rows are contiguous (as a store that writes
+// the rows it takes back at the end of a log rather than in their old places would move them).
 #include <cuda_runtime.h>
 #include <sys/mman.h>
 #include <cstdio>
@@ -91,10 +93,14 @@ int main(int argc, char** argv) {
   for (auto& x : pick) x = g() % rows_total;
   std::vector<long> contig(2 * N * kReps);
   for (long j = 0; j < 2 * N * kReps; ++j) contig[j] = j;
-  long *d_rand, *d_contig;
-  cudaMalloc(&d_rand, 16 * N * kReps); cudaMalloc(&d_contig, 16 * N * kReps);
+  std::vector<long> log(pick);   // each repetition: contiguous rows written (a region of its own), random rows read
+  for (int rep = 0; rep < kReps; ++rep)
+    for (long j = 0; j < N; ++j) log[2 * N * rep + j] = (rows_total / kReps) * rep + j;
+  long *d_rand, *d_contig, *d_log;
+  cudaMalloc(&d_rand, 16 * N * kReps); cudaMalloc(&d_contig, 16 * N * kReps); cudaMalloc(&d_log, 16 * N * kReps);
   cudaMemcpy(d_rand, pick.data(), 16 * N * kReps, cudaMemcpyHostToDevice);
   cudaMemcpy(d_contig, contig.data(), 16 * N * kReps, cudaMemcpyHostToDevice);
+  cudaMemcpy(d_log, log.data(), 16 * N * kReps, cudaMemcpyHostToDevice);
   float4 *evicted, *cache;
   cudaMalloc(&evicted, N * W * 16); cudaMalloc(&cache, N * W * 16);
   cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
@@ -136,7 +142,10 @@ int main(int argc, char** argv) {
       run("random writes then reads (1 grid)", d_rand, N, N, launches, 1);
       run("random writes, reads (2 grids)", d_rand, N, N, launches, 2);
       run("contiguous read", d_contig, 0, N, launches);
+      run("contiguous write", d_contig, N, 0, launches);
       run("contiguous duplex", d_contig, N, N, launches);
+      run("log duplex (contiguous writes)", d_log, N, N, launches);
+      run("log duplex, grid 528", d_log, N, N, launches, 528);
     }
     printf("error: %s\n", cudaGetErrorString(cudaGetLastError()));
     if (huge) { cudaHostUnregister(store); munmap(store, rows_total * W * 16); } else cudaFreeHost(store);
