@@ -1,19 +1,17 @@
 import os
-import secrets
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
 import pytest
+from tests.seeds import fresh_seed
 
 
 
 @pytest.fixture
 def rng(request):
     """Fresh random inputs every run; the seed is printed so a failure can be replayed."""
-    seed = int(os.environ.get("TF_SOK_TEST_SEED", secrets.randbits(32)))
-    print(f"{request.node.name}: seed {seed} (TF_SOK_TEST_SEED={seed} to replay)")
-    return np.random.default_rng(seed)
+    return np.random.default_rng(fresh_seed(request.node.name, bits=32))
 
 
 @pytest.fixture(autouse=True)

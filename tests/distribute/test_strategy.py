@@ -2,7 +2,6 @@
 the global batch R*b. Each strategy runs in its own process (logical devices are
 fixed when TensorFlow starts); the references run here, on one device."""
 import os
-import secrets
 import socket
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from tests.horovod import cases, model
+from tests.seeds import fresh_seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIRRORED_SCENARIOS = ["lookups", "training", "fit", "dynamic"]
@@ -81,15 +81,14 @@ def run_multiworker(n, scenarios, seed, outdir):
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2devices", "3devices"])
 def mirrored(request, tmp_path_factory):
-    n, seed = request.param, secrets.randbits(31)
-    print(f"MirroredStrategy over {n} logical CPU devices, seed {seed}")
+    n = request.param
+    seed = fresh_seed(f"MirroredStrategy over {n} logical CPU devices")
     return n, seed, run_mirrored(n, MIRRORED_SCENARIOS, seed, tmp_path_factory.mktemp(f"mirrored{n}"))
 
 
 @pytest.fixture(scope="module")
 def multiworker(tmp_path_factory):
-    seed = secrets.randbits(31)
-    print(f"MultiWorkerMirroredStrategy, 2 workers, seed {seed}")
+    seed = fresh_seed("MultiWorkerMirroredStrategy, 2 workers")
     return 2, seed, run_multiworker(2, ["lookups", "training_adam", "fit", "dynamic"], seed,
                                     tmp_path_factory.mktemp("mwms"))
 
@@ -217,7 +216,7 @@ def test_mirrored_dump_loads_under_other_modes_and_in_one_process(mirrored):
 
 
 def test_mirrored_misuse_raises_clear_errors(tmp_path):
-    res = run_mirrored(2, ["errors"], secrets.randbits(31), tmp_path)
+    res = run_mirrored(2, ["errors"], fresh_seed("errors"), tmp_path)
     assert "supports tf.distribute.MirroredStrategy and MultiWorkerMirroredStrategy; got OneDeviceStrategy" in \
         str(res["errors:unsupported"])
     assert "sok.init() was called outside it" in str(res["errors:init_outside"])
@@ -242,7 +241,7 @@ def test_mirrored_nccl_collectives_are_per_replica_and_independent(tmp_path):
     another replica's — tf.function would otherwise chain them in tracing order (replica
     0's step, then replica 1's), a hang once replica 0's collectives wait for replica 1."""
     n = 2
-    res = run_mirrored(n, ["nccl_graph"], secrets.randbits(31), tmp_path)
+    res = run_mirrored(n, ["nccl_graph"], fresh_seed("nccl_graph"), tmp_path)
     ops = sorted(k for k in res if k.count("/") == 0 and k.startswith("nccl_graph:op"))
     info = np.stack([res[k] for k in ops])                          # [replica, key, foreign deps]
     kinds = [str(res[k + "/type"]) for k in ops]
@@ -280,7 +279,7 @@ def test_mirrored_over_two_gpus_equals_one_device(tmp_path, exchange):
         pytest.skip("no GPU visible to TensorFlow")
     if exchange == "nccl" and gpus < 2:
         pytest.skip(f"the NCCL exchange needs one GPU per replica; {gpus} visible")
-    seed = secrets.randbits(31)
+    seed = fresh_seed(f"MirroredStrategy over 2 GPUs, {exchange} exchange")
     res = run_mirrored(2, MIRRORED_SCENARIOS, seed, tmp_path, gpu=True, exchange=exchange)
     expected = {"framework": "StrategyCommunicator", "nccl": "NcclCommunicator"}[exchange]
     assert all(str(res[f"{s}:communicator"]) == expected for s in MIRRORED_SCENARIOS), res["lookups:communicator"]

@@ -2,7 +2,6 @@
 must give what one process gives on the concatenated global batch."""
 import os
 import re
-import secrets
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from tests.horovod import cases, model
+from tests.seeds import fresh_seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 try:
@@ -75,9 +75,7 @@ def run_workers(n, scenario, seed, tmp_path, exchange="auto"):
 
 @pytest.fixture
 def seed():
-    s = int(os.environ.get("TF_SOK_TEST_SEED") or secrets.randbits(31))   # TF_SOK_TEST_SEED: rerun a case
-    print(f"horovod case seed {s}")
-    return s
+    return fresh_seed("horovod case")
 
 
 # TF_SOK_TEST_HOROVOD_RANKS="4,8" runs the equivalence at other rank counts (e.g. on a GPU machine

@@ -1,7 +1,6 @@
 """The exchange path (what every multi-rank lookup runs) with one rank, whose
 collectives are identities: outputs and table gradients against NumPy, and
 the pre-exchange check. Multi-rank runs: tests/horovod, tests/distribute."""
-import secrets
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import tf_sok as sok
 from tests.helpers import dense_grad, np_lookup, random_ragged
 from tf_sok.python import exchange
 from tf_sok.python.comm import SingleProcess
+from tests.seeds import fresh_seed
 
 
 def _metas(tables):
@@ -19,8 +19,7 @@ def _metas(tables):
 
 
 def test_exchange_path_matches_numpy_outputs_and_gradients():
-    seed = secrets.randbits(31)
-    print(f"exchange seed {seed}")
+    seed = fresh_seed("exchange")
     rng = np.random.default_rng(seed)
     sok.init()
     shapes = [(50, 8), (7, 4), (300, 8)]  # two widths: one all-to-all per width

@@ -1,5 +1,4 @@
 """TfSokRoute (routing of the multi-rank lookup) against a NumPy reference."""
-import secrets
 
 import numpy as np
 import pytest
@@ -7,13 +6,12 @@ import tensorflow as tf
 
 from tests.helpers import np_route, random_route_keys
 from tf_sok.python.ops.route_ops import route
+from tests.seeds import fresh_seed
 
 
 @pytest.fixture
 def rng():
-    seed = secrets.randbits(31)
-    print(f"route seed {seed}")
-    return np.random.default_rng(seed)
+    return np.random.default_rng(fresh_seed("route"))
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 8])
