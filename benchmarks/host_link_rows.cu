@@ -9,7 +9,9 @@
 // Modes: interleaved (blocks of writes and reads alternating in one grid, as the hybrid step's
 // moves), writes then reads in one grid, writes and reads as two grids, grid-stride (grid size);
 // and "log" duplex: random rows read while the written rows are contiguous (as a store that writes
-// the rows it takes back at the end of a log rather than in their old places would move them).
+// the rows it takes back at the end of a log rather than in their old places would move them);
+// "swap" duplex: each written row goes where a row was just read, by the thread that read it (as a
+// store that gives an evicted key the record of a key taken in would move them).
 #include <cuda_runtime.h>
 #include <sys/mman.h>
 #include <cstdio>
@@ -48,6 +50,16 @@ __global__ void MoveSeq(const float4* evicted, const long* out_rows, long n_out,
                         float4* store, float4* cache) {
   const long per = blockDim.x, bo = (n_out * W + per - 1) / per, b = blockIdx.x;
   MoveWord(b < bo, (b < bo ? b : b - bo) * per + threadIdx.x, evicted, out_rows, n_out, in_rows, n_in, store, cache);
+}
+
+// each word read in from in_rows[j] and replaced by the evicted row j's (n_out == n_in)
+__global__ void MoveSwap(const float4* evicted, const long* in_rows, long n, float4* store, float4* cache) {
+  const long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (i >= n * W) return;
+  const long j = i / W, c = i - j * W;
+  float4* at = store + in_rows[j] * W + c;
+  cache[i] = *at;
+  *at = evicted[i];
 }
 
 // grid-stride: `gridDim.x` blocks walk the blocks of Move
@@ -115,7 +127,8 @@ int main(int argc, char** argv) {
         for (int l = 0; l < launches; ++l) {
           const long o = n_out / launches, i = n_in / launches;
           const long blocks = (o * W + 255) / 256 + (i * W + 255) / 256;
-          if (mode >= 100) MoveStride<<<mode, 256>>>(evicted + l * o * W, rows + l * o, o, rows + N + l * i, i, dstore, cache + l * i * W);
+          if (mode == 3) MoveSwap<<<(i * W + 255) / 256, 256>>>(evicted + l * o * W, rows + N + l * i, i, dstore, cache + l * i * W);
+          else if (mode >= 100) MoveStride<<<mode, 256>>>(evicted + l * o * W, rows + l * o, o, rows + N + l * i, i, dstore, cache + l * i * W);
           else if (mode == 0) Move<<<blocks, 256>>>(evicted + l * o * W, rows + l * o, o, rows + N + l * i, i, dstore, cache + l * i * W);
           else if (mode == 1) MoveSeq<<<blocks, 256>>>(evicted + l * o * W, rows + l * o, o, rows + N + l * i, i, dstore, cache + l * i * W);
           else {  // two launches: writes, then reads
@@ -146,6 +159,7 @@ int main(int argc, char** argv) {
       run("contiguous duplex", d_contig, N, N, launches);
       run("log duplex (contiguous writes)", d_log, N, N, launches);
       run("log duplex, grid 528", d_log, N, N, launches, 528);
+      run("swap duplex (writes where reads were)", d_rand, N, N, launches, 3);
     }
     printf("error: %s\n", cudaGetErrorString(cudaGetLastError()));
     if (huge) { cudaHostUnregister(store); munmap(store, rows_total * W * 16); } else cudaFreeHost(store);
