@@ -4,6 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_sok as sok
+from tests.horovod import cases
 
 GLOBAL_BATCH = 24
 STEPS = 4
@@ -111,11 +112,9 @@ def dense_init():
 
 
 def adam():
-    """The sparse optimizer the cases compare. epsilon 1e-3, not Keras's 1e-7: a key's gradient can
-    cancel to ~1e-7 out of terms of ~0.03 (sum and mean features over the batch), and Adam's step
-    g / (|g| + eps) at such a g turns the float32 rounding of the summation order (which differs
-    between one process and N) into differences of ~1e-4 in the trained values."""
-    return sok.optimizers.Adam(learning_rate=0.05, epsilon=1e-3)
+    """The sparse optimizer the cases compare: the Adam of cases.OPTIMIZERS (its epsilon is why)."""
+    cls, kwargs = cases.OPTIMIZERS["adam"]
+    return getattr(sok.optimizers, cls)(**kwargs)
 
 
 def train(tables, dense_w, batches, dense_tape=None, sparse_opt=None, prefetch=False, **lookup_kw):
