@@ -34,6 +34,12 @@ counts, reach their steady state) (all held at once: the device needs the all-in
 tables and both caches, the host both tiers); the timed steps then run in `--rounds` rounds in
 which the kinds take turns, each kind on the same batches in the same order, so that the machine's
 drifts over the run fall on all of them.
+
+`--store-keys` (default on a GPU: both): where the hybrid tables look up the store rows of the keys a
+find takes in and of the keys a read does not find cached: `host` (the host tier's key map, after a
+round trip through the host), `gpu` (the tier's keys also mapped on the device:
+TF_SOK_STORE_KEYS_ON_GPU=1 when the tables are made), or `both` (a kind of tables each, printed side
+by side; with --find, each cache share both ways).
 """
 import argparse
 import gc
@@ -65,8 +71,38 @@ def batches(a, dist, count):
     return out
 
 
-def make_tables(a, device, policy, tag: str):
+class StoreKeys:
+    """Hybrid tables made inside look up their host tier's keys on the GPU (on_gpu) or on the host."""
+
+    NAME = "TF_SOK_STORE_KEYS_ON_GPU"
+
+    def __init__(self, on_gpu: bool):
+        self.on_gpu = on_gpu
+
+    def __enter__(self):
+        self.before = os.environ.get(self.NAME)
+        os.environ[self.NAME] = "1" if self.on_gpu else "0"
+
+    def __exit__(self, *exc):
+        if self.before is None:
+            os.environ.pop(self.NAME, None)
+        else:
+            os.environ[self.NAME] = self.before
+
+
+def store_key_places(a):
+    """[(label suffix, keys on the GPU)] of --store-keys."""
+    return {"host": [("", False)], "gpu": [("", True)],
+            "both": [("", False), (", keys on GPU", True)]}[a.store_keys]
+
+
+def make_tables(a, device, policy, tag: str, keys_on_gpu: bool = False):
     """The tables of one kind: all in device memory (policy None), or hybrid with that cache policy."""
+    with StoreKeys(keys_on_gpu):
+        return _make_tables(a, device, policy, tag)
+
+
+def _make_tables(a, device, policy, tag: str):
     hybrid = policy is not None
     state_widths = 2 * a.dim                              # values + Adagrad's accumulator
     budget = a.cache_share * a.keys * state_widths * 4 / 2**30
@@ -157,7 +193,12 @@ class Runner:
         return res
 
 
-def find_rate(a, device, share):
+def find_rate(a, device, share, keys_on_gpu=False):
+    with StoreKeys(keys_on_gpu):
+        return _find_rate(a, device, share)
+
+
+def _find_rate(a, device, share):
     """For one table of random held keys (share None: all in device memory): G keys/s of lookups that
     do not train (`training=False`: a key not cached is read from host memory in place) and of
     training lookups without their gradient (a miss moves the key's row into the cache), the
@@ -208,12 +249,14 @@ def find_section(a, device):
           f"({a.find_dist}); "
           f"HierarchicalKV's hybrid find (A100, half the values in HBM): 0.118-0.148 G-KV/s", flush=True)
     out = {}
-    for share in [None, *a.find_shares]:
-        res = find_rate(a, device, share)
+    runs = [(None, "", False)] + [(share, label, on_gpu) for share in a.find_shares
+                                  for label, on_gpu in store_key_places(a)]
+    for share, label, on_gpu in runs:
+        res = find_rate(a, device, share, on_gpu)
         gc.collect()   # the lookup's tf.function holds its table in a reference cycle
-        what = "all in device memory" if share is None else f"cache {share:.0%} of the values"
+        what = "all in device memory" if share is None else f"cache {share:.0%} of the values{label}"
         read, find = res["read"], res["find"]
-        line = f"  {what:28s} read (training=False) {read['gkeys_s']:6.3f} G keys/s"
+        line = f"  {what:42s} read (training=False) {read['gkeys_s']:6.3f} G keys/s"
         if "host_gb_s" in read:
             line += (f" ({read['host_bytes_per_call'] / 1e6:.1f} MB from host memory per call, "
                      f"{read['host_gb_s']:.1f} GB/s)")
@@ -221,7 +264,7 @@ def find_section(a, device):
         if "hit_rate" in find:
             line += f", hit rate {find['hit_rate']:.3f}"
         print(line, flush=True)
-        out["hbm" if share is None else f"share_{share}"] = res
+        out["hbm" if share is None else f"share_{share}{'_keys_gpu' if on_gpu else ''}"] = res
     return out
 
 
@@ -251,6 +294,8 @@ def main():
     p.add_argument("--find-batch", type=int, default=1 << 20)
     p.add_argument("--find-shares", type=float, nargs="+", default=[0.5, 0.1])
     p.add_argument("--find-dist", default="uniform", help="the --find keys' distribution (uniform, zipf:A)")
+    p.add_argument("--store-keys", choices=["host", "gpu", "both"], default="both" if gpu else "host",
+                   help="where hybrid tables look up their host tier's keys (see above)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json")
     a = p.parse_args()
@@ -279,7 +324,11 @@ def main():
               f"{link['copy_to_device']:.1f} / {link['copy_to_host']:.1f} GB/s; a kernel reading / writing "
               f"host memory in place {link['read_in_place']:.1f} / {link['write_in_place']:.1f} GB/s")
         out["link_gbs"] = link
-    policies = {"hbm": None, **{f"hybrid_{e}": e for e in a.evict}, **({} if a.no_prefetch else {"prefetch": a.evict[0]})}
+    places = store_key_places(a)
+    # kind -> (cache policy, the tier's keys on the GPU)
+    policies = {"hbm": (None, False),
+                **{f"hybrid_{e}{'_keys_gpu' if g else ''}": (e, g) for e in a.evict for _, g in places},
+                **({} if a.no_prefetch else {"prefetch": (a.evict[0], False)})}
     kinds = tuple(policies)
     rounds = max(1, min(a.rounds, a.iters))
     for dist in a.dists:
@@ -287,7 +336,8 @@ def main():
         runners, fill = {}, {}
         for kind in kinds:   # every kind's tables at once (their steps take turns below)
             t0 = time.perf_counter()
-            tables = make_tables(a, device, policies[kind], f"{kind}_{dist.replace(':', '')}_")
+            policy, keys_on_gpu = policies[kind]
+            tables = make_tables(a, device, policy, f"{kind}_{dist.replace(':', '')}_", keys_on_gpu)
             fill[kind] = time.perf_counter() - t0
             runners[kind] = Runner(device, tables, data, prefetch=kind == "prefetch")
             runners[kind].steps(a.warmup, timed=False)
@@ -304,14 +354,15 @@ def main():
         h = res["hbm"]
         print(f"  {dist:10s} all in device memory {h['ms']:8.2f} ms (tables filled in {h['fill_s']:.1f} s)", flush=True)
         out[dist] = {"hbm": h}
-        for e in a.evict:
-            c = res[f"hybrid_{e}"]
+        for e, (label, g) in [(e, p) for e in a.evict for p in places]:
+            c = res[f"hybrid_{e}{'_keys_gpu' if g else ''}"]
             rate = c["mb_per_step"] / c["ms"]   # MB/ms = GB/s
-            print(f"  {'':10s} hybrid, {e.upper()} {c['ms']:8.2f} ms = {c['ms'] / h['ms']:.2f}x | hit rate "
+            print(f"  {'':10s} hybrid, {e.upper()}{label} {c['ms']:8.2f} ms = {c['ms'] / h['ms']:.2f}x | hit rate "
                   f"{c['hit_rate']:.4f} | {c['loaded_per_step']:,.0f} keys in, {c['evicted_per_step']:,.0f} out per "
                   f"step, {c['mb_per_step']:.1f} MB over the link ({rate:.1f} GB/s while stepping) | filled in "
                   f"{c['fill_s']:.1f} s", flush=True)
-            out[dist].update({f"hybrid_{e}": c, f"ratio_{e}": c["ms"] / h["ms"]})
+            tag = f"{e}{'_keys_gpu' if g else ''}"
+            out[dist].update({f"hybrid_{tag}": c, f"ratio_{tag}": c["ms"] / h["ms"]})
         c = res[f"hybrid_{a.evict[0]}"]
         if "prefetch" in res:
             f = res["prefetch"]

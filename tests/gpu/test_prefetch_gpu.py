@@ -14,6 +14,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_de
                                                   reason="no GPU visible to TensorFlow")]
 
 
+@pytest.fixture(autouse=True, params=["keys_on_host", "keys_on_gpu"])
+def tier_keys(request, monkeypatch):
+    """Every test twice: a host tier's keys looked up on the host (the default), and also mapped on
+    the GPU (TF_SOK_STORE_KEYS_ON_GPU=1, read when a table is made; tiers without max_capacity)."""
+    monkeypatch.setenv("TF_SOK_STORE_KEYS_ON_GPU", "1" if request.param == "keys_on_gpu" else "0")
+    return request.param
+
+
 @pytest.mark.parametrize("case", ["adagrad", "adam"])
 def test_gpu_training_with_prefetch_equals_the_cpu_table_without_a_tier(rng, case):
     cls, hp = OPTIMIZERS[case]

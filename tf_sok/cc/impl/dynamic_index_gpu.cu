@@ -211,6 +211,50 @@ __global__ void UpsertKernel(int64_t* tkeys, unsigned long long* tstate, int64_t
   }
 }
 
+// A host tier's keys on the device (GpuDynamicIndex::StoreMapRows): the store row of each of the
+// distinct keys[n]; a key the map lacks is added with the next row from `base` on (ClaimRow: listed
+// at added_keys / added_rows[*count]) and marked fresh. The map has no tombstones (no key leaves it).
+__global__ void StoreRowsOrAddKernel(int64_t* tkeys, unsigned long long* tstate, int64_t mask, const int64_t* keys,
+                                     int64_t n, int64_t base, int64_t* rows, uint8_t* fresh, int64_t* added_keys,
+                                     int64_t* added_rows, unsigned long long* count) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int64_t key = keys[i];
+  int64_t p = Home(key, mask);
+  while (true) {
+    const long long s = static_cast<long long>(*reinterpret_cast<volatile unsigned long long*>(&tstate[p]));
+    if (s == kEmpty) break;
+    if (s >= 0) {
+      __threadfence();
+      if (*reinterpret_cast<volatile int64_t*>(&tkeys[p]) == key) {
+        rows[i] = s;
+        fresh[i] = 0;
+        return;
+      }
+    }
+    p = (p + 1) & mask;
+  }
+  rows[i] = ClaimRow(tkeys, tstate, mask, key, nullptr, 0, base, added_keys, added_rows, count, NewRowMarks());
+  fresh[i] = 1;
+}
+
+// rows[j]: the store row of keys[j] where slots[j] < 0 (-1: the map lacks it), -1 where the key is
+// cached; *held (device) += the keys found.
+__global__ void StoreRowsOfMissingKernel(const int64_t* tkeys, const int64_t* tstate, int64_t mask,
+                                         const int64_t* keys, const int64_t* slots, int64_t n, int64_t* rows,
+                                         unsigned long long* held) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  int found = 0;
+  if (i < n) {
+    int64_t r = -1, where;
+    if (slots[i] < 0) r = Probe(tkeys, tstate, mask, keys[i], &where);
+    rows[i] = r;
+    found = r >= 0;
+  }
+  const int block = __syncthreads_count(found);
+  if (threadIdx.x == 0 && block > 0) atomicAdd(held, static_cast<unsigned long long>(block));
+}
+
 __global__ void SetStateKernel(int64_t* tstate, const int64_t* where, const int64_t* value, int64_t constant,
                                int64_t n) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -603,6 +647,7 @@ GpuDynamicIndex::GpuDynamicIndex(const DynamicIndexConfig& config, DeviceMemory*
 GpuDynamicIndex::~GpuDynamicIndex() {
   FreeTable(&keys_);
   FreeTable(&candidates_);
+  FreeTable(&store_);
   for (void* p : {static_cast<void*>(slot_key_), static_cast<void*>(score_), static_cast<void*>(generation_),
                   static_cast<void*>(touched_), static_cast<void*>(free_), static_cast<void*>(live_row_)})
     if (p) memory_->Free(p);
@@ -1169,6 +1214,72 @@ void GpuDynamicIndex::AddStoreScores(const GpuDevice& d, const int64_t* cache_ro
   if (n > 0)
     AddStoreScoresKernel<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(cache_rows, store_rows, fresh, store_scores, stride,
                                                                    n, ScoreCap(), score_);
+}
+
+std::string GpuDynamicIndex::StoreMapBuild(const GpuDevice& d, const int64_t* keys, const int64_t* rows, int64_t n,
+                                           int64_t room) {
+  StoreMapDrop();
+  std::string error = NewTable(&store_, PowerOfTwoAtLeast(2 * (n + room)), d.stream);
+  if (!error.empty()) {
+    StoreMapDrop();
+    return error;
+  }
+  store_live_ = n;
+  if (n == 0) return "";
+  cudaStream_t s = StreamOf(d);
+  auto* dkeys = gpu::Alloc<int64_t>(d, n);
+  auto* drows = gpu::Alloc<int64_t>(d, n);
+  if (!dkeys || !drows) {
+    StoreMapDrop();
+    return "ran out of GPU memory for its host tier's keys";
+  }
+  cudaMemcpyAsync(dkeys, keys, 8 * n, cudaMemcpyHostToDevice, s);   // (pageable: read when it returns)
+  cudaMemcpyAsync(drows, rows, 8 * n, cudaMemcpyHostToDevice, s);
+  InsertKernel<<<Blocks(n), kThreads, 0, s>>>(store_.keys, reinterpret_cast<unsigned long long*>(store_.state),
+                                              store_.buckets - 1, dkeys, drows, n);
+  store_.used = n;
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? "" : std::string("CUDA error ") + cudaGetErrorString(e);
+}
+
+void GpuDynamicIndex::StoreMapDrop() {
+  FreeTable(&store_);
+  store_.buckets = store_.used = 0;
+  store_live_ = 0;
+}
+
+std::string GpuDynamicIndex::StoreMapRows(const GpuDevice& d, const int64_t* keys, int64_t n, int64_t base,
+                                          int64_t* rows, uint8_t* fresh, int64_t* added_keys, int64_t* added_rows,
+                                          int64_t* count) {
+  if (!store_map_built()) return "its host tier's keys are not on the device";
+  cudaStream_t s = StreamOf(d);
+  cudaMemsetAsync(count, 0, sizeof(int64_t), s);
+  if (n <= 0) return "";
+  std::string error = Room(d, &store_, store_live_, n);
+  if (!error.empty()) return error;
+  StoreRowsOrAddKernel<<<Blocks(n), kThreads, 0, s>>>(
+      store_.keys, reinterpret_cast<unsigned long long*>(store_.state), store_.buckets - 1, keys, n, base, rows, fresh,
+      added_keys, added_rows, reinterpret_cast<unsigned long long*>(count));
+  store_.used += n;   // (upper bounds until StoreMapSize: the keys added are counted on the device)
+  store_live_ += n;
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? "" : std::string("CUDA error ") + cudaGetErrorString(e);
+}
+
+void GpuDynamicIndex::StoreMapSize(int64_t live) {
+  store_live_ = live;
+  store_.used = std::min(store_.used, live);   // (no tombstones)
+}
+
+std::string GpuDynamicIndex::StoreMapRowsOfMissing(const GpuDevice& d, const int64_t* keys, const int64_t* slots,
+                                                   int64_t n, int64_t* rows, int64_t* held) {
+  if (!store_map_built()) return "its host tier's keys are not on the device";
+  if (n <= 0) return "";
+  StoreRowsOfMissingKernel<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(store_.keys, store_.state, store_.buckets - 1,
+                                                                     keys, slots, n, rows,
+                                                                     reinterpret_cast<unsigned long long*>(held));
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? "" : std::string("CUDA error ") + cudaGetErrorString(e);
 }
 
 std::string GpuDynamicIndex::ForgetCandidates(const GpuDevice& d, const int64_t* keys, int64_t n) {

@@ -123,6 +123,25 @@ class GpuDynamicIndex {
                       const int64_t* store_scores, int64_t stride, int64_t n);
   int64_t ScoreCap() const { return imported_score_ + clock_ + 1; }
 
+  // A hybrid table's host tier's keys -> store rows, also kept on the device (a map of its own, 16
+  // bytes per key at a load of at most a half), so that a find's new keys and a read's keys not
+  // cached get their store rows without the host. StoreMapBuild makes it from the host store's
+  // keys[n] -> rows[n] (host memory) with room for `room` more.
+  std::string StoreMapBuild(const GpuDevice& d, const int64_t* keys, const int64_t* rows, int64_t n, int64_t room);
+  bool store_map_built() const { return store_.keys != nullptr; }
+  void StoreMapDrop();
+  // The store rows of distinct keys[n] (device memory, as the outputs): a key the map lacks is added
+  // with the next row from `base` (the store's rows used) on, fresh[j] = 1, and listed at added_keys /
+  // added_rows [*count] (n of room each; *count on the device, set here). No wait.
+  std::string StoreMapRows(const GpuDevice& d, const int64_t* keys, int64_t n, int64_t base, int64_t* rows,
+                           uint8_t* fresh, int64_t* added_keys, int64_t* added_rows, int64_t* count);
+  // The map's size once the host knows how many keys StoreMapRows added (the store's size).
+  void StoreMapSize(int64_t live);
+  // rows[j]: the store row of keys[j] for slots[j] < 0 (-1: not in the tier; -1 for cached keys), and
+  // *held (device) += the keys found. No wait.
+  std::string StoreMapRowsOfMissing(const GpuDevice& d, const int64_t* keys, const int64_t* slots, int64_t n,
+                                    int64_t* rows, int64_t* held);
+
   std::string Export(const GpuDevice& d, DynamicIndexSnapshot* s);
   // As DynamicIndex::TouchedSince (host vectors; reads the row marks back, one wait).
   std::string TouchedSince(const GpuDevice& d, int64_t unix_ns, std::vector<int64_t>* keys,
@@ -146,6 +165,8 @@ class GpuDynamicIndex {
   int64_t reserved_ = 0;
   Table keys_, candidates_;
   int64_t candidates_live_ = 0;
+  Table store_;   // StoreMap*: none until built
+  int64_t store_live_ = 0;
   // per row
   int64_t *slot_key_ = nullptr, *score_ = nullptr, *generation_ = nullptr, *touched_ = nullptr;
   int64_t* free_ = nullptr;

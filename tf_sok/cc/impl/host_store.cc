@@ -80,6 +80,7 @@ std::string HostStore::AddAbsent(const int64_t* keys, int64_t n, int64_t* rows, 
   freed_.clear();
   int64_t added = 0;
   for (int64_t j = 0; j < n; ++j) added += rows[j] < 0;
+  if (added > 0) ++version_;
   const std::string error = Reserve(count_ + std::max<int64_t>(0, added - static_cast<int64_t>(free_rows_.size())));
   if (!error.empty()) return error;
   for (int64_t j = 0; j < n; ++j) {
@@ -111,6 +112,28 @@ std::string HostStore::AddAbsent(const int64_t* keys, int64_t n, int64_t* rows, 
   return "";
 }
 
+void HostStore::AddedOnDevice(const int64_t* keys, const int64_t* rows, int64_t n) {
+  if (n <= 0) return;
+  ++version_;
+  const int64_t count = count_ + n;
+  key_of_row_.resize(count);
+  alive_.resize(count);
+  cached_.resize(count);
+  order_.resize(count);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t r = rows[j];
+    row_of_key_.Put(keys[j], r);
+    key_of_row_[r] = keys[j];
+    alive_[r] = 1;
+    cached_[r] = 1;
+    order_[r] = 0;
+    set_mark(r, 0);
+    set_score(r, 0);
+  }
+  count_ = count;
+  cached_count_ += n;
+}
+
 void HostStore::Rows(const int64_t* keys, int64_t n, int64_t* rows) const {
   row_of_key_.GetMany(keys, n, -1, rows);
 }
@@ -132,6 +155,7 @@ std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector
     for (int64_t j = 0; j < n; ++j) std::copy(data[i] + j * pitch, data[i] + j * pitch + a.width,
                                               records_ + j * stride_ + a.offset);
   }
+  ++version_;
   row_of_key_ = std::move(seen);
   key_of_row_.assign(keys, keys + n);
   count_ = n;
@@ -202,6 +226,7 @@ std::string HostStore::Bound(std::vector<int64_t>* keys, std::vector<int64_t>* r
     queue_.pop();
     if (!alive_[r] || cached_[r] || key_of_row_[r] != key || order_[r] != order) continue;   // stale entry
     row_of_key_.Erase(key);
+    ++version_;
     alive_[r] = 0;
     freed_.push_back(r);
     keys->push_back(key);

@@ -128,6 +128,15 @@ class HostStore {
   // Insert's second half, after Rows: distinct keys[j] with rows[j] < 0 are added (at the arrays'
   // fills) and get their row, fresh[j] = 1 (else 0). "" or an error (nothing added then).
   std::string AddAbsent(const int64_t* keys, int64_t n, int64_t* rows, uint8_t* fresh);
+  // Keys a GPU map of the store gave rows without the host (an unbounded store only): rows
+  // [rows_used(), rows_used() + n) in some order, one per key, taken now into the cache of a call
+  // (their records are written when the cache writes them back). ReserveRows(n) comes first, before
+  // the device knows the rows; AddedOnDevice, once it is done, takes them in as AddAbsent would.
+  std::string ReserveRows(int64_t n) { return Reserve(count_ + n); }
+  void AddedOnDevice(const int64_t* keys, const int64_t* rows, int64_t n);
+  // Counts the changes of which key has which row (keys added, dropped, replaced): a copy of the
+  // map made at one version is current while the version stays.
+  int64_t version() const { return version_; }
   // Replaces the contents: keys[n] and, per array, its rows: row j of array a at data[a] + j * pitch.
   // A bound drops the keys not cached in the order given (before any key a later call touches) or,
   // given scores (an LFU table's counts, scores[n]: kept as the keys' scores), in the order of
@@ -161,6 +170,7 @@ class HostStore {
   float* records_ = nullptr;   // capacity_ records of stride_ floats: the meta, then the arrays
   int64_t stride_ = kMetaFloats;
   int64_t count_ = 0, capacity_ = 0;
+  int64_t version_ = 0;
 };
 
 // Row moves between a cache's arrays and the store's, on the host; the store's row r of an array is

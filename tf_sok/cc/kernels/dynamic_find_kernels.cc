@@ -213,6 +213,7 @@ class FindOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, keys.shape(), &slots));
     impl::GpuFindResult r;
     tf::mutex_lock l(res->mu);
+    OP_REQUIRES_OK(ctx, SettleStore(res));
     StageClock clock(stream, StageClock::kFind, insert_);   // finds that insert
     const std::string error = res->gpu->Find(d, keys.flat<int64_t>().data(), keys.NumElements(), insert_, &r,
                                              admit_all_, insert_ratio_, [&clock](int stage) { clock.Mark(stage); },
@@ -353,6 +354,8 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
   std::vector<int64_t> missing(n), distinct(n), evictable(n);
   clock.Mark(0);
   TF_RETURN_IF_ERROR(ReadCounts(stream, counts, n, missing.data()));
+  // (the last find's device work is done now: what it left for the host costs no wait)
+  for (IndexResource* r : res) TF_RETURN_IF_ERROR(SettleStore(r));
   clock.Mark(1);
   bool any = false;
   for (int i = 0; i < n; ++i) {
@@ -415,6 +418,8 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
     }
     if (prefetch) {   // (the keys taken in: the first num_new held ones, whose store rows are known)
       TF_RETURN_IF_ERROR(PrefetchPlan(ctx, d, r, changes[i], held[i], held_rows[i], &plans[i], &taken[i]));
+    } else if (r->store && r->store_keys_on_gpu) {
+      TF_RETURN_IF_ERROR(DeviceMapStorePlan(ctx, d, r, changes[i], &plans[i]));
     } else if (r->store) {
       TF_RETURN_IF_ERROR(StartStorePlan(ctx, d, r, changes[i], &plans[i]));
       plans[i].planned = true;
@@ -778,7 +783,7 @@ class ReadOp : public tf::OpKernel {
       const int64_t count = keys.NumElements();
       const std::string error = r->gpu->Find(d, keys.flat<int64_t>().data(), count, false, &found[i]);
       if (!error.empty()) return Failed(*r, " ", error);
-      if (!r->store || count == 0) continue;
+      if (!r->store || count == 0 || r->store_keys_on_gpu) continue;
       staging[i] = reinterpret_cast<int64_t*>(r->Staging(24 * static_cast<size_t>(count)));
       if (staging[i] == nullptr) return Failed(*r, ": ", "ran out of host memory");
       cudaMemcpyAsync(staging[i], keys.flat<int64_t>().data(), 8 * count, cudaMemcpyDeviceToHost, stream);
@@ -805,7 +810,20 @@ class ReadOp : public tf::OpKernel {
       const tf::Tensor& keys = ctx->input(n + i);
       const int64_t count = keys.NumElements();
       int64_t* store_rows = nullptr;
-      if (staging[i]) {
+      if (r->store && r->store_keys_on_gpu && count > 0) {   // (the keys not cached found in the device map)
+        TF_RETURN_IF_ERROR(CurrentStoreMap(d, r, 0));
+        if (r->reads_from_host_dev == nullptr) {
+          r->reads_from_host_dev = static_cast<int64_t*>(r->memory->Allocate(8));
+          if (r->reads_from_host_dev == nullptr) return Failed(*r, ": ", "out of GPU memory");
+          cudaMemsetAsync(r->reads_from_host_dev, 0, 8, stream);
+        }
+        store_rows = static_cast<int64_t*>(d.scratch->Allocate(8 * count));
+        if (store_rows == nullptr) return Failed(*r, ": ", "out of GPU memory");
+        const std::string error = r->gpu->StoreMapRowsOfMissing(d, keys.flat<int64_t>().data(), found[i].slots,
+                                                                count, store_rows, r->reads_from_host_dev);
+        if (!error.empty()) return Failed(*r, ": ", error);
+        Count(r, count, 0);
+      } else if (staging[i]) {
         store_rows = static_cast<int64_t*>(d.scratch->Allocate(8 * count));
         if (store_rows == nullptr) return Failed(*r, ": ", "out of GPU memory");
         // (pinned: the next call to use the staging waits for this stream first)

@@ -6,6 +6,7 @@
 // The finds are in dynamic_find_kernels.cc, the host tier's ops in hybrid_kernels.cc.
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -67,6 +68,9 @@ class IndexOp : public tf::OpKernel {
         if (cache_bytes_ >= 0) {
           r->store = std::make_unique<impl::HostStore>(impl::NewPinnedHostMemory());
           r->store->set_max_keys(store_max_keys_);
+          // (a bounded tier drops keys the host chooses: its keys stay on the host alone)
+          const char* on_gpu = std::getenv("TF_SOK_STORE_KEYS_ON_GPU");
+          r->store_keys_on_gpu = store_max_keys_ == 0 && on_gpu != nullptr && std::string(on_gpu) == "1";
         }
         *out = r;
         return absl::OkStatus();
@@ -108,6 +112,7 @@ class AttachOp : public tf::OpKernel {
     a.fill = fill_;
     a.values = values_;
     tf::mutex_lock l(res->mu);
+    OP_REQUIRES_OK(ctx, SettleStore(res.get()));
     TensorScratch scratch(ctx);
     {
       tf::mutex_lock vl(*a.var->mu());
@@ -142,6 +147,7 @@ class SizeOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &size));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({}), &rows));
     tf::mutex_lock l(res->mu);
+    OP_REQUIRES_OK(ctx, SettleStore(res.get()));
     if (res->store) {   // every key of a hybrid table has a row in its host tier
       size->scalar<int64_t>()() = res->store->size();
       rows->scalar<int64_t>()() = res->store->size();
@@ -168,6 +174,7 @@ class ExportOp : public tf::OpKernel {
     impl::DynamicIndexSnapshot snap;
     {
       tf::mutex_lock l(res->mu);
+      OP_REQUIRES_OK(ctx, SettleStore(res.get()));
       OP_REQUIRES_OK(ctx, ExportIndex(ctx, res.get(), &snap));
     }
     absl::Status s;
@@ -192,6 +199,7 @@ class TouchedSinceOp : public tf::OpKernel {
     std::vector<int64_t> keys, rows;
     {
       tf::mutex_lock l(res->mu);
+      OP_REQUIRES_OK(ctx, SettleStore(res.get()));
 #if TF_SOK_WITH_CUDA
       if (res->gpu) {
         TensorScratch scratch(ctx);
@@ -232,6 +240,7 @@ class ImportOp : public tf::OpKernel {
     snap.rows = counters.flat<int64_t>()(1);
     snap.next_free = counters.flat<int64_t>()(2);
     tf::mutex_lock l(res->mu);
+    OP_REQUIRES_OK(ctx, SettleStore(res.get()));
     OP_REQUIRES_OK(ctx, ImportIndex(ctx, res.get(), snap));
     if (res->store) {
       res->store->ClearMarks();   // touches count from the import on, as the index's own marks

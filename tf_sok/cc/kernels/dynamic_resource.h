@@ -91,6 +91,21 @@ class IndexResource : public tf::ResourceBase {
   // what a prefetch on a stream of its own waits for (the index's state, the steps queued before)
   cudaEvent_t found_event = nullptr;
   int64_t found_call = -1;
+  // TF_SOK_STORE_KEYS_ON_GPU=1 when a hybrid table without max_capacity was made: its host tier's
+  // keys are mapped to their store rows on the device as well (GpuDynamicIndex::StoreMap*), so that
+  // a find gives the keys it takes in their store rows, and a read its keys not cached, without a
+  // round trip through the host. The host store learns the keys a find added later (SettleStore).
+  bool store_keys_on_gpu = false;
+  int64_t store_map_version = -1;   // the store's version() the device map is a copy of
+  // What a find on the device left for the host: the keys its map added (their count, then `asked`
+  // keys and `asked` rows in settle_host, pinned), there once settle_event has passed.
+  bool unsettled = false;
+  int64_t unsettled_asked = 0, unsettled_row_bytes = 0;
+  int64_t* settle_host = nullptr;
+  size_t settle_bytes = 0;
+  cudaEvent_t settle_event = nullptr;
+  // reads' count of keys read from the host tier, on the device (added to stats when asked)
+  int64_t* reads_from_host_dev = nullptr;
   void RecordFind(cudaStream_t stream) {
     if (found_event == nullptr && cudaEventCreateWithFlags(&found_event, cudaEventDisableTiming) != cudaSuccess) {
       found_event = nullptr;
@@ -101,6 +116,12 @@ class IndexResource : public tf::ResourceBase {
   }
   ~IndexResource() override {
     if (found_event) cudaEventDestroy(found_event);
+    if (settle_event) {
+      cudaEventSynchronize(settle_event);
+      cudaEventDestroy(settle_event);
+    }
+    if (settle_host) pinned->Free(settle_host);
+    if (reads_from_host_dev) memory->Free(reads_from_host_dev);
     gpu.reset();
     if (staging_pinned) pinned->Free(staging_pinned);
     if (store_row_dev) memory->Free(store_row_dev);
@@ -156,6 +177,11 @@ absl::Status ExportIndex(tf::OpKernelContext* ctx, IndexResource* res, impl::Dyn
 absl::Status ImportIndex(tf::OpKernelContext* ctx, IndexResource* res, const impl::DynamicIndexSnapshot& snap);
 // After the store or the cache of a hybrid table was replaced (hybrid_kernels.cc).
 absl::Status RelinkCache(tf::OpKernelContext* ctx, IndexResource* res, bool store_replaced);
+// A table whose host tier's keys are on the GPU (store_keys_on_gpu): what its last find left for the
+// host taken in (the keys the device map added, in the host store; the counters), after waiting for
+// that find's device work. Every op on the table but a read calls it first, holding mu; no-op
+// otherwise.
+absl::Status SettleStore(IndexResource* res);
 
 #if TF_SOK_WITH_CUDA
 absl::Status CudaWait(cudaStream_t stream);

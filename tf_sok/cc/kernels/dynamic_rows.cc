@@ -250,7 +250,7 @@ absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d
   std::vector<int64_t*> row_lists(tables);
   std::vector<int64_t> counts(tables);
   for (size_t i = 0; i < tables; ++i) {
-    counts[i] = (*plans)[i].planned ? num_new[i] : 0;
+    counts[i] = (*plans)[i].planned && !(*plans)[i].by_device_map ? num_new[i] : 0;
     key_lists[i] = keys(i);
     row_lists[i] = rows(i);
   }
@@ -258,7 +258,7 @@ absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d
   for (size_t i = 0; i < tables; ++i) {
     StorePlan* p = &(*plans)[i];
     const int64_t n = num_new[i];
-    if (!p->planned || n == 0) continue;
+    if (!p->planned || p->by_device_map || n == 0) continue;
     uint8_t* fresh = p->staging + 16 * n;
     const std::string error = res[i]->store->AddAbsent(keys(i), n, rows(i), fresh);
     if (!error.empty()) return Failed(*res[i], ": ", error);
@@ -270,7 +270,7 @@ absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d
   }
   LoadedOfTables(ctx, res, std::vector<const int64_t*>(row_lists.begin(), row_lists.end()), counts);
   for (size_t i = 0; i < tables; ++i) {
-    if (!(*plans)[i].planned) continue;
+    if (!(*plans)[i].planned || (*plans)[i].by_device_map) continue;   // (a device map's tier has no bound)
     TF_RETURN_IF_ERROR(TrackCache(res[i], &(*plans)[i], [&d, r = res[i]](const int64_t* keys, int64_t k) {
       return r->gpu->ForgetCandidates(d, keys, k);
     }));
@@ -278,8 +278,84 @@ absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d
   return absl::OkStatus();
 }
 
+absl::Status CurrentStoreMap(const impl::GpuDevice& d, IndexResource* res, int64_t adding) {
+  const impl::HostStore& store = *res->store;
+  if (res->store_map_version == store.version() && res->gpu->store_map_built()) return absl::OkStatus();
+  std::vector<int64_t> keys, rows;
+  keys.reserve(store.size());
+  rows.reserve(store.size());
+  for (int64_t r = 0; r < store.rows_used(); ++r) {
+    if (!store.alive(r)) continue;
+    keys.push_back(store.keys()[r]);
+    rows.push_back(r);
+  }
+  const std::string error =
+      res->gpu->StoreMapBuild(d, keys.data(), rows.data(), static_cast<int64_t>(keys.size()), adding);
+  if (!error.empty()) return Failed(*res, ": ", error);
+  res->store_map_version = store.version();
+  return absl::OkStatus();
+}
+
+absl::Status DeviceMapStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
+                                const Changes& c, StorePlan* p) {
+  TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, c.rows, &p->store_row_of));
+  p->planned = true;
+  const int64_t n = c.num_new;
+  if (n == 0) return absl::OkStatus();
+  if (res->unsettled) return absl::InternalError("dynamic table '" + res->table + "': a find before it is unsettled");
+  TF_RETURN_IF_ERROR(CurrentStoreMap(d, res, n));
+  std::string error = res->store->ReserveRows(n);   // (the device's rows: [rows used, + n))
+  if (!error.empty()) return Failed(*res, ": ", error);
+  const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+  const size_t bytes = 16 + 16 * static_cast<size_t>(n);   // [count, -, added keys, added rows]
+  if (bytes > res->settle_bytes) {
+    if (res->settle_host) res->pinned->Free(res->settle_host);
+    res->settle_bytes = std::max(bytes, 2 * res->settle_bytes);
+    res->settle_host = static_cast<int64_t*>(res->pinned->Allocate(res->settle_bytes));
+    if (!res->settle_host) res->settle_bytes = 0;
+  }
+  if (res->settle_event == nullptr &&
+      cudaEventCreateWithFlags(&res->settle_event, cudaEventDisableTiming) != cudaSuccess)
+    res->settle_event = nullptr;
+  p->on_device = static_cast<uint8_t*>(d.scratch->Allocate(9 * n));
+  auto* lists = static_cast<int64_t*>(d.scratch->Allocate(8 + 16 * n));
+  if (!res->settle_host || !res->settle_event || !p->on_device || !lists)
+    return absl::ResourceExhaustedError("dynamic table '" + res->table + "': out of memory");
+  auto* rows = reinterpret_cast<int64_t*>(p->on_device);
+  uint8_t* fresh = p->on_device + 8 * n;
+  error = res->gpu->StoreMapRows(d, c.new_keys, n, res->store->rows_used(), rows, fresh, lists + 1, lists + 1 + n,
+                                 lists);
+  if (!error.empty()) return Failed(*res, ": ", error);
+  cudaMemcpyAsync(res->settle_host, lists, 8, cudaMemcpyDeviceToHost, stream);
+  cudaMemcpyAsync(res->settle_host + 2, lists + 1, 16 * n, cudaMemcpyDeviceToHost, stream);
+  cudaEventRecord(res->settle_event, stream);
+  res->unsettled = true;
+  res->unsettled_asked = n;
+  int64_t row_bytes = 0;
+  for (int i = 0; i < res->store->num_arrays(); ++i) row_bytes += 4 * res->store->width(i);
+  res->unsettled_row_bytes = row_bytes;
+  p->new_rows = rows;
+  p->fresh = fresh;
+  p->fresh_count = 0;
+  p->by_device_map = true;
+  return absl::OkStatus();
+}
+
+absl::Status CollectReadCounts(const impl::GpuDevice& d, IndexResource* res) {
+  if (res->reads_from_host_dev == nullptr) return absl::OkStatus();
+  const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+  int64_t held = 0;
+  cudaMemcpyAsync(&held, res->reads_from_host_dev, 8, cudaMemcpyDeviceToHost, stream);
+  TF_RETURN_IF_ERROR(CudaWait(stream));
+  cudaMemsetAsync(res->reads_from_host_dev, 0, 8, stream);
+  res->stats.reads_from_host += held;
+  res->stats.bytes_read_in_place += held * res->dim * static_cast<int64_t>(sizeof(float));
+  return absl::OkStatus();
+}
+
 absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res, const Changes& c,
                        StorePlan* p) {
+  if (res->store_keys_on_gpu) return DeviceMapStorePlan(ctx, d, res, c, p);
   TF_RETURN_IF_ERROR(StartStorePlan(ctx, d, res, c, p));
   if (PlanReadsBack(*res, c)) TF_RETURN_IF_ERROR(CudaWait(static_cast<cudaStream_t>(d.stream)));
   p->planned = true;
@@ -294,6 +370,26 @@ void SetStoreRows(const impl::GpuDevice& d, int64_t* store_row_of, const int64_t
   impl::GpuScatter64(d, cache_rows, rows, n, store_row_of);
 }
 #endif
+
+absl::Status SettleStore(IndexResource* res) {
+#if TF_SOK_WITH_CUDA
+  if (!res->unsettled) return absl::OkStatus();
+  const cudaError_t e = cudaEventSynchronize(res->settle_event);
+  if (e != cudaSuccess) return absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(e));
+  res->unsettled = false;
+  const int64_t added = res->settle_host[0], asked = res->unsettled_asked;
+  if (added < 0 || added > asked)
+    return absl::InternalError("dynamic table '" + res->table + "': its device map added " + std::to_string(added) +
+                               " of " + std::to_string(asked) + " keys");
+  const bool current = res->store_map_version == res->store->version();
+  res->store->AddedOnDevice(res->settle_host + 2, res->settle_host + 2 + asked, added);
+  if (current) res->store_map_version = res->store->version();
+  res->gpu->StoreMapSize(res->store->size());
+  res->stats.fresh += added;
+  res->stats.bytes_in -= added * res->unsettled_row_bytes;
+#endif
+  return absl::OkStatus();
+}
 
 template <typename Device>
 absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexResource* res, const Changes& c,
@@ -362,7 +458,7 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
     }
   }
   if (moves) {
-    const uint8_t* fresh = plan.fresh_count > 0 ? plan.fresh : nullptr;
+    const uint8_t* fresh = plan.fresh_count > 0 || plan.by_device_map ? plan.fresh : nullptr;
     TF_RETURN_IF_ERROR(MoveRecords(d, layout, c.evicted_slots, plan.store_row_of, c.num_evicted, plan.new_rows, fresh,
                                    c.new_slots, c.num_new, res->store->records()));
     for (size_t i = 0; fresh != nullptr && i < res->arrays.size(); ++i)
@@ -371,7 +467,8 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
   }
   // the keys taken in count on from the LFU scores they left with
   if (moves && res->lfu && plan.fresh_count < c.num_new)
-    AddStoreScores(d, res, c.new_slots, plan.new_rows, plan.fresh_count > 0 ? plan.fresh : nullptr, c.num_new);
+    AddStoreScores(d, res, c.new_slots, plan.new_rows, plan.fresh_count > 0 || plan.by_device_map ? plan.fresh : nullptr,
+                   c.num_new);
   if (moves && c.num_new > 0) SetStoreRows(d, plan.store_row_of, c.new_slots, plan.new_rows, c.num_new);
   return absl::OkStatus();
 }

@@ -147,6 +147,9 @@ struct StorePlan {
   int64_t* store_row_of = nullptr;
   int64_t fresh_count = 0;
   bool planned = false;
+  // the store rows came from the tier's key map on the device (IndexResource::store_keys_on_gpu): which
+  // keys are fresh is known there only (fresh is given, fresh_count 0 until SettleStore counts them)
+  bool by_device_map = false;
   uint8_t* staging = nullptr;     // on a GPU: [new keys | their store rows | fresh flags] on the host
   uint8_t* on_device = nullptr;   // [store rows | fresh flags] on the device
   // a bounded host tier: the keys the cache wrote back, their last touching calls and (LFU) scores (on
@@ -207,6 +210,17 @@ absl::Status StartStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, 
 absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
                               const std::vector<IndexResource*>& res, const std::vector<int64_t>& num_new,
                               std::vector<StorePlan>* plans);
+// A table whose tier's keys are on the GPU (store_keys_on_gpu): its call's store plan from the device
+// map, no wait (after SettleStore); the keys the map added reach the host store at the next
+// SettleStore.
+absl::Status DeviceMapStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
+                                const Changes& c, StorePlan* p);
+// The device map of the tier's keys current (built from the host store when it changed since),
+// with room for `adding` more.
+absl::Status CurrentStoreMap(const impl::GpuDevice& d, IndexResource* res, int64_t adding);
+// The reads' count of keys read from the host tier on the device (store_keys_on_gpu) added to the
+// table's counters (one wait).
+absl::Status CollectReadCounts(const impl::GpuDevice& d, IndexResource* res);
 #endif
 
 // Locks the arrays of the tables (in address order, as TensorFlow's ops take them).

@@ -137,6 +137,13 @@ class CacheStatsOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, GetHybridIndex(ctx, &res));
     tf::Tensor* out = nullptr;
     tf::mutex_lock l(res->mu);
+    OP_REQUIRES_OK(ctx, SettleStore(res.get()));
+#if TF_SOK_WITH_CUDA
+    if (res->gpu && ctx->op_device_context() != nullptr) {   // (placed on the table's GPU)
+      TensorScratch scratch(ctx);
+      OP_REQUIRES_OK(ctx, CollectReadCounts(MakeDevice<impl::GpuDevice>(ctx, &scratch), res.get()));
+    }
+#endif
     const IndexResource::Stats& st = res->stats;
     const int64_t v[] = {st.calls,   st.lookups,  st.misses,    st.loaded,  st.fresh,      st.evicted,
                          st.bytes_in, st.bytes_out, st.dropped, st.prefetched, st.reads, st.reads_from_host,
@@ -223,6 +230,7 @@ class StoreExportOp : public tf::OpKernel {
     tf::core::RefCountPtr<IndexResource> res;
     OP_REQUIRES_OK(ctx, GetHybridIndex(ctx, &res));
     tf::mutex_lock l(res->mu);
+    OP_REQUIRES_OK(ctx, SettleStore(res.get()));
     OP_REQUIRES_OK(ctx, Flush(ctx, res.get()));
     const impl::HostStore& store = *res->store;
     const bool bounded = store.max_keys() > 0;
@@ -278,6 +286,7 @@ class StoreTouchedSinceOp : public tf::OpKernel {
     OP_REQUIRES(ctx, since.dims() == 0, Failed(*res, ": ", "since must be a scalar (ns since the epoch)"));
     const int64_t unix_ns = since.scalar<int64_t>()();
     tf::mutex_lock l(res->mu);
+    OP_REQUIRES_OK(ctx, SettleStore(res.get()));
     OP_REQUIRES_OK(ctx, Flush(ctx, res.get()));   // (on a GPU: waits, so the kernels' marks are in)
     std::vector<int64_t> cached_keys, cache_rows;
     int64_t first = 0;
@@ -328,6 +337,7 @@ class StoreImportOp : public tf::OpKernel {
                   Failed(*res, ": restoring its host tier: ", "key " + std::to_string(keys.flat<int64_t>()(j)) +
                          " has the negative count " + std::to_string(scores.flat<int64_t>()(j))));
     tf::mutex_lock l(res->mu);
+    OP_REQUIRES_OK(ctx, SettleStore(res.get()));
     impl::HostStore& store = *res->store;
     int64_t total = 0;
     for (int i = 0; i < store.num_arrays(); ++i) total += store.width(i);
