@@ -255,6 +255,14 @@ __global__ void StoreRowsOfMissingKernel(const int64_t* tkeys, const int64_t* ts
   if (threadIdx.x == 0 && block > 0) atomicAdd(held, static_cast<unsigned long long>(block));
 }
 
+// flags[j]: whether the map holds keys[j]
+__global__ void HeldFlagsKernel(const int64_t* tkeys, const int64_t* tstate, int64_t mask, const int64_t* keys,
+                                int64_t n, uint8_t* flags) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  int64_t where;
+  if (i < n) flags[i] = Probe(tkeys, tstate, mask, keys[i], &where) >= 0;
+}
+
 __global__ void SetStateKernel(int64_t* tstate, const int64_t* where, const int64_t* value, int64_t constant,
                                int64_t n) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -1278,6 +1286,15 @@ std::string GpuDynamicIndex::StoreMapRowsOfMissing(const GpuDevice& d, const int
   StoreRowsOfMissingKernel<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(store_.keys, store_.state, store_.buckets - 1,
                                                                      keys, slots, n, rows,
                                                                      reinterpret_cast<unsigned long long*>(held));
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? "" : std::string("CUDA error ") + cudaGetErrorString(e);
+}
+
+std::string GpuDynamicIndex::StoreMapHeld(const GpuDevice& d, const int64_t* keys, int64_t n, uint8_t* flags) {
+  if (!store_map_built()) return "its host tier's keys are not on the device";
+  if (n <= 0) return "";
+  HeldFlagsKernel<<<Blocks(n), kThreads, 0, StreamOf(d)>>>(store_.keys, store_.state, store_.buckets - 1, keys, n,
+                                                            flags);
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? "" : std::string("CUDA error ") + cudaGetErrorString(e);
 }

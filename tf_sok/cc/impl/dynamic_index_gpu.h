@@ -141,6 +141,8 @@ class GpuDynamicIndex {
   // *held (device) += the keys found. No wait.
   std::string StoreMapRowsOfMissing(const GpuDevice& d, const int64_t* keys, const int64_t* slots, int64_t n,
                                     int64_t* rows, int64_t* held);
+  // flags[j] (device): whether the tier holds keys[j] (device). No wait.
+  std::string StoreMapHeld(const GpuDevice& d, const int64_t* keys, int64_t n, uint8_t* flags);
 
   std::string Export(const GpuDevice& d, DynamicIndexSnapshot* s);
   // As DynamicIndex::TouchedSince (host vectors; reads the row marks back, one wait).

@@ -134,9 +134,16 @@ impl::HeldKeys HeldOnHost(IndexResource* res, float insert_ratio) {
 }
 
 #if TF_SOK_WITH_CUDA
-// As HeldOnHost for an index on the GPU: the keys come to the host (a wait) and the flags go back.
+// As HeldOnHost for an index on the GPU: the keys come to the host (a wait) and the flags go back;
+// where the tier's keys are on the GPU too, they are looked up there (no wait).
 impl::HeldKeys HeldOnGpu(const impl::GpuDevice& d, IndexResource* res, float insert_ratio) {
   if (!res->store || insert_ratio >= 1.0f) return {};
+  if (res->store_keys_on_gpu)
+    return [&d, res](const int64_t* keys, int64_t n, uint8_t* flags) {
+      const absl::Status status = CurrentStoreMap(d, res, 0);
+      if (!status.ok()) return std::string(status.message());
+      return res->gpu->StoreMapHeld(d, keys, n, flags);
+    };
   return [&d, res](const int64_t* keys, int64_t n, uint8_t* flags) {
     const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
     uint8_t* staging = res->Staging(17 * static_cast<size_t>(n));   // [keys | rows | flags]
