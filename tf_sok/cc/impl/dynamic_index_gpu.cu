@@ -149,6 +149,23 @@ __global__ void DistinctKernel(int64_t* tkeys, unsigned long long* tstate, int64
   if (i < n) ClaimRow(tkeys, tstate, mask, keys[i], nullptr, 0, 0, out, numbers, count, NewRowMarks());
 }
 
+// The row of `key` (-1: absent) while other threads may be claiming buckets: the probe reads each
+// bucket's state before its key, passes tombstones and buckets being claimed (ClaimRow waits for
+// those), and ends at the first empty bucket.
+__device__ int64_t HeldWhileClaiming(const int64_t* tkeys, const unsigned long long* tstate, int64_t mask,
+                                     int64_t key) {
+  int64_t p = Home(key, mask);
+  while (true) {
+    const long long s = static_cast<long long>(*reinterpret_cast<const volatile unsigned long long*>(&tstate[p]));
+    if (s == kEmpty) return -1;
+    if (s >= 0) {
+      __threadfence();
+      if (*reinterpret_cast<const volatile int64_t*>(&tkeys[p]) == key) return s;
+    }
+    p = (p + 1) & mask;   // another key, a tombstone, or a bucket being claimed
+  }
+}
+
 // Find-or-insert in one pass, when every new key is let in and the table has room and rows for
 // every position: a position whose key is held takes its row (marked touched by `call`); one whose
 // probe reaches an empty bucket (the key is absent: tombstones are passed, so a key held beyond
@@ -160,19 +177,11 @@ __global__ void FindOrClaimKernel(int64_t* tkeys, unsigned long long* tstate, in
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const int64_t key = keys[i];
-  int64_t p = Home(key, mask);
-  while (true) {
-    const long long s = static_cast<long long>(*reinterpret_cast<volatile unsigned long long*>(&tstate[p]));
-    if (s == kEmpty) break;
-    if (s >= 0) {
-      __threadfence();
-      if (*reinterpret_cast<volatile int64_t*>(&tkeys[p]) == key) {
-        slot[i] = s;
-        touched[s] = call;
-        return;
-      }
-    }
-    p = (p + 1) & mask;   // another key, a tombstone, or a bucket being claimed (ClaimRow waits for it)
+  const int64_t s = HeldWhileClaiming(tkeys, tstate, mask, key);
+  if (s >= 0) {
+    slot[i] = s;
+    touched[s] = call;
+    return;
   }
   slot[i] = ClaimRow(tkeys, tstate, mask, key, free_rows, free_count, next_free, new_keys, new_rows, count, marks);
 }
@@ -220,19 +229,11 @@ __global__ void StoreRowsOrAddKernel(int64_t* tkeys, unsigned long long* tstate,
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const int64_t key = keys[i];
-  int64_t p = Home(key, mask);
-  while (true) {
-    const long long s = static_cast<long long>(*reinterpret_cast<volatile unsigned long long*>(&tstate[p]));
-    if (s == kEmpty) break;
-    if (s >= 0) {
-      __threadfence();
-      if (*reinterpret_cast<volatile int64_t*>(&tkeys[p]) == key) {
-        rows[i] = s;
-        fresh[i] = 0;
-        return;
-      }
-    }
-    p = (p + 1) & mask;
+  const int64_t s = HeldWhileClaiming(tkeys, tstate, mask, key);
+  if (s >= 0) {
+    rows[i] = s;
+    fresh[i] = 0;
+    return;
   }
   rows[i] = ClaimRow(tkeys, tstate, mask, key, nullptr, 0, base, added_keys, added_rows, count, NewRowMarks());
   fresh[i] = 1;
