@@ -36,10 +36,10 @@ which the kinds take turns, each kind on the same batches in the same order, so 
 drifts over the run fall on all of them.
 
 `--store-keys` (default on a GPU: both): where the hybrid tables look up the store rows of the keys a
-find takes in and of the keys a read does not find cached: `host` (the host tier's key map, after a
-round trip through the host), `gpu` (the tier's keys also mapped on the device:
-TF_SOK_STORE_KEYS_ON_GPU=1 when the tables are made), or `both` (a kind of tables each, printed side
-by side; with --find, each cache share both ways).
+find takes in and of the keys a read does not find cached: `gpu` (the tier's keys also mapped on the
+device, the library's default), `host` (the host tier's key map alone, after a round trip through
+the host: TF_SOK_STORE_KEYS_ON_GPU=0 when the tables are made), or `both` (a kind of tables each,
+printed side by side; with --find, each cache share both ways).
 """
 import argparse
 import gc
@@ -363,7 +363,7 @@ def main():
                   f"{c['fill_s']:.1f} s", flush=True)
             tag = f"{e}{'_keys_gpu' if g else ''}"
             out[dist].update({f"hybrid_{tag}": c, f"ratio_{tag}": c["ms"] / h["ms"]})
-        c = res[f"hybrid_{a.evict[0]}"]
+        c = res[next(k for k in kinds if k.startswith(f"hybrid_{a.evict[0]}"))]
         if "prefetch" in res:
             f = res["prefetch"]
             print(f"  {'':10s} hybrid, {a.evict[0].upper()}, with sok.prefetch of the next batch {f['ms']:8.2f} ms = "

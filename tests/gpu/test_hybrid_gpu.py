@@ -17,8 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_de
 
 @pytest.fixture(autouse=True, params=["keys_on_host", "keys_on_gpu"])
 def tier_keys(request, monkeypatch):
-    """Every test twice: a host tier's keys looked up on the host (the default), and also mapped on
-    the GPU (TF_SOK_STORE_KEYS_ON_GPU=1, read when a table is made; tiers without max_capacity)."""
+    """Every test twice: a host tier's keys also mapped on the GPU (the default for tiers without
+    max_capacity), and looked up on the host alone (TF_SOK_STORE_KEYS_ON_GPU=0, read when a table is
+    made)."""
     monkeypatch.setenv("TF_SOK_STORE_KEYS_ON_GPU", "1" if request.param == "keys_on_gpu" else "0")
     return request.param
 

@@ -68,9 +68,10 @@ class IndexOp : public tf::OpKernel {
         if (cache_bytes_ >= 0) {
           r->store = std::make_unique<impl::HostStore>(impl::NewPinnedHostMemory());
           r->store->set_max_keys(store_max_keys_);
-          // (a bounded tier drops keys the host chooses: its keys stay on the host alone)
+          // (TF_SOK_STORE_KEYS_ON_GPU=0: on the host alone; a bounded tier drops keys the host
+          // chooses: its keys stay on the host alone)
           const char* on_gpu = std::getenv("TF_SOK_STORE_KEYS_ON_GPU");
-          r->store_keys_on_gpu = store_max_keys_ == 0 && on_gpu != nullptr && std::string(on_gpu) == "1";
+          r->store_keys_on_gpu = store_max_keys_ == 0 && (on_gpu == nullptr || std::string(on_gpu) != "0");
         }
         *out = r;
         return absl::OkStatus();

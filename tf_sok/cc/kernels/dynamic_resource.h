@@ -91,8 +91,8 @@ class IndexResource : public tf::ResourceBase {
   // what a prefetch on a stream of its own waits for (the index's state, the steps queued before)
   cudaEvent_t found_event = nullptr;
   int64_t found_call = -1;
-  // TF_SOK_STORE_KEYS_ON_GPU=1 when a hybrid table without max_capacity was made: its host tier's
-  // keys are mapped to their store rows on the device as well (GpuDynamicIndex::StoreMap*), so that
+  // A hybrid table without max_capacity (unless TF_SOK_STORE_KEYS_ON_GPU=0 when it was made): its
+  // host tier's keys are mapped to their store rows on the device as well (GpuDynamicIndex::StoreMap*), so that
   // a find gives the keys it takes in their store rows, and a read its keys not cached, without a
   // round trip through the host. The host store learns the keys a find added later (SettleStore).
   bool store_keys_on_gpu = false;
