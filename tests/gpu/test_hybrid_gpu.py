@@ -12,16 +12,8 @@ from tests.python.test_hybrid import DIM, OPTIMIZERS, _assert_same_tables, _cach
 from tests.python.test_read_lookup import check_read
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
-                                                  reason="no GPU visible to TensorFlow")]
-
-
-@pytest.fixture(autouse=True, params=["keys_on_host", "keys_on_gpu"])
-def tier_keys(request, monkeypatch):
-    """Every test twice: a host tier's keys also mapped on the GPU (the default for tiers without
-    max_capacity), and looked up on the host alone (TF_SOK_STORE_KEYS_ON_GPU=0, read when a table is
-    made)."""
-    monkeypatch.setenv("TF_SOK_STORE_KEYS_ON_GPU", "1" if request.param == "keys_on_gpu" else "0")
-    return request.param
+                                                  reason="no GPU visible to TensorFlow"),
+              pytest.mark.usefixtures("tier_keys")]   # every test both ways (tests/gpu/conftest.py)
 
 
 def _train(table, opt, batches, device, **lookup_kw):
