@@ -130,6 +130,8 @@ class GpuDynamicIndex {
   std::string StoreMapBuild(const GpuDevice& d, const int64_t* keys, const int64_t* rows, int64_t n, int64_t room);
   bool store_map_built() const { return store_.keys != nullptr; }
   void StoreMapDrop();
+  // Room in the built map for `adding` more keys (rebuilt into more buckets when needed). "" or an error.
+  std::string StoreMapRoom(const GpuDevice& d, int64_t adding) { return Room(d, &store_, store_live_, adding); }
   // The store rows of distinct keys[n] (device memory, as the outputs): a key the map lacks is added
   // with the next row from `base` (the store's rows used) on, fresh[j] = 1, and listed at added_keys /
   // added_rows [*count] (n of room each; *count on the device, set here). No wait.

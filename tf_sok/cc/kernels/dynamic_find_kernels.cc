@@ -138,7 +138,7 @@ impl::HeldKeys HeldOnHost(IndexResource* res, float insert_ratio) {
 // where the tier's keys are on the GPU too, they are looked up there (no wait).
 impl::HeldKeys HeldOnGpu(const impl::GpuDevice& d, IndexResource* res, float insert_ratio) {
   if (!res->store || insert_ratio >= 1.0f) return {};
-  if (res->store_keys_on_gpu)
+  if (DeviceMapReady(d, res, 0))
     return [&d, res](const int64_t* keys, int64_t n, uint8_t* flags) {
       const absl::Status status = CurrentStoreMap(d, res, 0);
       if (!status.ok()) return std::string(status.message());
@@ -425,7 +425,7 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
     }
     if (prefetch) {   // (the keys taken in: the first num_new held ones, whose store rows are known)
       TF_RETURN_IF_ERROR(PrefetchPlan(ctx, d, r, changes[i], held[i], held_rows[i], &plans[i], &taken[i]));
-    } else if (r->store && r->store_keys_on_gpu) {
+    } else if (r->store && DeviceMapReady(d, r, changes[i].num_new)) {
       TF_RETURN_IF_ERROR(DeviceMapStorePlan(ctx, d, r, changes[i], &plans[i]));
     } else if (r->store) {
       TF_RETURN_IF_ERROR(StartStorePlan(ctx, d, r, changes[i], &plans[i]));
@@ -783,6 +783,7 @@ class ReadOp : public tf::OpKernel {
     StageClock clock(stream, StageClock::kRead);
     std::vector<impl::GpuFindResult> found(n);
     std::vector<int64_t*> staging(n, nullptr);
+    std::vector<bool> on_gpu(n, false);   // the keys not cached found in the tier's map on the device
     for (int i = 0; i < n; ++i) {
       IndexResource* r = res[i];
       if (r->gpu == nullptr) return Failed(*r, ": ", "its index is on the host; read it there");
@@ -790,7 +791,8 @@ class ReadOp : public tf::OpKernel {
       const int64_t count = keys.NumElements();
       const std::string error = r->gpu->Find(d, keys.flat<int64_t>().data(), count, false, &found[i]);
       if (!error.empty()) return Failed(*r, " ", error);
-      if (!r->store || count == 0 || r->store_keys_on_gpu) continue;
+      on_gpu[i] = r->store && count > 0 && DeviceMapReady(d, r, 0);
+      if (!r->store || count == 0 || on_gpu[i]) continue;
       staging[i] = reinterpret_cast<int64_t*>(r->Staging(24 * static_cast<size_t>(count)));
       if (staging[i] == nullptr) return Failed(*r, ": ", "ran out of host memory");
       cudaMemcpyAsync(staging[i], keys.flat<int64_t>().data(), 8 * count, cudaMemcpyDeviceToHost, stream);
@@ -817,8 +819,7 @@ class ReadOp : public tf::OpKernel {
       const tf::Tensor& keys = ctx->input(n + i);
       const int64_t count = keys.NumElements();
       int64_t* store_rows = nullptr;
-      if (r->store && r->store_keys_on_gpu && count > 0) {   // (the keys not cached found in the device map)
-        TF_RETURN_IF_ERROR(CurrentStoreMap(d, r, 0));
+      if (on_gpu[i]) {
         if (r->reads_from_host_dev == nullptr) {
           r->reads_from_host_dev = static_cast<int64_t*>(r->memory->Allocate(8));
           if (r->reads_from_host_dev == nullptr) return Failed(*r, ": ", "out of GPU memory");

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
@@ -296,6 +297,19 @@ absl::Status CurrentStoreMap(const impl::GpuDevice& d, IndexResource* res, int64
   return absl::OkStatus();
 }
 
+bool DeviceMapReady(const impl::GpuDevice& d, IndexResource* res, int64_t adding) {
+  if (!res->store_keys_on_gpu) return false;
+  const absl::Status status = CurrentStoreMap(d, res, adding);
+  const std::string error = status.ok() ? res->gpu->StoreMapRoom(d, adding) : std::string(status.message());
+  if (error.empty()) return true;
+  std::fprintf(stderr, "tf_sok: dynamic table '%s' looks its host tier's keys up on the host from now on: its map "
+               "of them on the GPU failed (%s)\n", res->table.c_str(), error.c_str());
+  res->gpu->StoreMapDrop();
+  res->store_keys_on_gpu = false;
+  res->store_map_version = -1;
+  return false;
+}
+
 absl::Status DeviceMapStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
                                 const Changes& c, StorePlan* p) {
   TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, res, c.rows, &p->store_row_of));
@@ -355,7 +369,7 @@ absl::Status CollectReadCounts(const impl::GpuDevice& d, IndexResource* res) {
 
 absl::Status PlanStore(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res, const Changes& c,
                        StorePlan* p) {
-  if (res->store_keys_on_gpu) return DeviceMapStorePlan(ctx, d, res, c, p);
+  if (DeviceMapReady(d, res, c.num_new)) return DeviceMapStorePlan(ctx, d, res, c, p);
   TF_RETURN_IF_ERROR(StartStorePlan(ctx, d, res, c, p));
   if (PlanReadsBack(*res, c)) TF_RETURN_IF_ERROR(CudaWait(static_cast<cudaStream_t>(d.stream)));
   p->planned = true;

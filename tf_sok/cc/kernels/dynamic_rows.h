@@ -218,6 +218,10 @@ absl::Status DeviceMapStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice&
 // The device map of the tier's keys current (built from the host store when it changed since),
 // with room for `adding` more.
 absl::Status CurrentStoreMap(const impl::GpuDevice& d, IndexResource* res, int64_t adding);
+// Whether a call on `res` uses its tier's key map on the device (store_keys_on_gpu), made current
+// with room for `adding` more keys. When that fails (a map too large for the device's memory), the
+// table looks its keys up on the host from then on, with a warning on stderr, and this is false.
+bool DeviceMapReady(const impl::GpuDevice& d, IndexResource* res, int64_t adding);
 // The reads' count of keys read from the host tier on the device (store_keys_on_gpu) added to the
 // table's counters (one wait).
 absl::Status CollectReadCounts(const impl::GpuDevice& d, IndexResource* res);
