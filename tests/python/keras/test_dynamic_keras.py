@@ -32,8 +32,8 @@ def _data(rng, values, n=96):
     return picks, y
 
 
-def _dataset(ids, y):
-    return tf.data.Dataset.from_tensor_slices((tf.ragged.constant(ids, tf.int64), y)).batch(16)
+def _dataset(ids, y, batch=16):
+    return tf.data.Dataset.from_tensor_slices((tf.ragged.constant(ids, tf.int64), y)).batch(batch)
 
 
 def test_fit_with_a_dynamic_table_equals_the_static_table_of_its_keys(rng):
@@ -73,7 +73,9 @@ def test_weights_file_and_checkpoint_keep_keys_values_and_state(rng, tmp_path):
     cfg = sok.TableConfig("h", 4, DIM, combiner="mean", dynamic=True, max_capacity=25, evict_strategy="lru")
     model = _compile(Model(cfg))
     picks, y = _data(rng, keys)
-    data = _dataset([keys[p].tolist() for p in picks], y)
+    # batches of 8 samples of at most 3 ids: 24 distinct keys at most, which max_capacity holds (of the
+    # 30 keys in all, so that training evicts)
+    data = _dataset([keys[p].tolist() for p in picks], y, batch=8)
     model.fit(data, epochs=1, verbose=0)
     path = str(tmp_path / "m.weights.h5")
     model.save_weights(path)
