@@ -138,10 +138,8 @@ impl::HeldKeys HeldOnHost(IndexResource* res, float insert_ratio) {
 // where the tier's keys are on the GPU too, they are looked up there (no wait).
 impl::HeldKeys HeldOnGpu(const impl::GpuDevice& d, IndexResource* res, float insert_ratio) {
   if (!res->store || insert_ratio >= 1.0f) return {};
-  if (DeviceMapReady(d, res, 0))
+  if (DeviceMapReady(d, res, 0))   // (current until the call that uses the hook changes the tier)
     return [&d, res](const int64_t* keys, int64_t n, uint8_t* flags) {
-      const absl::Status status = CurrentStoreMap(d, res, 0);
-      if (!status.ok()) return std::string(status.message());
       return res->gpu->StoreMapHeld(d, keys, n, flags);
     };
   return [&d, res](const int64_t* keys, int64_t n, uint8_t* flags) {

@@ -317,7 +317,6 @@ absl::Status DeviceMapStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice&
   const int64_t n = c.num_new;
   if (n == 0) return absl::OkStatus();
   if (res->unsettled) return absl::InternalError("dynamic table '" + res->table + "': a find before it is unsettled");
-  TF_RETURN_IF_ERROR(CurrentStoreMap(d, res, n));
   std::string error = res->store->ReserveRows(n);   // (the device's rows: [rows used, + n))
   if (!error.empty()) return Failed(*res, ": ", error);
   const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);

@@ -210,9 +210,9 @@ absl::Status StartStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, 
 absl::Status FinishStorePlans(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
                               const std::vector<IndexResource*>& res, const std::vector<int64_t>& num_new,
                               std::vector<StorePlan>* plans);
-// A table whose tier's keys are on the GPU (store_keys_on_gpu): its call's store plan from the device
-// map, no wait (after SettleStore); the keys the map added reach the host store at the next
-// SettleStore.
+// A table whose tier's keys are on the GPU (after DeviceMapReady(d, res, c.num_new) and SettleStore):
+// its call's store plan from the device map, no wait; the keys the map added reach the host store
+// at the next SettleStore.
 absl::Status DeviceMapStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
                                 const Changes& c, StorePlan* p);
 // The device map of the tier's keys current (built from the host store when it changed since),
