@@ -19,6 +19,13 @@ constexpr int kThreads = 256;
 // a grid striding over scattered rows in host memory: a few blocks per SM read them fastest
 // (benchmarks/host_link_rows.cu: grids of 132-1,056 blocks read at 36 GB/s, the best of its forms)
 constexpr int64_t kStrideBlocks = 1056;
+// Moves beside other work (StoreRecordLayout::beside): one block per SM of the current device.
+int64_t MoveGrid() {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return std::max(sms, 1);
+}
 inline int Blocks(int64_t n) { return static_cast<int>(std::max<int64_t>(1, (n + kThreads - 1) / kThreads)); }
 
 __device__ __forceinline__ int64_t Home(int64_t key, int64_t mask) {
@@ -248,12 +255,12 @@ __global__ void StoreRowsOfMissingKernel(const int64_t* tkeys, const int64_t* ts
   int found = 0;
   if (i < n) {
     int64_t r = -1, where;
-    if (slots[i] < 0) r = Probe(tkeys, tstate, mask, keys[i], &where);
+    if (slots == nullptr || slots[i] < 0) r = Probe(tkeys, tstate, mask, keys[i], &where);
     rows[i] = r;
     found = r >= 0;
   }
   const int block = __syncthreads_count(found);
-  if (threadIdx.x == 0 && block > 0) atomicAdd(held, static_cast<unsigned long long>(block));
+  if (held != nullptr && threadIdx.x == 0 && block > 0) atomicAdd(held, static_cast<unsigned long long>(block));
 }
 
 // flags[j]: whether the map holds keys[j]
@@ -475,15 +482,18 @@ __global__ void MoveRecordsKernel(StoreRecordLayout l, const V* evicted, const i
                                   const uint8_t* fresh, const int64_t* cache_rows, int64_t n_in, V* store) {
   const int64_t per = blockDim.x, words_out = n_out * l.stride, words_in = n_in * l.stride;
   const int64_t blocks_out = (words_out + per - 1) / per, blocks_in = (words_in + per - 1) / per;
-  const int64_t paired = 2 * (blocks_out < blocks_in ? blocks_out : blocks_in), b = blockIdx.x;
-  const bool out = b < paired ? b % 2 == 0 : blocks_out > blocks_in;
-  const int64_t i = (b < paired ? b / 2 : b - paired / 2) * per + threadIdx.x;
-  if (out) {
-    if (i >= words_out) return;
-    const int64_t j = i / l.stride, w = i - j * l.stride;
-    store[store_row_of[evicted_slots[j]] * l.stride + w] = evicted[i];
-  } else if (i < words_in) {
-    ReadRecordWord<V>(l, i, store_rows, fresh, cache_rows, store);
+  const int64_t paired = 2 * (blocks_out < blocks_in ? blocks_out : blocks_in);
+  // (a grid smaller than the words' blocks strides over them: MoveGrid)
+  for (int64_t b = blockIdx.x; b < blocks_out + blocks_in; b += gridDim.x) {
+    const bool out = b < paired ? b % 2 == 0 : blocks_out > blocks_in;
+    const int64_t i = (b < paired ? b / 2 : b - paired / 2) * per + threadIdx.x;
+    if (out) {
+      if (i >= words_out) continue;
+      const int64_t j = i / l.stride, w = i - j * l.stride;
+      store[store_row_of[evicted_slots[j]] * l.stride + w] = evicted[i];
+    } else if (i < words_in) {
+      ReadRecordWord<V>(l, i, store_rows, fresh, cache_rows, store);
+    }
   }
 }
 
@@ -1387,11 +1397,12 @@ void MoveRecords(const GpuDevice& d, const StoreRecordLayout& l, const float* ev
                  const int64_t* cache_rows, int64_t n_in, float* store) {
   const int64_t blocks = (n_out * l.stride + kThreads - 1) / kThreads + (n_in * l.stride + kThreads - 1) / kThreads;
   if (n_out == 0) {
-    const int grid = static_cast<int>(std::min<int64_t>(blocks, kStrideBlocks));
+    const int grid = static_cast<int>(std::min<int64_t>(blocks, l.beside ? MoveGrid() : kStrideBlocks));
     ReadRecordsKernel<V><<<grid, kThreads, 0, StreamOf(d)>>>(l, store_rows, fresh, cache_rows, n_in,
                                                               reinterpret_cast<const V*>(store));
   } else {
-    MoveRecordsKernel<V><<<blocks, kThreads, 0, StreamOf(d)>>>(l, reinterpret_cast<const V*>(evicted), evicted_slots,
+    const int grid = static_cast<int>(l.beside ? std::min<int64_t>(blocks, MoveGrid()) : blocks);
+    MoveRecordsKernel<V><<<grid, kThreads, 0, StreamOf(d)>>>(l, reinterpret_cast<const V*>(evicted), evicted_slots,
                                                                 store_row_of, n_out, store_rows, fresh, cache_rows,
                                                                 n_in, reinterpret_cast<V*>(store));
   }

@@ -139,8 +139,8 @@ class GpuDynamicIndex {
                            uint8_t* fresh, int64_t* added_keys, int64_t* added_rows, int64_t* count);
   // The map's size once the host knows how many keys StoreMapRows added (the store's size).
   void StoreMapSize(int64_t live);
-  // rows[j]: the store row of keys[j] for slots[j] < 0 (-1: not in the tier; -1 for cached keys), and
-  // *held (device) += the keys found. No wait.
+  // rows[j]: the store row of keys[j] for slots[j] < 0 (-1: not in the tier; -1 for cached keys; slots
+  // null: every key's), and *held (device; unless null) += the keys found. No wait.
   std::string StoreMapRowsOfMissing(const GpuDevice& d, const int64_t* keys, const int64_t* slots, int64_t n,
                                     int64_t* rows, int64_t* held);
   // flags[j] (device): whether the tier holds keys[j] (device). No wait.

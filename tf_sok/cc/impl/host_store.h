@@ -43,6 +43,9 @@ struct StoreRecordLayout {
   // (none: 0), per evicted key
   const int64_t* touched = nullptr;
   const int64_t* scores = nullptr;
+  // the moves run beside other work (a prefetch's stream): on a GPU, a grid of one block per SM,
+  // which reads and writes host memory as fast as a full grid and leaves the SMs' room to the step
+  bool beside = false;
   int64_t offset[kMaxRecordArrays] = {};
   int64_t width[kMaxRecordArrays] = {};
   float* cache[kMaxRecordArrays] = {};

@@ -330,6 +330,87 @@ absl::Status PrefetchPlan(tf::OpKernelContext* ctx, const impl::GpuDevice& d, In
   return absl::OkStatus();
 }
 
+// Which of a prefetch's distinct missing keys (pending[i].missing, distinct[i] of them) the host
+// tiers hold: a tier whose keys are on the GPU too (by_map) counts them there (held_on_map, one
+// wait for all such tables); the others' keys go to the host (HeldByTiers: flags and store rows).
+absl::Status PrefetchHeld(tf::OpKernelContext* ctx, const impl::GpuDevice& d, const std::vector<IndexResource*>& res,
+                          const std::vector<impl::GpuFindPending>& pending, const std::vector<int64_t>& distinct,
+                          int64_t* counts, std::vector<bool>* by_map, std::vector<int64_t>* held_on_map,
+                          std::vector<std::vector<uint8_t>>* held, std::vector<std::vector<int64_t>>* held_rows) {
+  const size_t n = res.size();
+  const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+  std::vector<const int64_t*> lists(n);
+  std::vector<int64_t> on_host(n, 0);
+  bool host = false, device = false;
+  cudaMemsetAsync(counts, 0, 8 * n, stream);
+  for (size_t i = 0; i < n; ++i) {
+    lists[i] = pending[i].missing;
+    (*by_map)[i] = res[i]->store != nullptr && DeviceMapReady(d, res[i], 0);
+    if (!(*by_map)[i]) {
+      on_host[i] = distinct[i];
+      host |= distinct[i] > 0;
+    } else if (distinct[i] > 0) {
+      auto* rows = static_cast<int64_t*>(d.scratch->Allocate(8 * static_cast<size_t>(distinct[i])));
+      if (rows == nullptr) return absl::ResourceExhaustedError("TfSokDynamicPrefetch: out of GPU memory");
+      const std::string error =
+          res[i]->gpu->StoreMapRowsOfMissing(d, pending[i].missing, nullptr, distinct[i], rows, counts + i);
+      if (!error.empty()) return Failed(*res[i], " prefetch: ", error);
+      device = true;
+    }
+  }
+  if (host) TF_RETURN_IF_ERROR(HeldByTiers(ctx, stream, res, lists, on_host, held, held_rows));
+  if (device) TF_RETURN_IF_ERROR(ReadCounts(stream, counts, static_cast<int>(n), held_on_map->data()));
+  for (size_t i = 0; i < n; ++i)
+    if (!(*by_map)[i]) (*held_on_map)[i] = 0;
+  return absl::OkStatus();
+}
+
+// PrefetchPlan for a tier whose keys are on the GPU too: the store rows of the keys taken in looked up
+// there (they are all held), nothing read back.
+absl::Status PrefetchPlanOnMap(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* r, const Changes& c,
+                               StorePlan* p) {
+  TF_RETURN_IF_ERROR(StoreRowArray(ctx, d, r, c.rows, &p->store_row_of));
+  p->planned = true;
+  if (c.num_new == 0) return absl::OkStatus();
+  auto* rows = static_cast<int64_t*>(d.scratch->Allocate(8 * static_cast<size_t>(c.num_new)));
+  if (rows == nullptr) return absl::ResourceExhaustedError("dynamic table '" + r->table + "': out of GPU memory");
+  const std::string error = r->gpu->StoreMapRowsOfMissing(d, c.new_keys, nullptr, c.num_new, rows, nullptr);
+  if (!error.empty()) return Failed(*r, " prefetch: ", error);
+  p->new_rows = rows;
+  p->fresh = nullptr;
+  return absl::OkStatus();
+}
+
+// A prefetch's row moves, on its own stream: queued with the tables' arrays locked, then run with
+// them unlocked, so that the step beside it (its lookups' gradients, the optimizer's update, on
+// TensorFlow's stream) goes on meanwhile -- the moves write only rows no lookup since the last
+// prefetch used. Until they are done, a copy of an array's buffer (copy-on-write) waits for them;
+// anything that changes the index waits for the index locks the prefetch holds.
+absl::Status PrefetchMoves(tf::OpKernelContext* ctx, const impl::GpuDevice& d, const std::vector<IndexResource*>& res,
+                           const std::vector<Changes>& changes, std::vector<StorePlan>* plans) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+  cudaEvent_t moved = nullptr;
+  if (cudaEventCreateWithFlags(&moved, cudaEventDisableTiming) != cudaSuccess)
+    return absl::InternalError("TfSokDynamicPrefetch: cannot create a CUDA event");
+  std::vector<const tf::Var*> vars;
+  absl::Status status;
+  {
+    const auto locks = LockArrays(res);
+    for (size_t i = 0; i < res.size() && status.ok(); ++i)
+      status = KeepArraysInStep(ctx, d, res[i], changes[i], nullptr, &(*plans)[i]);
+    cudaEventRecord(moved, stream);
+    for (IndexResource* r : res)
+      for (const auto& a : r->arrays) {
+        NoteSideWrites(a.var.get(), moved);
+        vars.push_back(a.var.get());
+      }
+  }
+  const absl::Status done = CudaWait(stream);
+  for (const tf::Var* v : vars) ClearSideWrites(v);
+  cudaEventDestroy(moved);
+  return status.ok() ? done : status;
+}
+
 // The finds of several tables on a GPU (TfSokDynamicFindMany, or with `prefetch` TfSokDynamicPrefetch
 // on a stream of its own): each stage of every table's index call, then the counts of all tables
 // read back with one wait (none when no table has missing keys / must evict); then the hybrid
@@ -377,16 +458,20 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
   // low-frequency filter asks table by table)
   std::vector<std::vector<uint8_t>> held(n);
   std::vector<std::vector<int64_t>> held_rows(n);
-  if (prefetch) {
-    std::vector<const int64_t*> lists(n);
-    for (int i = 0; i < n; ++i) lists[i] = pending[i].missing;
-    TF_RETURN_IF_ERROR(HeldByTiers(ctx, stream, res, lists, distinct, &held, &held_rows));
-  }
+  std::vector<int64_t> held_on_map(n, 0);   // a tier whose keys are on the GPU too: its count of held keys
+  std::vector<bool> by_map(n, false);
+  if (prefetch) TF_RETURN_IF_ERROR(PrefetchHeld(ctx, d, res, pending, distinct, counts, &by_map, &held_on_map,
+                                                &held, &held_rows));
   any = false;
   for (int i = 0; i < n; ++i) {
     bool evicts = false;
     impl::HeldKeys hook = HeldOnGpu(d, res[i], ratio);
-    if (prefetch) {
+    if (prefetch && by_map[i]) {
+      pending[i].held_count = held_on_map[i];
+      hook = [&d, r = res[i]](const int64_t* keys, int64_t count, uint8_t* out) {
+        return r->gpu->StoreMapHeld(d, keys, count, out);
+      };
+    } else if (prefetch) {
       pending[i].held_count = std::count(held[i].begin(), held[i].end(), uint8_t{1});
       hook = [&flags = held[i], stream](const int64_t*, int64_t count, uint8_t* out) {
         // (from pageable memory: the copy has read its source when it returns)
@@ -421,7 +506,9 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
         cudaMemcpyAsync(slots->flat<int64_t>().data(), found[i].slots, 8 * keys.NumElements(),
                         cudaMemcpyDeviceToDevice, stream);
     }
-    if (prefetch) {   // (the keys taken in: the first num_new held ones, whose store rows are known)
+    if (prefetch && by_map[i]) {
+      TF_RETURN_IF_ERROR(PrefetchPlanOnMap(ctx, d, r, changes[i], &plans[i]));
+    } else if (prefetch) {   // (the keys taken in: the first num_new held ones, whose store rows are known)
       TF_RETURN_IF_ERROR(PrefetchPlan(ctx, d, r, changes[i], held[i], held_rows[i], &plans[i], &taken[i]));
     } else if (r->store && DeviceMapReady(d, r, changes[i].num_new)) {
       TF_RETURN_IF_ERROR(DeviceMapStorePlan(ctx, d, r, changes[i], &plans[i]));
@@ -435,19 +522,20 @@ absl::Status FindManyOnGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
   clock.Mark(6);
   std::vector<int64_t> num_new(n);
   for (int i = 0; i < n; ++i) num_new[i] = found[i].num_new;
-  if (prefetch) {   // (a prefetched tier has no bound to keep)
+  if (prefetch) {   // (a prefetched tier has no bound to keep; one whose keys are on the GPU tracks no rows)
     std::vector<const int64_t*> rows(n);
-    for (int i = 0; i < n; ++i) rows[i] = taken[i].data();
-    LoadedOfTables(ctx, res, rows, num_new);
+    std::vector<int64_t> marked(n);
+    for (int i = 0; i < n; ++i) {
+      rows[i] = taken[i].data();
+      marked[i] = by_map[i] ? 0 : num_new[i];
+    }
+    LoadedOfTables(ctx, res, rows, marked);
   } else {
     TF_RETURN_IF_ERROR(FinishStorePlans(ctx, d, res, num_new, &plans));
   }
   clock.Mark(7);
-  // (a prefetch: the arrays locked until its stream has moved the rows)
-  std::vector<std::unique_ptr<tf::mutex_lock>> locks;
-  if (prefetch) locks = LockArrays(res);
+  if (prefetch) return PrefetchMoves(ctx, d, res, changes, &plans);
   for (int i = 0; i < n; ++i) TF_RETURN_IF_ERROR(KeepArraysInStep(ctx, d, res[i], changes[i], nullptr, &plans[i]));
-  if (prefetch) return CudaWait(stream);
   for (IndexResource* r : res) r->RecordFind(stream);
   return absl::OkStatus();
 }

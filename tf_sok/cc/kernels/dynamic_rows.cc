@@ -438,6 +438,7 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
     layout.stride = res->store->stride();
     layout.touched = c.evicted_touched;   // (the evicted keys' store marks, and LFU's scores)
     layout.scores = res->lfu ? c.evicted_scores : nullptr;
+    layout.beside = c.prefetch;
   }
   for (size_t i = 0; i < res->arrays.size(); ++i) {
     auto& a = res->arrays[i];

@@ -157,9 +157,20 @@ class ExclusiveLocks {
 };
 
 // Gives the variable a private buffer before an in-place update when its
-// current one is shared with a tensor read earlier (copy-on-write).
+// current one is shared with a tensor read earlier (copy-on-write). On a GPU the
+// copy first waits for writes to the buffer queued on another stream (NoteSideWrites).
 template <typename Device>
 absl::Status MakeExclusive(tf::OpKernelContext* ctx, const Device& d, tf::Var* var);
+
+#if TF_SOK_WITH_CUDA
+// Writes into a variable's buffer that a stream other than TensorFlow's has queued and the
+// writer has not waited for yet (a prefetch's row moves, which leave every row a step reads
+// or updates alone, so other ops run beside them): until ClearSideWrites, a MakeExclusive
+// copy of that buffer waits for `done` (an event recorded after the writes) on the GPU.
+// `done` stays valid until ClearSideWrites.
+void NoteSideWrites(const tf::Var* var, void* done);
+void ClearSideWrites(const tf::Var* var);
+#endif
 
 }  // namespace tf_sok
 

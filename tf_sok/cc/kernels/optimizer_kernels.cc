@@ -2,17 +2,56 @@
 // make the buffers exclusive (copy-on-write), run the impl functor once for all tables.
 #include <algorithm>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "tf_sok/cc/impl/optimizer.h"
 #include "tf_sok/cc/kernels/kernel_util.h"
 
+#if TF_SOK_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
 namespace tf_sok {
+
+#if TF_SOK_WITH_CUDA
+namespace {
+tf::mutex side_writes_mu;
+std::unordered_map<const tf::Var*, cudaEvent_t>& SideWrites() {
+  static auto* pending = new std::unordered_map<const tf::Var*, cudaEvent_t>();
+  return *pending;
+}
+
+// (before a copy of var's buffer on stream: the writes queued on other streams first)
+void AfterSideWrites(const tf::Var* var, cudaStream_t stream) {
+  tf::mutex_lock l(side_writes_mu);
+  auto it = SideWrites().find(var);
+  if (it != SideWrites().end()) cudaStreamWaitEvent(stream, it->second, 0);
+}
+void AfterSideWrites(const tf::Var*, const impl::CpuDevice&) {}
+void AfterSideWrites(const tf::Var* var, const impl::GpuDevice& d) {
+  AfterSideWrites(var, static_cast<cudaStream_t>(d.stream));
+}
+}  // namespace
+
+void NoteSideWrites(const tf::Var* var, void* done) {
+  tf::mutex_lock l(side_writes_mu);
+  SideWrites()[var] = static_cast<cudaEvent_t>(done);
+}
+
+void ClearSideWrites(const tf::Var* var) {
+  tf::mutex_lock l(side_writes_mu);
+  SideWrites().erase(var);
+}
+#endif
 
 template <typename Device>
 absl::Status MakeExclusive(tf::OpKernelContext* ctx, const Device& d, tf::Var* var) {
   tf::Tensor* t = var->tensor();
   if (t->RefCountIsOne()) return absl::OkStatus();
+#if TF_SOK_WITH_CUDA
+  AfterSideWrites(var, d);
+#endif
   tf::Tensor copy;
   tf::AllocatorAttributes attr;
   attr.set_gpu_compatible(true);
