@@ -17,6 +17,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -246,8 +247,8 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
     from reader_scaling import CpuUse
 
     # e.g. DCNv2-bf16-xla (-kerasloop: Keras' own multi-step loop; -pinnedslabs: the Parquet readers'
-    # slabs registered with the GPU, TF_SOK_PIN_SLABS=1; -tier: the tables with a host tier; DLRM-tf: the
-    # baseline, benchmarks/tf_dlrm.py)
+    # slabs registered with the GPU, TF_SOK_PIN_SLABS=1; -tier: the tables with a host tier, -prefetch:
+    # and each step prefetching the next batch's ids into their caches; DLRM-tf: the baseline, benchmarks/tf_dlrm.py)
     base, *options = name.split("-")
     if "pinnedslabs" in options:
         from tf_sok.python.data import block_workers
@@ -274,10 +275,14 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
         model = dcnv2.DCNv2(schema, a.dcnv2_dim, jit_dense=jit, **tier)
         cfg, files = sd.SyntheticConfig.dcnv2(schema), os.path.join(d, "dcnv2")
     model.compile(optimizer=opt, loss="binary_crossentropy", steps_per_execution=spe)
-    if "kerasloop" not in options:   # as the examples run fit
-        sok.keras.loop_on_host(model)
+    if "prefetch" in options and not tier:
+        raise SystemExit(f"{name}: -prefetch goes with -tier (only tables with a host tier prefetch)")
+    if "kerasloop" not in options:   # as the examples run fit (--prefetch: the examples' prefetch of each next batch)
+        from criteo_common import next_batch_prefetch
+
+        sok.keras.loop_on_host(model, prefetch=next_batch_prefetch(model) if "prefetch" in options else None)
     sources = fit_sources(a, schema, cfg, files, fit_steps(a, spe))
-    row, text = {}, f"  {name:14s} spe {spe:2d}:"
+    row, text = {}, f"  {name:18s} spe {spe:2d}:"
     for src, ds in sources.items():
         # cores kept busy while the Parquet run is timed: the training process, the reader's workers
         busy = CpuUse(a.reader_workers) if src == "Parquet" and a.reader_workers else None
@@ -335,7 +340,14 @@ def fit_section(a, d):
             print(f"  {base.split('/')[0]} with tf_sok vs TensorFlow's own tables ({key.split('/')[0]}, "
                   f"benchmarks/tf_dlrm.py), {key.split('/')[1]}: " +
                   ", ".join(f"{src} {ours[src] / theirs[src]:.2f}x" for src in shared), flush=True)
-    for key, base in [(k, k.replace("-tier/", "/")) for k in out if "-tier/" in k]:   # the host tier's cost
+    for key, base in [(k, k.replace("-prefetch/", "/")) for k in out if "-tier-prefetch/" in k]:   # the prefetch's gain
+        ours, plain = out[key] or {}, out.get(base) or {}
+        shared = [src for src in ("cached", "synthetic", "Parquet") if ours.get(src) and plain.get(src)]
+        if shared:
+            print(f"  {key.split('/')[0]} (each step prefetching the next batch's ids) vs {base.split('/')[0]}, "
+                  f"{key.split('/')[1]}: " + ", ".join(f"{src} {ours[src] / plain[src]:.2f}x the samples/s" for src in shared),
+                  flush=True)
+    for key, base in [(k, re.sub(r"-tier(-prefetch)?/", "/", k)) for k in out if "-tier" in k]:   # the host tier's cost
         ours, full = out[key] or {}, out.get(base) or {}
         shared = [src for src in ("cached", "synthetic", "Parquet") if ours.get(src) and full.get(src)]
         if shared:
@@ -370,7 +382,8 @@ def main():
                         "name may end in -bf16 (Keras mixed_bfloat16), -xla (the dense part compiled by XLA), "
                         "-pinnedslabs (the Parquet readers' slabs page-locked), -kerasloop (Keras' own "
                         "multi-step loop instead of sok.keras.loop_on_host), -tier (every table with a host tier "
-                        "and a device cache: --tier-share); DLRM-tf: the same DLRM without "
+                        "and a device cache: --tier-share), -tier-prefetch (and each step prefetching the next "
+                        "batch's ids: sok.keras.loop_on_host(prefetch=...), as the examples' --prefetch); DLRM-tf: the same DLRM without "
                         "tf_sok (benchmarks/tf_dlrm.py), its samples/s compared with DLRM's at the same spe")
     p.add_argument("--tier-share", type=float, default=0.1,
                    help="-tier runs: each table's device budget (max_hbm_for_vectors), this share of the largest "
