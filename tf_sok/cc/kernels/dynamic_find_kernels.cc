@@ -272,6 +272,7 @@ absl::Status LockIndices(tf::OpKernelContext* ctx, int n, const char* op,
   if (std::adjacent_find(order.begin(), order.end()) != order.end())
     return absl::InvalidArgumentError(std::string(op) + ": a dynamic table's index is given twice");
   for (IndexResource* r : order) locks->push_back(std::make_unique<tf::mutex_lock>(r->mu));
+  for (IndexResource* r : order) TF_RETURN_IF_ERROR(SettleMoves(r));
   return absl::OkStatus();
 }
 
@@ -381,34 +382,38 @@ absl::Status PrefetchPlanOnMap(tf::OpKernelContext* ctx, const impl::GpuDevice& 
   return absl::OkStatus();
 }
 
-// A prefetch's row moves, on its own stream: queued with the tables' arrays locked, then run with
-// them unlocked, so that the step beside it (its lookups' gradients, the optimizer's update, on
-// TensorFlow's stream) goes on meanwhile -- the moves write only rows no lookup since the last
-// prefetch used. Until they are done, a copy of an array's buffer (copy-on-write) waits for them;
-// anything that changes the index waits for the index locks the prefetch holds.
+// A prefetch's row moves, on its own stream: queued with the tables' arrays locked, then left
+// running with them unlocked, past the op's end, so that the step beside it (its lookups' gradients,
+// the optimizer's update, on TensorFlow's stream) goes on meanwhile -- the moves write only rows no
+// lookup since the last prefetch used. Until they are done, a copy of an array's buffer
+// (copy-on-write) waits for them on the GPU, and the next op to lock one of the tables waits for them
+// (SettleMoves: a find before it reads the rows, anything else before it touches the index, the
+// arrays or the host tier).
 absl::Status PrefetchMoves(tf::OpKernelContext* ctx, const impl::GpuDevice& d, const std::vector<IndexResource*>& res,
                            const std::vector<Changes>& changes, std::vector<StorePlan>* plans) {
   const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
-  cudaEvent_t moved = nullptr;
-  if (cudaEventCreateWithFlags(&moved, cudaEventDisableTiming) != cudaSuccess)
+  cudaEvent_t event = nullptr;
+  if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess)
     return absl::InternalError("TfSokDynamicPrefetch: cannot create a CUDA event");
-  std::vector<const tf::Var*> vars;
-  absl::Status status;
-  {
-    const auto locks = LockArrays(res);
-    for (size_t i = 0; i < res.size() && status.ok(); ++i)
-      status = KeepArraysInStep(ctx, d, res[i], changes[i], nullptr, &(*plans)[i]);
-    cudaEventRecord(moved, stream);
-    for (IndexResource* r : res)
-      for (const auto& a : r->arrays) {
-        NoteSideWrites(a.var.get(), moved);
-        vars.push_back(a.var.get());
-      }
+  const std::shared_ptr<CUevent_st> moved(event, [](cudaEvent_t e) { cudaEventDestroy(e); });
+  const auto locks = LockArrays(res);
+  for (size_t i = 0; i < res.size(); ++i) {
+    const absl::Status status = KeepArraysInStep(ctx, d, res[i], changes[i], nullptr, &(*plans)[i]);
+    if (!status.ok()) {   // (what was queued is waited for: the tables stay as the index says)
+      CudaWait(stream).IgnoreError();
+      return status;
+    }
   }
-  const absl::Status done = CudaWait(stream);
-  for (const tf::Var* v : vars) ClearSideWrites(v);
-  cudaEventDestroy(moved);
-  return status.ok() ? done : status;
+  const cudaError_t e = cudaEventRecord(event, stream);
+  if (e != cudaSuccess) {
+    CudaWait(stream).IgnoreError();
+    return absl::InternalError(std::string("TfSokDynamicPrefetch: CUDA error ") + cudaGetErrorString(e));
+  }
+  for (IndexResource* r : res) {
+    r->moves = moved;
+    for (const auto& a : r->arrays) NoteSideWrites(a.var.get(), event);
+  }
+  return absl::OkStatus();
 }
 
 // The finds of several tables on a GPU (TfSokDynamicFindMany, or with `prefetch` TfSokDynamicPrefetch
@@ -658,10 +663,13 @@ class SideStream : public impl::ScratchAllocator {
     chunks_.push_back({p, size, bytes});
     return p;
   }
-  // After a call: waits for this stream; the arena is one chunk again, as large as the call needed.
+  // After a call: the arena is one chunk again, as large as the call needed, for the next call, which
+  // waits for this stream before it hands out any of it (Begin): work still queued here (a prefetch's
+  // row moves) may go on using it until then. Waits for this stream only to free chunks.
   absl::Status End() {
-    const absl::Status status = CudaWait(stream_);
+    absl::Status status;
     if (chunks_.size() > 1) {
+      status = CudaWait(stream_);
       size_t total = 0;
       for (const Chunk& c : chunks_) {
         total += c.size;

@@ -15,6 +15,7 @@
 #include "tensorflow/core/platform/mutex.h"
 #include "tf_sok/cc/impl/dynamic_index.h"
 #include "tf_sok/cc/impl/host_store.h"
+#include "tf_sok/cc/kernels/kernel_util.h"
 
 #if TF_SOK_WITH_CUDA
 #include <cuda_runtime.h>
@@ -106,6 +107,11 @@ class IndexResource : public tf::ResourceBase {
   cudaEvent_t settle_event = nullptr;
   // reads' count of keys read from the host tier, on the device (added to stats when asked)
   int64_t* reads_from_host_dev = nullptr;
+  // A prefetch's row moves into the arrays and the host tier, queued on the prefetch's stream and
+  // not waited for by it (they run on past its op, beside the rest of the step): done once this
+  // event (shared by the tables of that prefetch) has passed. The next op to take mu waits for them
+  // first (SettleMoves).
+  std::shared_ptr<CUevent_st> moves;
   void RecordFind(cudaStream_t stream) {
     if (found_event == nullptr && cudaEventCreateWithFlags(&found_event, cudaEventDisableTiming) != cudaSuccess) {
       found_event = nullptr;
@@ -115,6 +121,10 @@ class IndexResource : public tf::ResourceBase {
     found_call = gpu->calls();
   }
   ~IndexResource() override {
+    if (moves) {
+      cudaEventSynchronize(moves.get());
+      for (const Array& a : arrays) ClearSideWrites(a.var.get());
+    }
     if (found_event) cudaEventDestroy(found_event);
     if (settle_event) {
       cudaEventSynchronize(settle_event);
@@ -182,6 +192,9 @@ absl::Status RelinkCache(tf::OpKernelContext* ctx, IndexResource* res, bool stor
 // that find's device work. Every op on the table but a read calls it first, holding mu; no-op
 // otherwise.
 absl::Status SettleStore(IndexResource* res);
+// Waits for a prefetch's row moves still running into the table (IndexResource::moves); SettleStore
+// and LockIndices call it. No-op otherwise.
+absl::Status SettleMoves(IndexResource* res);
 
 #if TF_SOK_WITH_CUDA
 absl::Status CudaWait(cudaStream_t stream);

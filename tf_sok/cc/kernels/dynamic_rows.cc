@@ -384,7 +384,21 @@ void SetStoreRows(const impl::GpuDevice& d, int64_t* store_row_of, const int64_t
 }
 #endif
 
+absl::Status SettleMoves(IndexResource* res) {
+#if TF_SOK_WITH_CUDA
+  if (!res->moves) return absl::OkStatus();
+  const cudaError_t e = cudaEventSynchronize(res->moves.get());
+  for (const auto& a : res->arrays) ClearSideWrites(a.var.get());
+  res->moves.reset();
+  if (e != cudaSuccess)
+    return absl::InternalError("dynamic table '" + res->table + "': a prefetch's row moves failed: CUDA error " +
+                               cudaGetErrorString(e));
+#endif
+  return absl::OkStatus();
+}
+
 absl::Status SettleStore(IndexResource* res) {
+  TF_RETURN_IF_ERROR(SettleMoves(res));
 #if TF_SOK_WITH_CUDA
   if (!res->unsettled) return absl::OkStatus();
   const cudaError_t e = cudaEventSynchronize(res->settle_event);
