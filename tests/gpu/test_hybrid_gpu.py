@@ -58,9 +58,10 @@ def test_gpu_hybrid_trains_as_the_cpu_hybrid_and_the_all_hbm_table(rng, case):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
         np.testing.assert_allclose(a, c, rtol=1e-4, atol=2e-5)
     # GPU against CPU: the kernels' rounding apart (FTRL / RMSprop state near 10 differed by 1.5e-5
-    # relative after the steps), the same tables
-    _assert_same_tables(tables[0], tables[1], opts[0], opts[1], atol=2e-5, rtol=1e-4)
-    _assert_same_tables(tables[0], tables[2], opts[0], opts[2], atol=2e-5)
+    # relative after the steps; an FTRL linear term of 0.52 in a row reaching 379 by 1.7e-4, the
+    # rounding of the large terms it sums), the same tables
+    _assert_same_tables(tables[0], tables[1], opts[0], opts[1], atol=2e-5, rtol=1e-4, row_rtol=1e-5)
+    _assert_same_tables(tables[0], tables[2], opts[0], opts[2], atol=2e-5, row_rtol=1e-5)
     gpu, cpu = sok.cache_stats(tables[0]), sok.cache_stats(tables[1])
     assert gpu == cpu and gpu["evicted"] > 0 and gpu["bytes_to_device"] > 0
 
