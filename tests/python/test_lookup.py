@@ -308,7 +308,6 @@ def test_owner_side_lookup_gradient_is_the_output_gradient_and_says_what_its_row
     ascending rows (the update skips grouping); one_id_per_row (ids repeat, any order)
     promises rows in range only: the update sums the repeats itself (SGD vs NumPy)."""
     from tf_sok.python.ops import lookup_ops
-    from tf_sok.python.optimizers.base import _lookup_rows
 
     values = [rng.standard_normal((40, 8)).astype(np.float32), rng.standard_normal((25, 4)).astype(np.float32)]
     tables = [sok.Variable(v, name=f"d{i}") for i, v in enumerate(values)]
@@ -332,7 +331,8 @@ def test_owner_side_lookup_gradient_is_the_output_gradient_and_says_what_its_row
             loss = sum(tf.reduce_sum(o * u) for o, u in zip(outs, up))
         grads = tape.gradient(loss, tables)
         want = "ascending" if mode == "distinct_ids" else "checked"
-        assert all(_lookup_rows(g.indices) == want for g in grads)   # traced: the promise is visible
+        assert all(lookup_ops.rows_promise(g.indices) == want for g in grads)   # traced: the promise is kept
+        assert lookup_ops.rows_promise(tf.identity(grads[0].indices)) == ""   # rows made otherwise: none
         opt.apply_gradients(zip(grads, tables))
         return outs, grads
 
@@ -344,6 +344,9 @@ def test_owner_side_lookup_gradient_is_the_output_gradient_and_says_what_its_row
         expect = values[t].copy()
         np.add.at(expect, ids[t], -0.5 * up[t])
         np.testing.assert_allclose(tables[t].numpy(), expect, rtol=1e-5, atol=1e-6)
+    assert lookup_ops.rows_promise(grads[0].indices) == ""   # eager tensors keep no promise
+    with pytest.raises(ValueError, match=r"promise_rows: the promise is one of \('ascending', 'checked'\), got 'sorted'"):
+        lookup_ops.promise_rows(tf.constant(ids[0]), "sorted")
     with pytest.raises(ValueError, match="distinct_ids and one_id_per_row need feature t to read table t"):
         lookup_ops.fused_lookup([tables[0].handle], [tf.constant(ids[0])], [tf.range(12, dtype=tf.int64)],
                                 [tf.zeros([0])], feature_table=[0], combiners=["mean"], weighted=[False], dims=[8],

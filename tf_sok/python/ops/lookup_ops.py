@@ -1,5 +1,6 @@
 """The fused lookup ops and their registered gradients: row-sparse per table
 for variables, dense for plain tensors (the exchange path's received vectors)."""
+import weakref
 from typing import List, Sequence
 
 import tensorflow as tf
@@ -77,8 +78,40 @@ def fused_combine(params: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], row_spl
     return _checked(result, checked, feature_table, feature_names, table_names)
 
 
-ASCENDING_ROWS = "tf_sok_ascending_rows"   # names indices that are strictly ascending by construction
-CHECKED_ROWS = "tf_sok_checked_rows"       # names indices in range by construction (repeats possible)
+# What a lookup gradient's rows are by construction, declared by the gradient that makes them
+# (promise_rows) and read by the optimizer's update (rows_promise): per graph, by tensor name.
+ROW_PROMISES = ("ascending", "checked")
+_row_promises = weakref.WeakKeyDictionary()   # graph -> {tensor name: promise}
+
+
+def promise_rows(rows: tf.Tensor, promise: str) -> tf.Tensor:
+    """Declares what the row indices `rows` are by construction: "ascending" (distinct and strictly
+    ascending) or "checked" (in their table's range, repeats possible). Kept for tensors of a graph
+    (a tf.function's); eager tensors keep none (their update sorts and checks). Returns `rows`.
+
+    Example:
+        >>> rows = promise_rows(tf.identity(ids), "ascending")   # in a gradient function
+    """
+    if promise not in ROW_PROMISES:
+        raise ValueError(f"promise_rows: the promise is one of {ROW_PROMISES}, got {promise!r}")
+    if not tf.executing_eagerly() and hasattr(rows, "graph"):
+        _row_promises.setdefault(rows.graph, {})[rows.name] = promise
+    return rows
+
+
+def rows_promise(rows) -> str:
+    """What promise_rows declared about `rows`: "ascending", "checked", or "" (nothing: an eager
+    tensor, or rows made otherwise). The update checks the ascending promise (a broken one is an
+    error, never a wrong update); for checked rows it only skips a GPU's wait for the verdict.
+
+    Example:
+        >>> rows_promise(grad.indices)   # in an optimizer's update
+    """
+    try:
+        graph, name = rows.graph, rows.name
+    except (AttributeError, ValueError):
+        return ""
+    return _row_promises.get(graph, {}).get(name, "")
 
 
 def _inputs_and_grads(op, out_grads):
@@ -123,15 +156,16 @@ def _fused_lookup_grad(op, *out_grads):
     tables, ids, splits, weights, grads, attrs = _inputs_and_grads(op, out_grads)
     shape = [resource_variable_ops.variable_shape(h, out_type=tf.int64) for h in tables]
     if op.get_attr("distinct_ids") or op.get_attr("one_id_per_row"):  # each output row: the gradient of its id
-        name = ASCENDING_ROWS if op.get_attr("distinct_ids") else CHECKED_ROWS
-        rows = [tf.identity(tf.cast(i, tf.int64), name=name) for i in ids]
+        promise = "ascending" if op.get_attr("distinct_ids") else "checked"
+        rows = [promise_rows(tf.identity(tf.cast(i, tf.int64)), promise) for i in ids]
         return [tf.IndexedSlices(tf.cast(g, tf.float32), r, dense_shape=s)
                 for g, r, s in zip(grads, rows, shape)] + [None] * (3 * len(ids))
     with tf.control_dependencies(_checks_of(op)):
         indices, values = ops().tf_sok_fused_lookup_grad(
             ids=ids, row_splits=splits, weights=weights, output_grads=grads, num_tables=len(tables),
             rows=_static_rows(shape), **attrs)
-    return [tf.IndexedSlices(values[t], indices[t], dense_shape=shape[t]) for t in range(len(tables))] + \
+    return [tf.IndexedSlices(values[t], promise_rows(indices[t], "ascending"), dense_shape=shape[t])
+            for t in range(len(tables))] + \
         [None] * (3 * len(ids))
 
 

@@ -62,29 +62,6 @@ def _check_learning_rate(value):
     return value
 
 
-def _lookup_rows(indices) -> str:
-    """What a lookup gradient promises about `indices`: "ascending" (unique and
-    ascending: the fused lookup's gradient, or the exchange's owner side over
-    distinct rows), "checked" (in range, repeats possible: the exchange's owner
-    side over every key received) or "" (nothing known). Only a graph knows where
-    a tensor came from; eagerly the op sorts and checks, which is always correct.
-    The update op checks the ascending promise (a broken one is an error, never a
-    wrong update); for checked rows it only skips a GPU's wait for the verdict."""
-    try:
-        op = indices.op
-    except AttributeError:
-        return ""
-    if op.type == "TfSokFusedLookupGrad":
-        return "ascending"
-    if op.type == "Identity":
-        name = op.name.rsplit("/", 1)[-1]
-        if name.startswith(lookup_ops.ASCENDING_ROWS):
-            return "ascending"
-        if name.startswith(lookup_ops.CHECKED_ROWS):
-            return "checked"
-    return ""
-
-
 def _dense_rows(values: tf.Tensor, var) -> tf.Tensor:
     """The row indices of a dense gradient: it must have the table's shape (else ValueError,
     or in a graph with unknown shapes an InvalidArgumentError when it runs)."""
@@ -264,7 +241,7 @@ class SparseOptimizer(tf.Module, abc.ABC):
                 slots = self.slots(var)
                 dense += [s.handle for s, spec in zip(slots, specs) if not spec.per_row]
                 steps += [s.handle for s, spec in zip(slots, specs) if spec.per_row]
-            kinds = [_lookup_rows(i) for i in all_indices]   # rows a tf_sok lookup gradient made
+            kinds = [lookup_ops.rows_promise(i) for i in all_indices]   # rows a tf_sok lookup gradient made
             if not self.algorithm:   # an optimizer written with TensorFlow's ops (apply_rows)
                 updated = self._apply_with_tf_ops(tables, all_indices, all_values, lr)
             else:
