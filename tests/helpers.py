@@ -7,7 +7,8 @@ def random_ragged(rng, batch, vocab, max_len, dtype=np.int64, zipf=None):
     lens = rng.integers(0, max_len + 1, batch)
     n = int(lens.sum())
     if zipf:
-        ids = np.minimum(rng.zipf(zipf, n) - 1, vocab - 1)
+        from tf_sok.data import zipf_ranks
+        ids = zipf_ranks(rng, vocab, n, zipf)
     else:
         ids = rng.integers(0, vocab, n)
     return lens, ids.astype(dtype)

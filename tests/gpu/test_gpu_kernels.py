@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sok as sok
+from tf_sok.data import zipf_ranks
 from tests.helpers import (assert_failing_step_writes_nothing, clicks_training_step, dense_grad, distinct_rows,
                            half_precision_case, lookup_grad_op, lookup_in, np_lookup, np_sum_lookup_grad, random_ragged, to_ragged)
 from tests.python.optimizers.test_optimizers import CASES, multi_table_steps, run_multi_table
@@ -108,7 +109,7 @@ def test_rows_of_about_one_id_gpu_equals_cpu(rng, dims, weighted):
     ragged, weights, upstream = [], [], []
     for t in feature_table:
         lens = rng.choice([0, 1, 1, 1, 1, 1, 2], batch)
-        ids = np.minimum(rng.zipf(1.1, int(lens.sum())) - 1, tables_np[t].shape[0] - 1).astype(np.int64)
+        ids = zipf_ranks(rng, tables_np[t].shape[0], int(lens.sum()), 1.1)
         ragged.append(to_ragged(lens, ids))
         weights.append(to_ragged(lens, rng.uniform(0.1, 2, len(ids)).astype(np.float32)) if weighted else None)
         upstream.append(rng.standard_normal((batch, dims[t])).astype(np.float32))
@@ -146,7 +147,7 @@ def test_optimizer_gpu_equals_cpu(rng, case):
     steps = []
     for _ in range(4):
         n = 30_000
-        idx = np.minimum(rng.zipf(1.1, n) - 1, rows // 2)  # heavy duplicates; upper rows untouched
+        idx = zipf_ranks(rng, rows // 2 + 1, n, 1.1)  # heavy duplicates; upper rows untouched
         steps.append((idx, rng.standard_normal((n, dim)).astype(np.float32)))
     results = {}
     for device in ("/CPU:0", "/GPU:0"):

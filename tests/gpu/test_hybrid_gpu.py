@@ -6,9 +6,10 @@ import pytest
 import tensorflow as tf
 
 import tf_sok as sok
+from tf_sok.data import zipf_ranks
 from tests.helpers import to_ragged
 from tests.python.test_dynamic import random_keys
-from tests.python.test_hybrid import DIM, OPTIMIZERS, _assert_same_tables, _cache_model, _gib, _slot_widths, _zipf
+from tests.python.test_hybrid import DIM, OPTIMIZERS, _assert_same_tables, _cache_model, _gib, _slot_widths
 from tests.python.test_read_lookup import check_read
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
@@ -39,7 +40,7 @@ def test_gpu_hybrid_trains_as_the_cpu_hybrid_and_the_all_hbm_table(rng, case):
     batches = []
     for _ in range(8):
         lens = rng.integers(0, 6, 2048)
-        keys = pool[rng.choice(len(pool), int(lens.sum()), p=_zipf(len(pool), 1.05))]
+        keys = pool[zipf_ranks(rng, len(pool), int(lens.sum()), 1.05)]
         batches.append((lens, keys, rng.standard_normal((2048, DIM)).astype(np.float32)))
     budget = _gib(600, [DIM] + _slot_widths(cls(learning_rate=0.05, **hp)))   # ~3% of the keys
     tables, opts, outs = [], [], []
@@ -69,7 +70,7 @@ def test_gpu_hybrid_trains_as_the_cpu_hybrid_and_the_all_hbm_table(rng, case):
 @pytest.mark.parametrize("policy,budget_rows", [(p, b) for p in ("lru", "lfu") for b in (0, 1, 300)])
 def test_gpu_cache_counters_follow_the_cache_model(rng, policy, budget_rows):
     pool = random_keys(rng, 2000)
-    batches = [rng.choice(pool, rng.integers(1, 500), p=_zipf(2000)) for _ in range(20)]
+    batches = [pool[zipf_ranks(rng, 2000, rng.integers(1, 500), 1.1)] for _ in range(20)]
     with tf.device("/GPU:0"):
         table = sok.DynamicVariable(DIM, initializer="uniform", name=f"g{policy}{budget_rows}", var_type="hybrid",
                                     max_hbm_for_vectors=_gib(budget_rows, [DIM]), evict_strategy=policy)
@@ -114,7 +115,7 @@ def test_gpu_lfu_counts_come_back_from_a_checkpoint_on_either_device(rng, tmp_pa
     CPU: both go on as the cache model of all the calls says (the counts of keys cached and in host
     memory came back)."""
     pool = random_keys(rng, 1000)
-    batches = [rng.choice(pool, rng.integers(1, 200), p=_zipf(1000)) for _ in range(24)]
+    batches = [pool[zipf_ranks(rng, 1000, rng.integers(1, 200), 1.1)] for _ in range(24)]
     kw = dict(initializer="uniform", var_type="hybrid", max_hbm_for_vectors=_gib(60, [DIM]), evict_strategy="lfu",
               max_capacity=capacity)
     model = _cache_model(60, batches, "lfu", capacity)
@@ -160,12 +161,11 @@ def test_gpu_static_table_with_a_host_tier_trains_as_the_plain_table(rng, case):
     cls, hp = OPTIMIZERS[case]
     rows = 50_000
     init = rng.standard_normal((rows, DIM)).astype(np.float32)
-    p = 1.0 / np.arange(1, rows + 1) ** 1.05
     order = rng.permutation(rows)
     batches = []
     for _ in range(6):
         lens = rng.integers(0, 6, 2048)
-        ids = order[rng.choice(rows, int(lens.sum()), p=p / p.sum())].astype(np.int64)
+        ids = order[zipf_ranks(rng, rows, int(lens.sum()), 1.05)].astype(np.int64)
         batches.append((lens, ids, rng.standard_normal((2048, DIM)).astype(np.float32)))
     budget = _gib(1500, [DIM] + _slot_widths(cls(learning_rate=0.05, **hp)))   # 3% of the rows
     tables, opts, outs = [], [], []
@@ -203,7 +203,7 @@ def test_keys_touched_since_a_time_on_the_gpu_are_the_cpus(rng, policy):
     batches, stamps = [], []
     for _ in range(6):
         lens = rng.integers(0, 4, 512)
-        keys = pool[rng.choice(len(pool), int(lens.sum()), p=_zipf(len(pool), 1.05))]
+        keys = pool[zipf_ranks(rng, len(pool), int(lens.sum()), 1.05)]
         batches.append((lens, keys, rng.standard_normal((512, DIM)).astype(np.float32)))
     tables = []
     for device in ("/GPU:0", "/CPU:0"):
@@ -242,7 +242,7 @@ def test_a_bounded_gpu_hybrid_table_evicts_as_the_cpu_table_without_a_tier(rng, 
     pool = random_keys(rng, 6000)
     evicted = 0
     for step in range(8):
-        ids = tf.constant(pool[rng.choice(len(pool), 400, p=_zipf(len(pool), 1.05))])
+        ids = tf.constant(pool[zipf_ranks(rng, len(pool), 400, 1.05)])
         with tf.device("/GPU:0"):
             gh, kh, vh = sok.sparse_read_and_evict(hybrid, ids)
         with tf.device("/CPU:0"):
@@ -275,7 +275,7 @@ def _gpu_hybrid_against_cpu_plain(rng, tag, kw, **lookup_kw):
     batches = []
     for _ in range(10):
         lens = rng.integers(0, 3, 256)
-        keys = pool[rng.choice(len(pool), int(lens.sum()), p=_zipf(len(pool), 1.05))]
+        keys = pool[zipf_ranks(rng, len(pool), int(lens.sum()), 1.05)]
         batches.append((lens, keys, rng.standard_normal((256, DIM)).astype(np.float32)))
     outs = [_train(t, sok.optimizers.SGD(learning_rate=0.05), batches, device, **lookup_kw)
             for t, device in ((hybrid, "/GPU:0"), (plain, "/CPU:0"))]

@@ -5,9 +5,10 @@ import pytest
 import tensorflow as tf
 
 import tf_sok as sok
+from tf_sok.data import zipf_ranks
 from tests.helpers import to_ragged
 from tests.python.test_dynamic import random_keys
-from tests.python.test_hybrid import DIM, OPTIMIZERS, _assert_same_tables, _gib, _slot_widths, _zipf
+from tests.python.test_hybrid import DIM, OPTIMIZERS, _assert_same_tables, _gib, _slot_widths
 from tests.python.test_prefetch import check_lfu_scores_count_the_steps, check_prefetched_keys_are_hits, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
@@ -22,7 +23,7 @@ def test_gpu_training_with_prefetch_equals_the_cpu_table_without_a_tier(rng, cas
     batches, targets = [], []
     for _ in range(12):
         lens = rng.integers(0, 6, 2048)
-        batches.append(to_ragged(lens, pool[rng.choice(len(pool), int(lens.sum()), p=_zipf(len(pool), 1.05))]))
+        batches.append(to_ragged(lens, pool[zipf_ranks(rng, len(pool), int(lens.sum()), 1.05)]))
         targets.append(rng.standard_normal((2048, DIM)).astype(np.float32))
     # a cache of 8,000 rows (40 % of the keys; a batch uses ~2,500): room for the prefetches
     budget = _gib(8000, [DIM] + _slot_widths(cls(learning_rate=0.05, **hp)))

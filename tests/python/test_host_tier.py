@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sok as sok
+from tf_sok.data import zipf_ranks
 from tests.helpers import np_lookup, to_ragged
 from tests.python.test_hybrid import OPTIMIZERS
 from tf_sok.python.dump import DumpError
@@ -38,9 +39,8 @@ def _plain(table, opt=None):
 
 def _batches(rng, steps, batch=16):
     """(row lengths, ids) per step, ids Zipf-distributed over a random order of the rows."""
-    p = 1.0 / np.arange(1, ROWS + 1) ** 1.1
     order = rng.permutation(ROWS)
-    return [(lens, order[rng.choice(ROWS, int(lens.sum()), p=p / p.sum())])
+    return [(lens, order[zipf_ranks(rng, ROWS, int(lens.sum()), 1.1)])
             for lens in (rng.integers(0, 4, batch) for _ in range(steps))]
 
 

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sok as sok
+from tf_sok.data import zipf_ranks
 from tests.helpers import to_ragged
 from tests.python.optimizers.test_optimizers import CASES
 from tests.python.test_dynamic import random_keys
@@ -62,14 +63,9 @@ def _batches(rng, pool, steps, batch=24):
     out = []
     for _ in range(steps):
         lens = rng.integers(0, 4, batch)
-        picks = rng.choice(len(pool), int(lens.sum()), p=_zipf(len(pool)))
+        picks = zipf_ranks(rng, len(pool), int(lens.sum()), 1.1)
         out.append((lens, pool[picks]))
     return out
-
-
-def _zipf(n, a=1.1):
-    p = 1.0 / np.arange(1, n + 1) ** a
-    return p / p.sum()
 
 
 # every optimizer with a budget of a few percent of the keys and with the whole table; budgets of
@@ -152,7 +148,7 @@ def _cache_model(max_keys, batches, policy="lru", capacity=None):
 def test_cache_counters_follow_a_cache_model(rng, policy, budget_rows):
     pool = random_keys(rng, 60)
     # 80 calls: enough for LFU's counts of keys out of the cache to decide evictions
-    batches = [rng.choice(pool, rng.integers(1, 12), p=_zipf(60)) for _ in range(80)]
+    batches = [pool[zipf_ranks(rng, 60, rng.integers(1, 12), 1.1)] for _ in range(80)]
     table = sok.DynamicVariable(DIM, initializer="uniform", name=f"c{policy}{budget_rows}", var_type="hybrid",
                                 max_hbm_for_vectors=_gib(budget_rows, [DIM]), evict_strategy=policy)
     plain = sok.DynamicVariable(DIM, initializer="uniform", name=f"p{policy}{budget_rows}")
@@ -322,7 +318,7 @@ def test_a_bounded_hybrid_tables_keys_follow_the_cache_model(rng, policy, budget
     written back and dropped, and the table's keys, are those of the plain-Python model (_cache_model
     with a capacity: LRU drops the keys written back longest ago, LFU those of lowest count)."""
     pool = random_keys(rng, 90)
-    batches = [rng.choice(pool, rng.integers(1, 12), p=_zipf(90)) for _ in range(60)]
+    batches = [pool[zipf_ranks(rng, 90, rng.integers(1, 12), 1.1)] for _ in range(60)]
     table = sok.DynamicVariable(DIM, initializer="uniform", name=f"bm{policy}{budget_rows}", var_type="hybrid",
                                 max_hbm_for_vectors=_gib(budget_rows, [DIM]), evict_strategy=policy,
                                 max_capacity=30)
@@ -343,7 +339,7 @@ def test_an_lfu_tables_counts_come_back_from_a_checkpoint(rng, tmp_path, budget_
     restored from it midway goes on as the plain-Python cache model of all the calls says (keys
     missed, taken in, written back, dropped, held), which counts restarted at the restore would not."""
     pool = random_keys(rng, 90)
-    batches = [rng.choice(pool, rng.integers(1, 12), p=_zipf(90)) for _ in range(90)]
+    batches = [pool[zipf_ranks(rng, 90, rng.integers(1, 12), 1.1)] for _ in range(90)]
     kw = dict(initializer="uniform", var_type="hybrid", max_hbm_for_vectors=_gib(budget_rows, [DIM]),
               evict_strategy="lfu", max_capacity=capacity)
     table = sok.DynamicVariable(DIM, name=f"lfuck{budget_rows}{capacity}a", **kw)
@@ -486,7 +482,7 @@ def zipf_fit_data(rng, samples, batch):
     """Keras fit data: `samples` rows of 1-3 keys drawn at Zipf from 200 random keys (a ragged int64
     feature) with random targets, in batches of `batch`; returns (the rows' keys, the dataset)."""
     pool = random_keys(rng, 200)
-    picks = [pool[rng.choice(200, rng.integers(1, 4), p=_zipf(200))].tolist() for _ in range(samples)]
+    picks = [pool[zipf_ranks(rng, 200, rng.integers(1, 4), 1.1)].tolist() for _ in range(samples)]
     y = rng.standard_normal((samples, 1)).astype(np.float32)
     return picks, tf.data.Dataset.from_tensor_slices((tf.ragged.constant(picks, tf.int64), y)).batch(batch)
 
