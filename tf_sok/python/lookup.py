@@ -163,6 +163,42 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
     F = len(ids_list)
     if F == 0:
         return []
+    params_list, comb, names, weights_list = _per_feature(params, combiners, feature_names, sp_weights, F)
+    dtype = tf.as_dtype(dtype)
+    if dtype not in (tf.float32, tf.float16, tf.bfloat16):
+        raise TypeError(f"lookup_sparse: dtype must be float32, float16 or bfloat16, got {dtype.name}")
+    ctx = context_lib.context()
+    if ctx.communicator.outside_replicas():
+        return _outside_replicas(params_list, ids_list, names, as_list, dtype)
+    tables, feature_table = _tables_of(params_list, comb, isinstance(combiners, str), names)
+    if not isinstance(use_low_frequency_filter, bool):
+        raise TypeError(f"lookup_sparse: use_low_frequency_filter must be a bool, got {use_low_frequency_filter!r}")
+    if isinstance(filter_ratio, bool) or not isinstance(filter_ratio, (int, float)) or not 0 <= filter_ratio <= 1:
+        raise ValueError(f"lookup_sparse: filter_ratio must be a number in [0, 1], got {filter_ratio!r}")
+    insert_ratio = float(filter_ratio) if use_low_frequency_filter else 1.0
+    if prune_negative_ids not in (None, True, False):
+        raise TypeError(f"lookup_sparse: prune_negative_ids must be None or a bool, got {prune_negative_ids!r}")
+    if not isinstance(training, bool):
+        raise TypeError(f"lookup_sparse: training must be a bool, got {training!r}")
+
+    with tf.name_scope(name or "sok_lookup_sparse"):
+        metas = [table_meta(t) for t in tables]
+        ids, splits, weights, weighted = _fused_inputs(ids_list, weights_list, names, prune_negative_ids,
+                                                       [metas[t].keyed for t in feature_table])
+        sequence = {f: splits[f] for f in range(F) if comb[f] is None}
+        for f in sequence:   # one output row per id: unit row splits, summed
+            splits[f] = tf.range(tf.size(ids[f], out_type=tf.int64) + 1)
+        comb = ["sum" if c is None else c for c in comb]
+        outs = _lookup(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype,
+                       insert_ratio, training)
+        for f, row_splits in sequence.items():
+            outs[f] = tf.RaggedTensor.from_row_splits(outs[f], row_splits, validate=False)
+    return outs if as_list else outs[0]
+
+
+def _per_feature(params, combiners, feature_names, sp_weights, F: int):
+    """lookup_sparse's per-feature arguments checked and spread to one entry per feature: (tables,
+    combiners, names, weights)."""
     params_list = list(params) if isinstance(params, (list, tuple)) else [params] * F
     if len(params_list) != F:
         raise ValueError(f"lookup_sparse: {len(params_list)} tables for {F} features; give one per feature")
@@ -181,14 +217,12 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
     weights_list = [None] * F if sp_weights is None else [ragged_pair(w) for w in _listify(sp_weights)[0]]
     if len(weights_list) != F:
         raise ValueError(f"lookup_sparse: {len(weights_list)} weights for {F} features")
+    return params_list, comb, names, weights_list
 
-    dtype = tf.as_dtype(dtype)
-    if dtype not in (tf.float32, tf.float16, tf.bfloat16):
-        raise TypeError(f"lookup_sparse: dtype must be float32, float16 or bfloat16, got {dtype.name}")
-    ctx = context_lib.context()
-    if ctx.communicator.outside_replicas():
-        return _outside_replicas(params_list, ids_list, names, as_list, dtype)
 
+def _tables_of(params_list, comb, one_combiner: bool, names):
+    """The distinct tables of the features (in order of first use) and each feature's table; every
+    pooled feature's combiner checked (a sequence feature has None)."""
     tables, table_index, feature_table = [], {}, []
     for f, p in enumerate(params_list):
         meta = table_meta(p)
@@ -200,63 +234,49 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners: Union[str, Sequenc
             table_index[key] = len(tables)
             tables.append(p)
         feature_table.append(table_index[key])
-        if comb[f] is not None or isinstance(combiners, str):
+        if comb[f] is not None or one_combiner:
             check_combiner(comb[f], f"lookup_sparse feature {names[f]!r}")
-    if not isinstance(use_low_frequency_filter, bool):
-        raise TypeError(f"lookup_sparse: use_low_frequency_filter must be a bool, got {use_low_frequency_filter!r}")
-    if isinstance(filter_ratio, bool) or not isinstance(filter_ratio, (int, float)) or not 0 <= filter_ratio <= 1:
-        raise ValueError(f"lookup_sparse: filter_ratio must be a number in [0, 1], got {filter_ratio!r}")
-    insert_ratio = float(filter_ratio) if use_low_frequency_filter else 1.0
-    if prune_negative_ids not in (None, True, False):
-        raise TypeError(f"lookup_sparse: prune_negative_ids must be None or a bool, got {prune_negative_ids!r}")
-    if not isinstance(training, bool):
-        raise TypeError(f"lookup_sparse: training must be a bool, got {training!r}")
+    return tables, feature_table
 
-    with tf.name_scope(name or "sok_lookup_sparse"):
-        ragged, sparse_order = [], {}   # SparseTensor ids: the order their entries take
-        for f, x in enumerate(ids_list):
-            if isinstance(x, tf.SparseTensor):
-                rt, sparse_order[f] = _sparse_to_ragged(x, f"lookup_sparse feature {names[f]}")  # no quotes: graph
-                # assertions print their strings with quotes escaped
-                ragged.append(rt)
-            else:
-                ragged.append(_as_ragged(x, f"lookup_sparse feature {names[f]!r}"))
-        id_dtype = tf.int64 if any(r.dtype == tf.int64 for r in ragged) else tf.int32
-        for f, r in enumerate(ragged):
-            if r.dtype not in (tf.int32, tf.int64):
-                raise TypeError(f"lookup_sparse feature {names[f]!r}: ids must be int32 or int64, got {r.dtype.name}")
-        ids = [tf.cast(r.values, id_dtype) for r in ragged]
-        splits = [tf.cast(r.row_splits, tf.int64) for r in ragged]
-        weights, weighted = [], []
-        for f, w in enumerate(weights_list):
-            if w is None:
-                weights.append(tf.zeros([0], tf.float32))
-                weighted.append(False)
-            else:
-                if isinstance(w, tf.SparseTensor) and isinstance(ids_list[f], tf.SparseTensor):
-                    weights.append(_sparse_weights(ids_list[f], w, sparse_order[f], names[f]))
-                    weighted.append(True)
-                    continue
-                wr = _as_ragged(w, f"lookup_sparse weights of feature {names[f]!r}")
-                with tf.control_dependencies([_same_rows(ragged[f].row_splits, wr.row_splits, names[f])]):
-                    weights.append(tf.cast(tf.identity(wr.values), tf.float32))
-                weighted.append(True)
-        metas = [table_meta(t) for t in tables]
-        for f, x in enumerate(ids_list):
-            dense = not isinstance(x, (tf.RaggedTensor, tf.SparseTensor))
-            if prune_negative_ids or (prune_negative_ids is None and dense and not metas[feature_table[f]].keyed):
-                ids[f], splits[f], weights[f] = _pruned(ids[f], splits[f], weights[f] if weighted[f] else None)
-                if not weighted[f]:
-                    weights[f] = tf.zeros([0], tf.float32)
-        sequence = {f: splits[f] for f in range(F) if comb[f] is None}
-        for f in sequence:   # one output row per id: unit row splits, summed
-            splits[f] = tf.range(tf.size(ids[f], out_type=tf.int64) + 1)
-        comb = ["sum" if c is None else c for c in comb]
-        outs = _lookup(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype,
-                       insert_ratio, training)
-        for f, row_splits in sequence.items():
-            outs[f] = tf.RaggedTensor.from_row_splits(outs[f], row_splits, validate=False)
-    return outs if as_list else outs[0]
+
+def _fused_inputs(ids_list, weights_list, names, prune_negative_ids, keyed):
+    """The fused lookup's inputs per feature: ids (one integer type for all), row splits, weights
+    (float32; empty when unweighted) and whether weighted; negative ids pruned where asked (by default
+    dense ids of static tables: keyed[f] False)."""
+    ragged, sparse_order = [], {}   # SparseTensor ids: the order their entries take
+    for f, x in enumerate(ids_list):
+        if isinstance(x, tf.SparseTensor):
+            rt, sparse_order[f] = _sparse_to_ragged(x, f"lookup_sparse feature {names[f]}")  # no quotes: graph
+            # assertions print their strings with quotes escaped
+            ragged.append(rt)
+        else:
+            ragged.append(_as_ragged(x, f"lookup_sparse feature {names[f]!r}"))
+    id_dtype = tf.int64 if any(r.dtype == tf.int64 for r in ragged) else tf.int32
+    for f, r in enumerate(ragged):
+        if r.dtype not in (tf.int32, tf.int64):
+            raise TypeError(f"lookup_sparse feature {names[f]!r}: ids must be int32 or int64, got {r.dtype.name}")
+    ids = [tf.cast(r.values, id_dtype) for r in ragged]
+    splits = [tf.cast(r.row_splits, tf.int64) for r in ragged]
+    weights, weighted = [], []
+    for f, w in enumerate(weights_list):
+        if w is None:
+            weights.append(tf.zeros([0], tf.float32))
+            weighted.append(False)
+        elif isinstance(w, tf.SparseTensor) and isinstance(ids_list[f], tf.SparseTensor):
+            weights.append(_sparse_weights(ids_list[f], w, sparse_order[f], names[f]))
+            weighted.append(True)
+        else:
+            wr = _as_ragged(w, f"lookup_sparse weights of feature {names[f]!r}")
+            with tf.control_dependencies([_same_rows(ragged[f].row_splits, wr.row_splits, names[f])]):
+                weights.append(tf.cast(tf.identity(wr.values), tf.float32))
+            weighted.append(True)
+    for f, x in enumerate(ids_list):
+        dense = not isinstance(x, (tf.RaggedTensor, tf.SparseTensor))
+        if prune_negative_ids or (prune_negative_ids is None and dense and not keyed[f]):
+            ids[f], splits[f], weights[f] = _pruned(ids[f], splits[f], weights[f] if weighted[f] else None)
+            if not weighted[f]:
+                weights[f] = tf.zeros([0], tf.float32)
+    return ids, splits, weights, weighted
 
 
 def _pruned(ids, splits, weights):
