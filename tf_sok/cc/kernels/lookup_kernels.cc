@@ -352,12 +352,15 @@ class FusedLookupGradOp : public tf::OpKernel {
                                  ", value ", e.value, ")")));
     std::vector<int64_t*> indices(T, nullptr);
     std::vector<float*> values(T, nullptr);
+    tf::OpOutputList index_outputs, value_outputs;   // (the op's "indices" and "values", table by table)
+    TF_SOK_REQUIRES_OK(ctx, ctx->output_list("indices", &index_outputs));
+    TF_SOK_REQUIRES_OK(ctx, ctx->output_list("values", &value_outputs));
     for (int t = 0; t < T; ++t) {
       tf::Tensor* idx = nullptr;
       tf::Tensor* val = nullptr;
       const int64_t u = plan.rows_out[t];
-      TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(t, tf::TensorShape({u}), &idx));
-      TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(T + t, tf::TensorShape({u, attrs_.dims[t]}), &val));
+      TF_SOK_REQUIRES_OK(ctx, index_outputs.allocate(t, tf::TensorShape({u}), &idx));
+      TF_SOK_REQUIRES_OK(ctx, value_outputs.allocate(t, tf::TensorShape({u, attrs_.dims[t]}), &val));
       indices[t] = idx->flat<int64_t>().data();
       values[t] = val->flat<float>().data();
     }
