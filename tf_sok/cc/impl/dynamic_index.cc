@@ -160,86 +160,117 @@ std::string DynamicIndex::Run(const int64_t* keys, int64_t n, bool insert, int64
   // rows touched at or after `floor` are not evicted: the call's own and, for a prefetch, those of
   // every call since the last prefetch (steps whose updates may still be under way)
   const int64_t floor = prefetch ? std::min(last_prefetch_, call) : call;
-  // 1. found keys (their distinct rows) and distinct missing keys, in order of first sight
-  std::vector<int64_t> found_rows, missing;
+  CallKeys k;   // 1. found keys (their distinct rows) and distinct missing keys
+  SortOutKeys(keys, n, slots, call, &k, ch);
+  std::vector<uint8_t> admit;   // 2. admission
+  int64_t admitted = 0;
+  std::string error = Admit(k.missing, admit_all, insert_ratio, held, prefetch, &admit, &admitted);
+  if (!error.empty()) return error;
+  std::vector<int64_t> victims;   // 3. room
+  error = MakeRoom(static_cast<int64_t>(k.found_rows.size()), admitted, floor, &victims);
+  if (!error.empty()) return error;
+  if (prefetch) FitPrefetch(call, &admit, &admitted, &victims);
+  Commit(keys, n, slots, k, admit, victims, call, prefetch, ch);   // 4. commit
+  ch->rows = rows_;
+  TrimLruOrder();
+  return "";
+}
+
+namespace {
+constexpr int64_t kRowsAhead = 16;   // rows whose marks are fetched ahead
+}  // namespace
+
+void DynamicIndex::SortOutKeys(const int64_t* keys, int64_t n, const int64_t* slots, int64_t call, CallKeys* k,
+                               FindChanges* ch) {
   const int64_t missing_positions = std::count_if(slots, slots + n, [](int64_t s) { return s < 0; });
-  KeyMap missing_index(std::max<int64_t>(missing_positions, 8));
-  constexpr int64_t kAhead = 16;   // rows whose marks are fetched ahead
+  k->missing_index = KeyMap(std::max<int64_t>(missing_positions, 8));
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n && slots[i + kAhead] >= 0) __builtin_prefetch(&touched_[slots[i + kAhead]]);
+    if (i + kRowsAhead < n && slots[i + kRowsAhead] >= 0) __builtin_prefetch(&touched_[slots[i + kRowsAhead]]);
     const int64_t s = slots[i];
     if (s >= 0) {
       if (touched_[s] != call) {
         touched_[s] = call;
-        found_rows.push_back(s);
+        k->found_rows.push_back(s);
       }
-    } else if (++ch->missing_positions, missing_index.Get(keys[i], -1) < 0) {
-      missing_index.Put(keys[i], static_cast<int64_t>(missing.size()));
-      missing.push_back(keys[i]);
+    } else if (++ch->missing_positions, k->missing_index.Get(keys[i], -1) < 0) {
+      k->missing_index.Put(keys[i], static_cast<int64_t>(k->missing.size()));
+      k->missing.push_back(keys[i]);
     }
   }
-  // 2. admission (nothing written yet)
-  std::vector<uint8_t> admit(missing.size(), 1);
-  int64_t admitted = static_cast<int64_t>(missing.size());
-  if ((config_.min_frequency > 1 || insert_ratio < 1.0f) && !admit_all) {
-    std::vector<uint8_t> in_tier(missing.size(), 0);
-    if (held && insert_ratio < 1.0f && !missing.empty()) {
-      const std::string error = held(missing.data(), static_cast<int64_t>(missing.size()), in_tier.data());
-      if (!error.empty()) return error;
-    }
-    admitted = 0;
-    for (size_t j = 0; j < missing.size(); ++j) {   // (a prefetch: the keys the tier holds, no others)
-      admit[j] = in_tier[j] ||
-                 (!prefetch &&
-                  (config_.min_frequency <= 1 || candidates_.Get(missing[j], 0) + 1 >= config_.min_frequency) &&
-                  KeepNewKey(missing[j], clock_ + 1, insert_ratio));
-      admitted += admit[j];
-    }
+}
+
+std::string DynamicIndex::Admit(const std::vector<int64_t>& missing, bool admit_all, float insert_ratio,
+                                const HeldKeys& held, bool prefetch, std::vector<uint8_t>* admit,
+                                int64_t* admitted) {
+  admit->assign(missing.size(), 1);
+  *admitted = static_cast<int64_t>(missing.size());
+  if ((config_.min_frequency <= 1 && insert_ratio >= 1.0f) || admit_all) return "";
+  std::vector<uint8_t> in_tier(missing.size(), 0);
+  if (held && insert_ratio < 1.0f && !missing.empty()) {
+    const std::string error = held(missing.data(), static_cast<int64_t>(missing.size()), in_tier.data());
+    if (!error.empty()) return error;
   }
-  // 3. room: evict the lowest-scored rows this call did not touch (score, then key, ascending)
-  if (config_.cache && config_.table_max_keys > 0 &&
-      static_cast<int64_t>(found_rows.size()) + admitted > config_.table_max_keys) {
-    return "cannot hold this batch's keys: it uses " + std::to_string(found_rows.size() + admitted) +
+  *admitted = 0;
+  for (size_t j = 0; j < missing.size(); ++j) {   // (a prefetch: the keys the tier holds, no others)
+    (*admit)[j] = in_tier[j] ||
+                  (!prefetch &&
+                   (config_.min_frequency <= 1 || candidates_.Get(missing[j], 0) + 1 >= config_.min_frequency) &&
+                   KeepNewKey(missing[j], clock_ + 1, insert_ratio));
+    *admitted += (*admit)[j];
+  }
+  return "";
+}
+
+// evicts the lowest-scored rows this call did not touch (score, then key, ascending)
+std::string DynamicIndex::MakeRoom(int64_t found, int64_t admitted, int64_t floor, std::vector<int64_t>* victims) {
+  if (config_.cache && config_.table_max_keys > 0 && found + admitted > config_.table_max_keys) {
+    return "cannot hold this batch's keys: it uses " + std::to_string(found + admitted) +
            " distinct keys and max_capacity is " + std::to_string(config_.table_max_keys);
   }
-  std::vector<int64_t> victims;
-  if (config_.bounded() && live_ + admitted > config_.max_keys) {
-    int64_t need = live_ + admitted - config_.max_keys;
-    if (config_.evict == Evict::kNone) {
-      return "is full: " + std::to_string(live_) + " of max_capacity " + std::to_string(config_.max_keys) +
-             " keys held and this batch brings " + std::to_string(admitted) +
-             " new ones; give evict_strategy (\"lru\" or \"lfu\") or a larger max_capacity";
-    }
-    const int64_t available = Victims(floor, need, &victims);
-    if (config_.cache) need = std::min(need, available);
-    if (available < need) {
-      return "cannot hold this batch's keys: it uses " + std::to_string(found_rows.size() + admitted) +
-             " distinct keys and max_capacity is " + std::to_string(config_.max_keys);
-    }
-    victims.resize(need);
+  if (!config_.bounded() || live_ + admitted <= config_.max_keys) return "";
+  int64_t need = live_ + admitted - config_.max_keys;
+  if (config_.evict == Evict::kNone) {
+    return "is full: " + std::to_string(live_) + " of max_capacity " + std::to_string(config_.max_keys) +
+           " keys held and this batch brings " + std::to_string(admitted) +
+           " new ones; give evict_strategy (\"lru\" or \"lfu\") or a larger max_capacity";
   }
-  if (prefetch) {   // no growth (the arrays are in use): only the keys that fit in the rows as they are
-    const int64_t unused = static_cast<int64_t>(free_.size()) + rows_ - next_free_;
-    const int64_t fit = std::max<int64_t>(0, std::min(admitted, static_cast<int64_t>(victims.size()) +
-                                                                   std::min(config_.max_keys - live_, unused)));
-    for (size_t j = 0, kept = 0; j < missing.size(); ++j) {
-      if (!admit[j]) continue;
-      if (static_cast<int64_t>(kept) < fit) {
-        ++kept;
-      } else {
-        admit[j] = 0;
-      }
-    }
-    admitted = fit;
-    victims.resize(std::min<int64_t>(victims.size(), std::max<int64_t>(0, live_ + fit - config_.max_keys)));
-    last_prefetch_ = call;
+  const int64_t available = Victims(floor, need, victims);
+  if (config_.cache) need = std::min(need, available);
+  if (available < need) {
+    return "cannot hold this batch's keys: it uses " + std::to_string(found + admitted) +
+           " distinct keys and max_capacity is " + std::to_string(config_.max_keys);
   }
-  // 4. commit
+  victims->resize(need);
+  return "";
+}
+
+void DynamicIndex::FitPrefetch(int64_t call, std::vector<uint8_t>* admit, int64_t* admitted,
+                               std::vector<int64_t>* victims) {
+  const int64_t unused = static_cast<int64_t>(free_.size()) + rows_ - next_free_;
+  const int64_t fit = std::max<int64_t>(0, std::min(*admitted, static_cast<int64_t>(victims->size()) +
+                                                                  std::min(config_.max_keys - live_, unused)));
+  int64_t kept = 0;
+  for (uint8_t& a : *admit) {
+    if (!a) continue;
+    if (kept < fit) {
+      ++kept;
+    } else {
+      a = 0;
+    }
+  }
+  *admitted = fit;
+  victims->resize(std::min<int64_t>(victims->size(), std::max<int64_t>(0, live_ + fit - config_.max_keys)));
+  last_prefetch_ = call;
+}
+
+void DynamicIndex::Commit(const int64_t* keys, int64_t n, int64_t* slots, const CallKeys& k,
+                          const std::vector<uint8_t>& admit, const std::vector<int64_t>& victims, int64_t call,
+                          bool prefetch, FindChanges* ch) {
   if (!prefetch) ++clock_;
-  const int64_t found = prefetch ? 0 : static_cast<int64_t>(found_rows.size());   // (a prefetch scores nothing)
+  const int64_t found = prefetch ? 0 : static_cast<int64_t>(k.found_rows.size());   // (a prefetch scores nothing)
   for (int64_t j = 0; j < found; ++j) {
-    if (j + kAhead < found) __builtin_prefetch(&score_[found_rows[j + kAhead]], 1);
-    const int64_t s = found_rows[j];
+    if (j + kRowsAhead < found) __builtin_prefetch(&score_[k.found_rows[j + kRowsAhead]], 1);
+    const int64_t s = k.found_rows[j];
     score_[s] = config_.evict == Evict::kLfu ? score_[s] + 1 : clock_;
     if (lru_in_order_) lru_.emplace_back(clock_, s);
   }
@@ -255,9 +286,9 @@ std::string DynamicIndex::Run(const int64_t* keys, int64_t n, bool insert, int64
     --live_;
     free_.push_back(s);
   }
-  std::vector<int64_t> slot_of_missing(missing.size(), 0);  // not admitted: row 0, which reads zeros
-  for (size_t j = 0; j < missing.size(); ++j) {
-    const int64_t key = missing[j];
+  std::vector<int64_t> slot_of_missing(k.missing.size(), 0);  // not admitted: row 0, which reads zeros
+  for (size_t j = 0; j < k.missing.size(); ++j) {
+    const int64_t key = k.missing[j];
     if (!admit[j]) {
       if (config_.min_frequency > 1 && !prefetch) candidates_.Put(key, candidates_.Get(key, 0) + 1);
       continue;
@@ -285,10 +316,7 @@ std::string DynamicIndex::Run(const int64_t* keys, int64_t n, bool insert, int64
     ch->new_keys.push_back(key);
   }
   for (int64_t i = 0; i < n; ++i)
-    if (slots[i] < 0) slots[i] = slot_of_missing[missing_index.Get(keys[i], 0)];
-  ch->rows = rows_;
-  TrimLruOrder();
-  return "";
+    if (slots[i] < 0) slots[i] = slot_of_missing[k.missing_index.Get(keys[i], 0)];
 }
 
 bool DynamicIndex::LruEntryLive(const std::pair<int64_t, int64_t>& e) const {

@@ -176,6 +176,24 @@ class DynamicIndex {
  private:
   std::string Run(const int64_t* keys, int64_t n, bool insert, int64_t* slots, FindChanges* changes, bool admit_all,
                   float insert_ratio, const HeldKeys& held, const ParallelFor* parallel_for, bool prefetch);
+  // Run's stages. A call's keys: the distinct rows it found (marked touched by `call`) and its
+  // distinct missing keys in order of first sight, with each one's place there.
+  struct CallKeys {
+    std::vector<int64_t> found_rows, missing;
+    KeyMap missing_index{8};
+  };
+  void SortOutKeys(const int64_t* keys, int64_t n, const int64_t* slots, int64_t call, CallKeys* k,
+                   FindChanges* changes);
+  // Which missing keys are admitted (admit[j]; their count) -- nothing written yet.
+  std::string Admit(const std::vector<int64_t>& missing, bool admit_all, float insert_ratio, const HeldKeys& held,
+                    bool prefetch, std::vector<uint8_t>* admit, int64_t* admitted);
+  // The rows to evict for `admitted` new keys beside `found` ones (untouched since `floor`).
+  std::string MakeRoom(int64_t found, int64_t admitted, int64_t floor, std::vector<int64_t>* victims);
+  // A prefetch takes only the keys that fit in the rows as they are (the arrays are in use).
+  void FitPrefetch(int64_t call, std::vector<uint8_t>* admit, int64_t* admitted, std::vector<int64_t>* victims);
+  // The commit: found rows scored, victims out, admitted keys in; every position's slot.
+  void Commit(const int64_t* keys, int64_t n, int64_t* slots, const CallKeys& k, const std::vector<uint8_t>& admit,
+              const std::vector<int64_t>& victims, int64_t call, bool prefetch, FindChanges* changes);
   void EnsureRows(int64_t needed);
   // Rows to evict for `need` keys: the live rows untouched since call `floor` of lowest (score, key), in
   // that order, into victims (fewer when fewer are untouched); returns how many untouched rows there
