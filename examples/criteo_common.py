@@ -58,7 +58,12 @@ def parse_args(description, argv=None, dim=16, batch_size=2048, steps_per_execut
                    help="with --host-tier-gib: each step prefetches the next batch's ids into the caches "
                         "(sok.keras.loop_on_host(model, prefetch=...); needs --steps-per-execution > 1)")
     p.add_argument("--verbose", type=int, default=2)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seeds Python, NumPy and TensorFlow (keras.utils.set_random_seed): a run repeated as it "
+                        "was (the synthetic data has seeds of its own)")
     a = p.parse_args(argv)
+    if a.seed is not None:
+        keras.utils.set_random_seed(a.seed)
     if not 0 < a.holdout < 1:
         p.error(f"--holdout must be in (0, 1), got {a.holdout}")
     if a.pool_rows is not None and a.pool_rows < 1:

@@ -29,15 +29,18 @@ def held_out_auc(stdout):
 
 @pytest.mark.parametrize("example", ["dlrm", "deepfm"])
 @pytest.mark.parametrize("data", ["synthetic", "sample"])
-def test_example_runs_and_learns(tmp_path, example, data):
-    args = ["--steps", "40", "--batch-size", "256", "--max-vocab", "20000", "--out", str(tmp_path), "--verbose", "0"]
+def test_example_runs_and_learns(tmp_path, rng, example, data):
+    # synthetic data: 80 steps, of which 60 train (3 epochs of 20, whole executions of
+    # steps_per_execution=10) -- at 40 the held-out AUC of a rare initialization stayed near 0.52;
+    # the sample's 4,000 lines are 16 batches: every 10th is held out, the others train all 30 steps
+    steps, trained = (80, 60) if data == "synthetic" else (40, 30)
+    args = ["--steps", str(steps), "--batch-size", "256", "--max-vocab", "20000", "--out", str(tmp_path),
+            "--verbose", "0", "--seed", str(int(rng.integers(0, 2**31)))]
     if data == "sample":
         args += ["--data", SAMPLE, "--format", "tsv"]
     out = run([os.path.join(ROOT, "examples", f"{example}.py"), *args])
     assert held_out_auc(out) > 0.6, out
-    # the sample's 4,000 lines are 16 batches: every 10th is held out, the others train all 30 steps
-    # (3 epochs of 10, whole executions of steps_per_execution=10)
-    assert ": 30 steps in" in out, out
+    assert f": {trained} steps in" in out, out
     assert os.path.getsize(tmp_path / "training.png") > 10_000
     assert os.listdir(tmp_path / "tensorboard")
 
