@@ -357,15 +357,15 @@ def splits_ok(splits, ids):
 def row_id_checks(metas, feature_table, ids, names):
     """For the features of static tables held by a key index (a host tier), whose ids are rows in
     [0, rows) (the finds would insert others as keys): (their positions, ids in range [k] bool, an
-    offending id [k] int64, message(i, bad): the i-th one's error text), by one reduction over all of
-    them; None when there are none."""
+    offending id [k] int64, message(i, bad): the i-th one's error text), by a min and a max reduction
+    per feature (on the ids' device: TensorFlow's segment reductions of int64 run on the host); None
+    when there are none."""
     feats = [f for f in range(len(ids)) if metas[feature_table[f]].row_ids]
     if not feats:
         return None
-    values = tf.concat([tf.cast(ids[f], tf.int64) for f in feats], 0)
-    segment = tf.repeat(tf.range(len(feats)), tf.stack([tf.size(ids[f]) for f in feats]))
-    lo = tf.math.unsorted_segment_min(values, segment, len(feats))   # a feature without ids: int64 max
-    hi = tf.math.unsorted_segment_max(values, segment, len(feats))   # and int64 min: in range
+    values = [tf.cast(ids[f], tf.int64) for f in feats]
+    lo = tf.stack([tf.reduce_min(v) for v in values])   # a feature without ids: int64 max
+    hi = tf.stack([tf.reduce_max(v) for v in values])   # and int64 min: in range
     rows = tf.constant([metas[feature_table[f]].rows for f in feats], tf.int64)
 
     def message(i, bad):
