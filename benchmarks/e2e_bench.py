@@ -207,6 +207,13 @@ def fit_rate(model, ds, a, spe: int, busy=None) -> float:
     return rate.rate()
 
 
+def tier_budget(share, schema, dim, opt):
+    """The -tier runs' table arguments: every table's device budget (max_hbm_for_vectors, GiB) is this
+    share of the largest table's rows and their optimizer state."""
+    widths = dim + sum(dim if not s.per_row else 1 for s in opt.sparse.slot_specs())
+    return dict(max_hbm_for_vectors=share * max(schema.vocab_sizes) * widths * 4 / 2**30)
+
+
 def fit_sources(a, schema, cfg, files: str, steps: int) -> dict:
     """The fit's batches as the examples feed them (int32 ids as the tables are capped, prefetched to
     the GPU): "cached" (4 synthetic batches repeated), live "synthetic" (the pool) and live "Parquet"
@@ -259,10 +266,7 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
     jit = "xla" in options  # the dense part compiled by XLA
     opt = default_optimizer() if base == "DLRM" else dcnv2.optimizer(0.005)()
     dim = a.dim if base == "DLRM" else a.dcnv2_dim
-    tier = {}
-    if "tier" in options:   # every table's device budget: a share of the largest table's rows and state
-        widths = dim + sum(dim if not s.per_row else 1 for s in opt.sparse.slot_specs())
-        tier = dict(max_hbm_for_vectors=a.tier_share * max(schema.vocab_sizes) * widths * 4 / 2**30)
+    tier = tier_budget(a.tier_share, schema, dim, opt) if "tier" in options else {}
     if base == "DLRM":
         if "tf" in options:   # the same model without tf_sok: TensorFlow's own tables
             import tf_dlrm

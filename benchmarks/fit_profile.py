@@ -10,7 +10,7 @@ without tf_sok. The batches are fed as `e2e_bench.py` feeds fit (int32 ids, pref
 first, read by `--reader-workers` processes).
 
     python benchmarks/fit_profile.py [--model dlrm|dcnv2] [--mixed bf16] [--jit-dense] [--batch 65536] [--spe 10]
-        [--executions 3] [--source cached|synthetic|parquet] [--files 16] [--reader-workers 8] [--no-twin]
+        [--executions 3] [--tier-share 0.1] [--source cached|synthetic|parquet] [--files 16] [--reader-workers 8] [--no-twin]
         [--keep-trace FILE.xplane.pb.gz] [--warmup-steps 200]
     python benchmarks/fit_profile.py --from-trace FILE.xplane.pb.gz --executions 2 [--spe 10]
 """
@@ -29,9 +29,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import tf_sok as sok  # noqa: E402
 import tf_sok.data as sd  # noqa: E402
-from e2e_bench import fit_sources  # noqa: E402
+from e2e_bench import fit_sources, tier_budget  # noqa: E402
 
 OURS = ("TfSok", "tf_sok", "impl::gpu")   # kernel / op names of tf_sok
+
+
+def short(name: str, width: int = 110) -> str:
+    """An event's name cut to `width`, keeping its end (a nested op's own name) where it is longer."""
+    return name if len(name) <= width else name[:30] + " ... " + name[-(width - 35):]
 
 
 def merge(spans):
@@ -69,7 +74,7 @@ def host_threads(space, steps, top: int = 8):
                 counts[names.get(ev.metadata_id, "?")] += 1
     print("  host events on TensorFlow's threads (ms per step, count per step; nested events overlap):")
     for name, ps in ops.most_common(2 * top):
-        print(f"    {ps / 1e9 / steps:7.3f} ms {counts[name] / steps:6.1f}x  {name[:100]}")
+        print(f"    {ps / 1e9 / steps:7.3f} ms {counts[name] / steps:6.1f}x  {short(name)}")
 
 
 def op_namer(plane):
@@ -113,7 +118,7 @@ def idle_gaps(plane, steps, top: int = 10, least_us: float = 100.0):
     print(f"  GPU idle in gaps of {least_us:.0f} us or more: {sum(gap_ps.values()) / 1e9 / steps:.2f} ms per step; "
           f"the work that ended them (ms per step, gaps per step):")
     for name, ps in gap_ps.most_common(top):
-        print(f"    {ps / 1e9 / steps:7.3f} ms {count[name] / steps:5.1f}x  {name[:100]}")
+        print(f"    {ps / 1e9 / steps:7.3f} ms {count[name] / steps:5.1f}x  {short(name)}")
     return gap_ps
 
 
@@ -173,7 +178,7 @@ def summarize(space, steps, wall_s):
     print(f"  kernel time per step: tf_sok {ours / 1e9 / steps:.2f} ms, "
           f"others {(sum(total.values()) - ours) / 1e9 / steps:.2f} ms; the largest:")
     for name, ps in total.most_common(12):
-        print(f"    {ps / 1e9 / steps:7.3f} ms  {name[:110]}")
+        print(f"    {ps / 1e9 / steps:7.3f} ms  {short(name)}")
     host_threads(space, steps)
 
 
@@ -250,6 +255,9 @@ def main():
     p.add_argument("--max-vocab", type=int, default=10_000_000 if gpu else 100_000)
     p.add_argument("--spe", type=int, default=10)
     p.add_argument("--executions", type=int, default=3)
+    p.add_argument("--tier-share", type=float, default=None,
+                   help="every table with a host tier, its device budget this share of the largest table's rows "
+                        "and state (as e2e_bench.py's -tier runs)")
     p.add_argument("--jit-dense", action="store_true", help="the dense part compiled by XLA")
     p.add_argument("--source", choices=["cached", "synthetic", "parquet"], default="cached")
     p.add_argument("--files", type=int, default=16, help="--source parquet: files of 2 batches written first")
@@ -277,11 +285,12 @@ def main():
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
     sok.init()
     schema = sd.CriteoSchema.capped(a.max_vocab)
+    opt = default_optimizer() if a.model == "dlrm" else dcnv2.optimizer(0.005)()
+    tier = tier_budget(a.tier_share, schema, a.dim, opt) if a.tier_share else {}
     if a.model == "dlrm":
-        model, opt, cfg = dlrm.DLRM(schema, a.dim, jit_dense=a.jit_dense), default_optimizer(), sd.SyntheticConfig
+        model, cfg = dlrm.DLRM(schema, a.dim, jit_dense=a.jit_dense, **tier), sd.SyntheticConfig
     else:
-        model, opt, cfg = dcnv2.DCNv2(schema, a.dim, jit_dense=a.jit_dense), dcnv2.optimizer(0.005)(), \
-            sd.SyntheticConfig.dcnv2
+        model, cfg = dcnv2.DCNv2(schema, a.dim, jit_dense=a.jit_dense, **tier), sd.SyntheticConfig.dcnv2
     model.compile(optimizer=opt, loss="binary_crossentropy", steps_per_execution=a.spe)
     if not a.keras_loop:   # as the examples run fit
         sok.keras.loop_on_host(model)
@@ -294,7 +303,8 @@ def main():
         {"cached": "cached", "synthetic": "synthetic", "parquet": "Parquet"}[a.source]]
     print(f"fit_profile: {a.model}, 26 tables of dim {a.dim} (at most {a.max_vocab:,} rows), batch {a.batch}, "
           f"steps_per_execution {a.spe}, {a.executions} executions profiled, policy {a.mixed}"
-          f"{', dense part compiled by XLA' if a.jit_dense else ''}, {a.source} batches")
+          f"{', dense part compiled by XLA' if a.jit_dense else ''}, {a.source} batches"
+          + (f", host tiers with caches of {tier['max_hbm_for_vectors']:.3f} GiB" if tier else ""))
     print("1. the whole model")
     if a.warmup_steps is not None and (a.warmup_steps <= 0 or a.warmup_steps % a.spe):
         raise SystemExit(f"--warmup-steps: a positive multiple of --spe {a.spe}, got {a.warmup_steps}")
