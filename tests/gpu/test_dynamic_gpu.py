@@ -83,6 +83,27 @@ def test_eviction_matches_the_python_model_on_the_gpu(rng, policy):
     assert set(held(table)) == want_keys
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_few_victims_among_many_rows_match_the_python_model_on_the_gpu(rng, policy):
+    """A table of 100K keys filled over calls of 20K Zipf-drawn ids (scores spread over calls), then
+    calls that each evict a few thousand of its ~90K untouched rows: the evicted keys, every call, are
+    the model's, as are the keys held at the end."""
+    pool = random_keys(rng, 160_000)
+    weights = 1.0 / np.arange(1, len(pool) + 1) ** 0.6
+    batches = [rng.choice(pool, 20_000, p=weights / weights.sum()) for _ in range(20)]
+    max_keys = 100_000
+    with tf.device("/GPU:0"):
+        table = sok.DynamicVariable(2, initializer="zeros", max_capacity=max_keys, evict_strategy=policy,
+                                    init_capacity=1024, name="many_rows")
+    want_keys, want_evicted = _reference_model(max_keys, policy, batches)
+    assert sum(0 < len(w) < 25_000 for w in want_evicted) >= 4
+    for i, (b, want) in enumerate(zip(batches, want_evicted)):
+        with tf.device("/GPU:0"):
+            _, ev_keys, _ = sok.sparse_read_and_evict(table, tf.constant(b))
+        assert sorted(ev_keys.numpy().tolist()) == want, f"call {i}"
+    assert set(held(table)) == want_keys
+
+
 @pytest.mark.parametrize("case", ["adam_lru_admission", "adagrad_lfu"])
 def test_training_on_the_gpu_equals_the_cpu(rng, case):
     keys = random_keys(rng, 5000)

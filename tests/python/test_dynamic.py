@@ -105,7 +105,7 @@ def _reference_model(max_keys, policy, batches):
     for batch in batches:
         clock += 1
         distinct = list(dict.fromkeys(batch.tolist()))
-        found = [k for k in distinct if k in score]
+        found = {k for k in distinct if k in score}
         new = [k for k in distinct if k not in score]
         for k in found:
             score[k] = score[k] + 1 if policy == "lfu" else clock
