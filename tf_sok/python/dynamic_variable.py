@@ -310,7 +310,8 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         if keys.dtype not in (tf.int32, tf.int64):
             raise TypeError(f"sok.DynamicVariable {self.table.name!r}: keys must be int32 or int64, got "
                             f"{keys.dtype.name}")
-        return tf.reshape(tf.cast(keys, tf.int64), [-1])
+        keys = tf.cast(keys, tf.int64)
+        return keys if keys.shape.rank == 1 else tf.reshape(keys, [-1])
 
     def rows_for(self, keys, insert: bool = True, with_evicted: bool = False, admit_all: bool = False,
                  insert_ratio: float = 1.0):

@@ -376,8 +376,9 @@ def row_id_checks(metas, feature_table, ids, names):
 
 
 def _checked_ids(metas, feature_table, ids, splits, names):
-    """Every feature's ids as int64, those of dynamic tables only once their row splits (and a static
-    table's rows behind a host tier, their range) passed one check for all features."""
+    """(every feature's ids as int64, the check of all features' row splits and of the ids of static
+    tables behind a host tier: their range), the check one op, which the dynamic tables' finds and
+    reads are to wait for."""
     ids = [tf.cast(v, tf.int64) for v in ids]
     # the finds insert keys: a malformed feature must fail before them, not in the lookup after. One
     # check for all features (on a GPU, a check is a wait for the device)
@@ -396,9 +397,7 @@ def _checked_ids(metas, feature_table, ids, splits, names):
                         for i in range(len(ranged[0]))]
         with tf.control_dependencies(asserts):
             return tf.constant(False)
-    check = tf.cond(ok, lambda: tf.constant(True), fail)
-    with tf.control_dependencies([check]):
-        return [tf.identity(v) if f in dynamic else v for f, v in enumerate(ids)]
+    return ids, tf.cond(ok, lambda: tf.constant(True), fail)
 
 
 def _keys_of_tables(metas, feature_table, ids):
@@ -412,11 +411,12 @@ def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio
     """The ids of features on dynamic tables replaced by the rows holding them (missing keys
     inserted): one find per table over all its features' ids, so that keys of one feature never
     evict those of another in the same step. Every feature's ids become int64."""
-    ids = _checked_ids(metas, feature_table, ids, splits, names)
+    ids, check = _checked_ids(metas, feature_table, ids, splits, names)
     from tf_sok.python.dynamic_variable import rows_for_tables
 
     dyn, features, keys = _keys_of_tables(metas, feature_table, ids)
-    rows = rows_for_tables([backing_variable(tables[t]) for t in dyn], keys, insert_ratio)
+    with tf.control_dependencies([check]):
+        rows = rows_for_tables([backing_variable(tables[t]) for t in dyn], keys, insert_ratio)
     for fs, r in zip(features, rows):
         parts = tf.split(r, [tf.size(ids[f]) for f in fs]) if len(fs) > 1 else [r]
         for f, part in zip(fs, parts):
@@ -430,9 +430,10 @@ def _read_pooled(tables, metas, feature_table, ids, splits, weights, combiners, 
     one vector per id, pooled by the fused combine."""
     from tf_sok.python.dynamic_variable import read_tables
 
-    ids = _checked_ids(metas, feature_table, ids, splits, names)
+    ids, check = _checked_ids(metas, feature_table, ids, splits, names)
     dyn, features, keys = _keys_of_tables(metas, feature_table, ids)   # (every table here is dynamic)
-    values = read_tables([backing_variable(tables[t]) for t in dyn], keys)
+    with tf.control_dependencies([check]):
+        values = read_tables([backing_variable(tables[t]) for t in dyn], keys)
     positions = [None] * len(ids)   # each id's vector: its place in its table's read
     for fs in features:
         start = tf.constant(0, tf.int64)
