@@ -376,9 +376,8 @@ def row_id_checks(metas, feature_table, ids, names):
 
 
 def _checked_ids(metas, feature_table, ids, splits, names):
-    """(every feature's ids as int64, the check of all features' row splits and of the ids of static
-    tables behind a host tier: their range), the check one op, which the dynamic tables' finds and
-    reads are to wait for."""
+    """(every feature's ids as int64, one op checking every dynamic feature's row splits and the range
+    of the ids of static tables behind a host tier): the dynamic tables' finds and reads wait for it."""
     ids = [tf.cast(v, tf.int64) for v in ids]
     # the finds insert keys: a malformed feature must fail before them, not in the lookup after. One
     # check for all features (on a GPU, a check is a wait for the device)
