@@ -307,9 +307,11 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
         lookups, misses = sum(s["lookups"] for s in stats), sum(s["misses"] for s in stats)
         moved = sum(s["bytes_to_device"] + s["bytes_to_host"] for s in stats)
         row["tier"] = {"budget_gib": tier["max_hbm_for_vectors"], "hit_rate": 1 - misses / max(lookups, 1),
-                       "mb_per_step": moved / max(1, stats[0]["finds"] if stats else 1) / 1e6}
+                       "mb_per_step": moved / max(1, stats[0]["finds"] if stats else 1) / 1e6,
+                       "tables_tiered": len(stats), "tables_held_whole": len(tables) - len(stats)}
         budget = tier["max_hbm_for_vectors"]
-        text += (f" | host tier: {f'{budget:.2f} GiB' if budget >= 0.1 else f'{budget * 1024:.1f} MiB'} per table, hit rate "
+        text += (f" | host tier: {f'{budget:.2f} GiB' if budget >= 0.1 else f'{budget * 1024:.1f} MiB'} per table "
+                 f"({len(stats)} of {len(tables)} tables tiered, the others held whole), hit rate "
                  f"{row['tier']['hit_rate']:.4f}, {row['tier']['mb_per_step']:.1f} MB over the link per step")
     print(text, flush=True)
     return row
@@ -355,8 +357,8 @@ def fit_section(a, d):
         ours, full = out[key] or {}, out.get(base) or {}
         shared = [src for src in ("cached", "synthetic", "Parquet") if ours.get(src) and full.get(src)]
         if shared:
-            print(f"  {key.split('/')[0]} (tables in host memory, a cache of {a.tier_share:.0%} of the largest on "
-                  f"the device) vs all in device memory, {key.split('/')[1]}: " +
+            print(f"  {key.split('/')[0]} (tables beyond a budget of {a.tier_share:.0%} of the largest in host "
+                  f"memory, cached on the device) vs all in device memory, {key.split('/')[1]}: " +
                   ", ".join(f"{src} {ours[src] / full[src]:.2f}x the samples/s" for src in shared), flush=True)
     return out
 
@@ -385,8 +387,9 @@ def main():
                    help="the fit runs (default DLRM:1 DLRM:<spe> DLRM-tf:<spe> DLRM-tier:<spe> DCNv2:1 DCNv2:<spe> DCNv2-bf16:<spe>); a model "
                         "name may end in -bf16 (Keras mixed_bfloat16), -xla (the dense part compiled by XLA), "
                         "-pinnedslabs (the Parquet readers' slabs page-locked), -kerasloop (Keras' own "
-                        "multi-step loop instead of sok.keras.loop_on_host), -tier (every table with a host tier "
-                        "and a device cache: --tier-share), -tier-prefetch (and each step prefetching the next "
+                        "multi-step loop instead of sok.keras.loop_on_host), -tier (every table given a device "
+                        "budget, --tier-share: those it holds whole held plainly, the others in host memory with a "
+                        "device cache), -tier-prefetch (and each step prefetching the next "
                         "batch's ids: sok.keras.loop_on_host(prefetch=...), as the examples' --prefetch); DLRM-tf: the same DLRM without "
                         "tf_sok (benchmarks/tf_dlrm.py), its samples/s compared with DLRM's at the same spe")
     p.add_argument("--tier-share", type=float, default=0.1,

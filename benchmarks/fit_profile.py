@@ -256,8 +256,8 @@ def main():
     p.add_argument("--spe", type=int, default=10)
     p.add_argument("--executions", type=int, default=3)
     p.add_argument("--tier-share", type=float, default=None,
-                   help="every table with a host tier, its device budget this share of the largest table's rows "
-                        "and state (as e2e_bench.py's -tier runs)")
+                   help="every table given a device budget, this share of the largest table's rows and state "
+                        "(as e2e_bench.py's -tier runs): a host tier for the tables it does not hold whole")
     p.add_argument("--jit-dense", action="store_true", help="the dense part compiled by XLA")
     p.add_argument("--source", choices=["cached", "synthetic", "parquet"], default="cached")
     p.add_argument("--files", type=int, default=16, help="--source parquet: files of 2 batches written first")

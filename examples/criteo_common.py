@@ -362,8 +362,10 @@ def run(name, build_model, a, optimizer=default_optimizer, synthetic_config=None
           f"held-out loss {curves.eval_loss[-1]:.4f}, AUC {curves.eval_auc[-1]:.4f}; plot {png}")
     if tier:   # the tables' caches over the whole run
         stats = [sok.cache_stats(v._dynamic) for v in model.variables if getattr(v, "_dynamic", None) is not None]
+        whole = sum(1 for v in model.variables if getattr(sok.table_meta(v), "budget_bytes", -1) >= 0)
         lookups, misses = sum(x["lookups"] for x in stats), sum(x["misses"] for x in stats)
-        print(f"{name}: host tier, {len(stats)} tables: hit rate {1 - misses / max(lookups, 1):.4f}, "
+        print(f"{name}: host tier, {len(stats)} tables ({whole} more held whole in device memory, their budget "
+              f"holding them): hit rate {1 - misses / max(lookups, 1):.4f}, "
               f"{sum(x['bytes_to_device'] + x['bytes_to_host'] for x in stats) / 1e6:.1f} MB over the host link, "
               f"{sum(x['cached'] for x in stats):,} of {sum(x['keys'] for x in stats):,} rows held cached, "
               f"{sum(x['prefetched'] for x in stats):,} keys prefetched")

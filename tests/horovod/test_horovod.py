@@ -168,6 +168,10 @@ def test_bad_configurations_raise_on_every_rank(tmp_path, seed):
         np.testing.assert_allclose(res["shelf_out"], [init[r] + init[8], init[5 - r] + init[0] + init[2]],
                                    rtol=1e-6)
         assert sorted(res["shelf_keys"].tolist()) == (list(range(9)) if r == 0 else [])
+        # a budget that holds each rank's shard: plain tables, starting at the tier's rows
+        assert str(res["whole_kind"]) == "Variable/DynamicVariable"
+        np.testing.assert_allclose(res["whole_out"], res["halves_out"], rtol=1e-6)
+        assert np.abs(res["whole_out"]).max() > 0
     # the tables were not touched and the job could go on
     assert ranks[0]["ok"].shape == (2, 4) and ranks[0]["tier_ok"].shape == (2, 4)
 

@@ -150,7 +150,7 @@ def bad_configs(seed, out):
         sok.lookup_sparse([a], [bad], feature_names=["clicks"])
     except tf.errors.InvalidArgumentError as e:
         errors["id"] = str(e)
-    tiered = sok.Variable(shape=[10, 4], name="tiered", max_hbm_for_vectors=0.001)   # a host tier
+    tiered = sok.Variable(shape=[10, 4], name="tiered", max_hbm_for_vectors=2 * 4 * 4 / 2**30)   # 2 rows cached
     try:
         bad = tf.ragged.constant([[1, 2], [3 if r == 0 else 10]], dtype=tf.int64)
         sok.lookup_sparse([tiered], [bad], feature_names=["views"])
@@ -162,7 +162,15 @@ def bad_configs(seed, out):
     shelf_init = np.random.default_rng(seed).standard_normal((9, 3)).astype(np.float32)
     shelf = sok.Variable(shelf_init, name="shelf", mode="localized:0", max_hbm_for_vectors=2 * 3 * 4 / 2**30)
     shelf_ids = tf.ragged.constant([[r, 8], [5 - r, 0, 2]], dtype=tf.int64)
+    # a budget that holds each rank's shard of 5 rows with any optimizer's state (not the whole 10):
+    # a plain table on every rank, starting where the tier's rows do
+    whole = sok.Variable(shape=[10, 4], name="halves", max_hbm_for_vectors=5 * 4 * 16 / 2**30)
+    halves = sok.Variable(shape=[10, 4], name="halves", max_hbm_for_vectors=5 * 4 * 16 / 2**30 - 2**-30)
+    every = tf.ragged.constant([list(range(10))], dtype=tf.int64)
+    errors["whole_kind"] = type(whole).__name__ + "/" + type(halves).__name__
+    whole_out, halves_out = (sok.lookup_sparse([t], [every], combiners="sum")[0].numpy() for t in (whole, halves))
     np.savez(out, **{k: np.array(v) for k, v in errors.items()}, ok=out_ok.numpy(), table=a.numpy(),
+             whole_out=whole_out, halves_out=halves_out,
              tier_held=held, tier_ok=sok.lookup_sparse([tiered], [ids], combiners="sum")[0].numpy(),
              shelf_init=shelf_init, shelf_out=sok.lookup_sparse([shelf], [shelf_ids], combiners="sum")[0].numpy(),
              shelf_keys=sok.export(shelf)[0].numpy())

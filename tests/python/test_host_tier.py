@@ -15,6 +15,7 @@ from tf_sok.data import zipf_ranks
 from tests.helpers import np_lookup, to_ragged
 from tests.python.test_hybrid import OPTIMIZERS
 from tf_sok.python.dump import DumpError
+from tf_sok.python.variable import MOST_STATE_ARRAYS
 
 ROWS, DIM = 120, 4
 
@@ -76,6 +77,70 @@ def test_training_equals_the_table_without_a_host_tier(rng, case, budget_rows):
     assert stats["keys"] == ROWS
     if budget_rows < ROWS:
         assert stats["evicted"] > 0 and stats["bytes_to_host"] > 0 and stats["cached"] < ROWS
+
+
+def _whole(rows=ROWS, dim=DIM):
+    """The least budget (GiB) that holds a table whole: its values and the most optimizer state."""
+    return rows * dim * 4 * (1 + MOST_STATE_ARRAYS) / 2**30
+
+
+@pytest.mark.parametrize("case", sorted(OPTIMIZERS))
+def test_a_budget_that_holds_the_table_makes_a_plain_table_that_trains_as_the_tier(rng, case):
+    """A budget holding every row with the most state of any optimizer gives a plain sok.Variable
+    (no key index in its step: the same ops as a table made without a budget), started at the rows
+    the host tier draws; a byte less gives the tier. Both train alike with every optimizer."""
+    cls, hp = OPTIMIZERS[case]
+    widths = DIM + sum(DIM if not s.per_row else 1 for s in cls(**hp).slot_specs())
+    assert widths <= DIM * (1 + MOST_STATE_ARRAYS)   # the rule covers this optimizer
+    whole = sok.Variable(shape=[ROWS, DIM], initializer="normal", name=f"w_{case}", max_hbm_for_vectors=_whole())
+    tiered = sok.Variable(shape=[ROWS, DIM], initializer="normal", name=f"w_{case}",
+                          max_hbm_for_vectors=_whole() - 2.0**-30)
+    assert isinstance(whole, sok.Variable) and not isinstance(whole, sok.DynamicVariable)
+    assert whole.table.budget_bytes == round(_whole() * 2**30) and tiered.hybrid
+    every = tf.range(ROWS, dtype=tf.int64)
+    # the Python draw of the plain table against the index kernel's of the tier
+    np.testing.assert_array_equal(whole.numpy(), tf.nn.embedding_lookup(tiered, every).numpy())
+    plain = sok.Variable(whole.numpy(), name=f"p_{case}")
+    opts = [cls(learning_rate=0.05, **hp) for _ in range(3)]
+
+    def step(table, opt, ids, target):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(sok.lookup_sparse(table, ids, combiners="sum") * target)
+        opt.apply_gradients([(tape.gradient(loss, table), table)])
+        return loss
+
+    steps = [tf.function(lambda ids, target, t=t, o=o: step(t, o, ids, target))
+             for t, o in zip((whole, tiered, plain), opts)]
+    for lens, ids in _batches(rng, 4):
+        ragged = to_ragged(lens, tf.constant(ids, tf.int64))
+        target = tf.constant(rng.standard_normal((len(lens), DIM)).astype(np.float32))
+        losses = [f(ragged, target).numpy() for f in steps]
+        np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(losses[0], losses[2], rtol=1e-5, atol=1e-6)
+    held = _held(tiered, opts[1])
+    for a, b, c in zip(held, _plain(whole, opts[0]), _plain(plain, opts[2])):
+        np.testing.assert_allclose(b.reshape(a.shape), a, rtol=1e-5, atol=1e-7)
+        np.testing.assert_array_equal(b, c)
+
+    def op_types(f):
+        graph = f.get_concrete_function(ragged, target).graph
+        return sorted(op.type for op in graph.get_operations())
+    assert op_types(steps[0]) == op_types(steps[2])
+    assert not any(t.startswith("TfSokDynamic") for t in op_types(steps[0]))
+    with pytest.raises(ValueError, match=f"table 'w_{case}' has no cache: its max_hbm_for_vectors .* holds all"):
+        sok.cache_stats(whole)
+
+
+def test_the_budget_rule_takes_the_largest_shard_and_checks_as_the_tier():
+    """An initial value is kept as given; the tier's argument errors stand for a table held whole."""
+    init = np.arange(ROWS * DIM, dtype=np.float32).reshape(ROWS, DIM)
+    whole = sok.Variable(init, name="given", max_hbm_for_vectors=_whole())
+    np.testing.assert_array_equal(whole.numpy(), init)
+    assert sok.Variable(init, name="given", max_hbm_for_vectors=_whole(ROWS - 1)).hybrid
+    with pytest.raises(TypeError, match="initializer .* is not supported: a key's initial value is drawn per key"):
+        sok.Variable(shape=[10, DIM], name="glorot_whole", initializer="glorot_uniform", max_hbm_for_vectors=1)
+    with pytest.raises(ValueError, match="max_hbm_for_vectors must be a number of GiB >= 0, got 'big'"):
+        sok.Variable(shape=[10, DIM], name="word", max_hbm_for_vectors="big")
 
 
 def test_rows_start_at_the_per_row_initializer_and_dumps_hold_every_row(rng, tmp_path):
@@ -189,7 +254,7 @@ def test_keras_fit_equals_the_table_without_a_tier_and_serves(rng, tmp_path):
     y = rng.standard_normal((96, 1)).astype(np.float32)
     ds = tf.data.Dataset.from_tensor_slices(({"ids": x}, y)).batch(16)
     models, histories = [], []
-    for budget in (_gib(5, sok.optimizers.Adam()), None):
+    for budget in (_gib(5, sok.optimizers.Adam()), None, _whole()):
         emb = sok.layers.Embedding(ROWS, DIM, combiner="sum", initializer="uniform", name="items",
                                    max_hbm_for_vectors=budget)
         inp = keras.Input(shape=(None,), dtype="int64", ragged=True, name="ids")
@@ -198,13 +263,17 @@ def test_keras_fit_equals_the_table_without_a_tier_and_serves(rng, tmp_path):
                       loss="mse")
         if budget is None:   # the plain table starts where the tiered one did
             sok.load(str(tmp_path / "start"), [emb.table])
+        elif models:         # a budget that holds the table: a plain weight, started by the per-row draw
+            assert isinstance(emb.table, keras.Variable) and not hasattr(emb.table, "_dynamic")
+            assert sok.table_meta(emb.table).budget_bytes >= 0
         else:
             sok.dump(str(tmp_path / "start"), [emb.table])
         histories.append(model.fit(ds, epochs=2, verbose=0).history["loss"])
         models.append(model)
-    np.testing.assert_allclose(histories[0], histories[1], rtol=1e-5)
-    np.testing.assert_allclose(models[0].predict_on_batch({"ids": x}), models[1].predict_on_batch({"ids": x}),
-                               rtol=1e-5, atol=1e-6)
+    for other in (1, 2):
+        np.testing.assert_allclose(histories[0], histories[other], rtol=1e-5)
+        np.testing.assert_allclose(models[0].predict_on_batch({"ids": x}), models[other].predict_on_batch({"ids": x}),
+                                   rtol=1e-5, atol=1e-6)
     assert models[0].layers[1].get_config()["max_hbm_for_vectors"] is not None
     # served by stock TensorFlow: the table as a dense variable of every row
     path = str(tmp_path / "served")

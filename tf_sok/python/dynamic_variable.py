@@ -37,6 +37,12 @@ _DEFAULT_INIT_ROWS = 8192
 _uid = [0]
 
 
+def initializer_kind(name: str) -> int:
+    """The number of a per-key initializer's kind (as InitialValue's): 0 uniform, 1 normal, 2
+    truncated normal, 3 constant."""
+    return {"uniform": 0, "normal": 1, "truncated_normal": 2}.get(name, 3)
+
+
 def _initializer_spec(initializer, name):
     """(kind, a, b) of the index's per-key initializer from SOK's strings or a Keras initializer."""
     if initializer is None or initializer == "":
@@ -266,8 +272,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         """(kind, a, b, seed) of a new key's value: kind 0 uniform [a, b), 1 normal (mean a, stddev b),
         2 the same truncated at 2 stddev, 3 the constant a (dynamic_index.h's InitialValue)."""
         at = self._index._attrs   # noqa: SLF001
-        kind = {"uniform": 0, "normal": 1, "truncated_normal": 2}.get(at["initializer"], 3)
-        return kind, float(at["init_a"]), float(at["init_b"]), int(at["seed"])
+        return initializer_kind(at["initializer"]), float(at["init_a"]), float(at["init_b"]), int(at["seed"])
 
     def __repr__(self):
         return (f"<sok.DynamicVariable {self._shared_name!r} dim={self._dimension} "
@@ -551,12 +556,19 @@ def cache_stats(var) -> dict:
     the table's max_capacity removed from it), `prefetched` (of `loaded`, keys `sok.prefetch` took in:
     their ids count as hits when a lookup uses them), `reads` (ids read by lookups that do not train,
     `training=False`), `reads_from_host` (of those, ids read from host memory in place, not cached),
-    `bytes_read_in_place`, `keys` (held in all), `cached` (held in device memory).
+    `bytes_read_in_place`, `keys` (held in all), `cached` (held in device memory). A static table
+    whose budget holds it whole has no cache: a ValueError says so.
 
     Example:
         >>> v = sok.DynamicVariable(dimension=16, var_type="hybrid", max_hbm_for_vectors=0.5)
         >>> sok.cache_stats(v)["hit_rate"]
     """
+    from tf_sok.python.variable import table_meta
+    meta = table_meta(var)
+    if meta is not None and meta.budget_bytes >= 0:
+        raise ValueError(f"sok.cache_stats: table {meta.name!r} has no cache: its max_hbm_for_vectors "
+                         f"({meta.budget_bytes} bytes) holds all its rows with any optimizer's state, so it is held "
+                         f"whole in device memory without a host tier")
     v = _dynamic(var, "sok.cache_stats")
     if not v.hybrid:
         raise ValueError(f"sok.cache_stats: {v.table.name!r} is not a hybrid table (var_type=\"hybrid\" with "

@@ -7,6 +7,7 @@ weights and attach the same description, so both kinds are recognised by
 """
 import contextlib
 import dataclasses
+import logging
 import zlib
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
@@ -19,6 +20,11 @@ from tf_sok.python import context as context_lib
 from tf_sok.python.sharding import ShardingSpec
 
 _META_ATTR = "_tf_sok_table"
+_log = logging.getLogger("tf_sok")
+
+# The most per-row state a tf_sok optimizer keeps, in arrays as wide as the table: RMSprop centered
+# with momentum keeps three (Adam and Adamax two and a step count, Ftrl and Adadelta two).
+MOST_STATE_ARRAYS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +40,7 @@ class TableMeta:
     num_ranks: int = 1
     dynamic: bool = False  # held by a key index (sok.DynamicVariable): rows = max keys (0: unbounded)
     row_ids: bool = False  # a static table held by a key index (a host tier): ids are rows in [0, rows)
+    budget_bytes: int = -1  # a static table made with a device budget that holds it whole (held plainly)
 
     @property
     def keyed(self) -> bool:
@@ -183,6 +190,62 @@ def local_shard(value, meta: TableMeta):
     return value if meta.rank == meta.sharding.owner else value[:0]
 
 
+def shard_row_ids(meta: TableMeta) -> tf.Tensor:
+    """The global rows (int64) held by `meta`'s shard, in its local order."""
+    if meta.sharding.kind == "distributed":
+        return tf.range(meta.rank, meta.rows, meta.num_ranks, dtype=tf.int64)
+    return tf.range(meta.rows if meta.rank == meta.sharding.owner else 0, dtype=tf.int64)
+
+
+class PerRowInitializer:
+    """A table's initial rows as a function of the global row id and a seed (as a dynamic table's
+    keys, dynamic_index.h's InitialValue): a static table made with a device budget starts at the same
+    values whether it has a host tier or its budget holds it whole, on any number of ranks."""
+
+    _CHUNK = 1 << 22   # elements per piece: the draw's 64-bit temporaries stay small for large tables
+
+    def __init__(self, kind: int, a: float, b: float, seed: int):
+        self.spec = (kind, a, b, seed)
+
+    def shard(self, meta: TableMeta) -> tf.Tensor:
+        """[meta.local_rows, meta.dim] float32: the shard's rows."""
+        from tf_sok.python.serving import initial_values
+
+        ids = shard_row_ids(meta)
+        step = max(1, self._CHUNK // meta.dim)
+        pieces = [initial_values(ids[i:i + step], meta.dim, *self.spec) for i in range(0, meta.local_rows, step)]
+        if not pieces:
+            return tf.zeros([0, meta.dim], tf.float32)
+        return pieces[0] if len(pieces) == 1 else tf.concat(pieces, 0)
+
+
+def whole_table_budget(name: str, rows: int, dim: int, mode: str, max_hbm_for_vectors) -> int:
+    """A static table's device budget (max_hbm_for_vectors, GiB; checked) in bytes where it holds the
+    largest shard of the table's rows with the most optimizer state any tf_sok optimizer keeps: then
+    the table needs no host tier. -1 where it does not."""
+    from tf_sok.python.dynamic_variable import _cache_bytes
+
+    budget = _cache_bytes(name, "hybrid", max_hbm_for_vectors, 0)
+    ctx = context_lib.context()
+    spec = ShardingSpec.parse(mode)
+    spec.validate(ctx.num_ranks, name)
+    largest = rows if spec.kind == "localized" else -(-rows // ctx.num_ranks)
+    if budget < largest * 4 * dim * (1 + MOST_STATE_ARRAYS):
+        return -1
+    _log.info("table %r: max_hbm_for_vectors=%s GiB holds its %d x %d rows with any optimizer's state; held in "
+              "device memory as a table without a host tier", name, max_hbm_for_vectors, rows, dim)
+    return budget
+
+
+def per_row_initializer(initializer, name: str) -> PerRowInitializer:
+    """A static table's per-row initializer (what a host tier draws; checked), seeded by its name, so
+    that two tables of one model start apart and every rank agrees."""
+    from tf_sok.python.dynamic_variable import _initializer_spec, initializer_kind
+
+    kind, a, b = _initializer_spec(initializer, name)
+    return PerRowInitializer(initializer_kind(kind), a, b, zlib.crc32(name.encode()))
+
+
 def make_initializer(initializer: Any):
     """A callable(shape, dtype) from a Keras initializer spec or a callable."""
     if callable(initializer) and not isinstance(initializer, str):
@@ -225,7 +288,10 @@ class Variable(resource_variable_ops.ResourceVariable):
         The call then returns a `sok.DynamicVariable` keyed by row id, ids outside [0, rows) being
         errors as for any static table; `initializer` is drawn per row (as a DynamicVariable's:
         "uniform", "normal", "truncated_normal", constants, or the Keras initializers of those), or
-        `initial_value` is copied to host memory whole.
+        `initial_value` is copied to host memory whole. Where the budget holds every row of the
+        table's largest shard with the most optimizer state any tf_sok optimizer keeps (rows x dim x
+        16 bytes: values and three state arrays), the table needs no tier: the call returns a plain
+        `sok.Variable` in device memory, started at the same per-row values.
     In one process the variable holds the whole table; with N ranks it holds
     this rank's shard (rank r: global rows r, r+N, r+2N, ... under
     "distributed"; all rows on rank k and none elsewhere under "localized:k").
@@ -268,12 +334,16 @@ class Variable(resource_variable_ops.ResourceVariable):
 
     def __init__(self, initial_value=None, *, shape=None, initializer="uniform", dtype=tf.float32,
                  mode: str = "distributed", name: Optional[str] = None, trainable: bool = True,
-                 max_hbm_for_vectors: Optional[float] = None, _meta: Optional[TableMeta] = None):
+                 max_hbm_for_vectors: Optional[float] = None, _meta: Optional[TableMeta] = None,
+                 _budget_bytes: int = -1):
         initial_value, global_shape = self._global_value(initial_value, shape, dtype, name)
         table_name = name or "sok_table"
         meta = _meta or make_meta(table_name, global_shape[0], global_shape[1], mode)
+        meta = dataclasses.replace(meta, budget_bytes=_budget_bytes)
         local_shape = [meta.local_rows, global_shape[1]]
-        if initial_value is None:
+        if isinstance(initializer, PerRowInitializer) and initial_value is None:
+            value = lambda: initializer.shard(meta)   # noqa: E731
+        elif initial_value is None:
             init = make_initializer(initializer)
 
             def value():
@@ -295,23 +365,25 @@ class Variable(resource_variable_ops.ResourceVariable):
 def _host_tier_table(cls, initial_value=None, *, shape=None, initializer="uniform", dtype=tf.float32,
                      mode: str = "distributed", name: Optional[str] = None, trainable: bool = True,
                      max_hbm_for_vectors=None):
-    """sok.Variable(..., max_hbm_for_vectors=...): a hybrid DynamicVariable whose keys are the rows."""
+    """sok.Variable(..., max_hbm_for_vectors=...): a hybrid DynamicVariable whose keys are the rows, or
+    a plain table where the budget holds it whole."""
     from tf_sok.python.dynamic_variable import DynamicVariable
 
     value, (rows, dim) = cls._global_value(initial_value, shape, dtype, name)
     name = name or "sok_table"
-    # a per-row initial value is a function of the row and the seed: the table's name makes the seed,
-    # so that two tables of one model start apart and every rank agrees
+    per_row = None if value is not None else per_row_initializer(initializer, name)
+    budget = whole_table_budget(name, rows, dim, mode, max_hbm_for_vectors)
+    if budget >= 0:
+        return cls(value, shape=[rows, dim], initializer=per_row, mode=mode, name=name, trainable=trainable,
+                   _budget_bytes=budget)
     table = DynamicVariable(dim, initializer=initializer if value is None else "zeros", var_type="hybrid",
                             max_hbm_for_vectors=max_hbm_for_vectors, name=name, trainable=trainable, mode=mode,
                             seed=zlib.crc32(name.encode()), _rows=rows)
     if value is not None:
         for shard in ([table] if not isinstance(table, ReplicaTable) else table.shards):
             meta = table_meta(shard)
-            if not meta.local_rows:
-                continue
-            first, step = (meta.rank, meta.num_ranks) if meta.sharding.kind == "distributed" else (0, 1)
-            shard.set_rows(tf.range(first, rows, step, dtype=tf.int64), local_shard(value, meta))
+            if meta.local_rows:
+                shard.set_rows(shard_row_ids(meta), local_shard(value, meta))
     return table
 
 

@@ -11,7 +11,8 @@ from tf_sok.python import context as context_lib
 from tf_sok.python.config import TableConfig, check_combiner
 from tf_sok.python.lookup import lookup_sparse, ragged_pair
 from tf_sok.python.serving import serving_lookup, serving_tables_of
-from tf_sok.python.variable import attach_meta, make_initializer, make_shards, table_meta
+from tf_sok.python.variable import (attach_meta, make_initializer, make_shards, per_row_initializer, table_meta,
+                                    whole_table_budget)
 
 
 class _DynamicWeight(keras.Variable):
@@ -113,16 +114,22 @@ def _add_dynamic_table(layer: keras.layers.Layer, cfg: TableConfig):
 def _add_table(layer: keras.layers.Layer, cfg: TableConfig):
     """The table's weight: this rank's shard, or under tf.distribute one
     weight per local replica (a ReplicaTable)."""
-    if cfg.dynamic or cfg.max_hbm_for_vectors is not None:
+    budget = -1
+    if cfg.max_hbm_for_vectors is not None and not cfg.dynamic:
+        per_row = per_row_initializer(cfg.initializer, cfg.name)
+        budget = whole_table_budget(cfg.name, cfg.vocab_size, cfg.dim, cfg.mode, cfg.max_hbm_for_vectors)
+    if cfg.dynamic or (cfg.max_hbm_for_vectors is not None and budget < 0):
         return _add_dynamic_table(layer, cfg)
     init = make_initializer(cfg.initializer)
     per_replica = context_lib.context().communicator.per_replica_tables
 
     def create(meta):
         name = f"{cfg.name}_replica{meta.rank}" if per_replica else cfg.name
-        weight = layer.add_weight(shape=(meta.local_rows, cfg.dim), initializer=init, name=name,
+        # a budget that holds the table: the rows a host tier would start at
+        start = init if budget < 0 else (lambda shape, dtype=None: per_row.shard(meta))
+        weight = layer.add_weight(shape=(meta.local_rows, cfg.dim), initializer=start, name=name,
                                   trainable=True, dtype="float32", autocast=False)
-        attach_meta(weight, meta)
+        attach_meta(weight, dataclasses.replace(meta, budget_bytes=budget))
         return weight
     return make_shards(cfg.name, cfg.vocab_size, cfg.dim, cfg.mode, create)
 
