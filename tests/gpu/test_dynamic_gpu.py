@@ -205,12 +205,7 @@ def to_lens(rng, pool):
     return lens.astype(np.int64), rng.choice(pool[:2500], int(lens.sum()))
 
 
-def test_row_splits_check_on_the_gpu_matches_numpy(rng):
-    from tf_sok.python.ops.loader import ops
-    from tests.python.test_dynamic import row_splits_cases
+def test_row_splits_and_ranges_check_on_the_gpu_matches_numpy(rng):
+    from tests.python.test_dynamic import check_splits_and_ranges
     for _ in range(3):
-        splits, values, want = row_splits_cases(rng)
-        with tf.device("/GPU:0"):
-            got = ops().tf_sok_row_splits_valid([tf.constant(s) for s in splits], [tf.constant(v) for v in values])
-        assert "GPU" in got.device
-        assert got.numpy().tolist() == want
+        check_splits_and_ranges(rng, "/GPU:0")

@@ -479,10 +479,45 @@ def row_splits_cases(rng):
     return splits, values, want
 
 
-def test_row_splits_check_matches_numpy(rng):
+def check_splits_and_ranges(rng, device):
+    """TfSokRowSplitsValid on `device` against NumPy: the splits' verdicts, and the ids' range
+    verdicts and offending ids of features with a bound (none, all in range, some below 0, some at or
+    above the bound, none at all), the others unchecked."""
     from tf_sok.python.ops.loader import ops
     splits, values, want = row_splits_cases(rng)
-    with tf.device("/CPU:0"):
+    with tf.device(device):
         got = ops().tf_sok_row_splits_valid([tf.constant(s) for s in splits], [tf.constant(v) for v in values])
-    assert got.numpy().tolist() == want
+    assert device[1:4] in got[0].device
+    assert got[0].numpy().tolist() == want and got[1].numpy().all() and not got[2].numpy().any()
     assert not all(want) and any(want)
+    bounds, ids = [], []
+    for _ in range(40):
+        rows = int(rng.integers(1, 1 << 40)) if rng.random() < 0.8 else -1
+        v = rng.integers(0, max(rows, 2), int(rng.choice([0, 1, 100, 2047, 2048, 2049, 5000, 70_000])))
+        kind = rng.integers(0, 3)
+        if len(v) and kind == 1:   # some below 0
+            v[rng.integers(0, len(v), 3)] = -rng.integers(1, 1 << 50, 3)
+        elif len(v) and kind == 2:   # some at or above the bound
+            v[rng.integers(0, len(v), 3)] = max(rows, 0) + rng.integers(0, 1 << 50, 3)
+        bounds.append(rows)
+        ids.append(v.astype(np.int64))
+    splits = [np.array([0, len(v)], np.int64) for v in ids]
+    with tf.device(device):
+        valid, in_range, bad = ops().tf_sok_row_splits_valid([tf.constant(s) for s in splits],
+                                                             [tf.constant(v) for v in ids], rows=bounds)
+    assert valid.numpy().all()
+    for r, v, ok, b in zip(bounds, ids, in_range.numpy(), bad.numpy()):
+        want_ok = r < 0 or len(v) == 0 or (v.min() >= 0 and v.max() < r)
+        assert ok == want_ok, (r, v.min(), v.max())
+        assert b == (0 if want_ok else (v.min() if v.min() < 0 else v.max()))
+    assert not in_range.numpy().all() and in_range.numpy().any()
+
+
+def test_row_splits_and_ranges_check_matches_numpy(rng):
+    check_splits_and_ranges(rng, "/CPU:0")
+    from tf_sok.python.ops.loader import ops
+    # a bound per feature or none; int64 ids for a range check
+    with pytest.raises(tf.errors.InvalidArgumentError, match="rows must be empty or give one bound per feature"):
+        ops().tf_sok_row_splits_valid([tf.constant([0, 1], tf.int64)], [tf.constant([1], tf.int64)], rows=[3, 4])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="a range check .* needs int64 values, got int32"):
+        ops().tf_sok_row_splits_valid([tf.constant([0, 1], tf.int64)], [tf.constant([1], tf.int32)], rows=[3])

@@ -21,7 +21,7 @@ import tensorflow as tf
 from tf_sok.python.comm import Communicator
 from tf_sok.python.dynamic_variable import read_tables, rows_for_tables
 from tf_sok.python.exchange import _gather_rows, _scale_gradient
-from tf_sok.python.lookup import row_id_checks, splits_ok
+from tf_sok.python.lookup import checked_splits_and_rows
 from tf_sok.python.ops import lookup_ops
 from tf_sok.python.variable import TableMeta, backing_variable
 
@@ -36,17 +36,12 @@ def _check(comm: Communicator, step: int, metas, feature_table, combiners, names
     has malformed row_splits (the owners would insert keys of a batch that then fails)."""
     text = repr(([(m.name, m.dim, str(m.sharding)) for m in metas], list(feature_table), list(combiners), list(names)))
     sig = zlib.crc32(text.encode())
-    valid = tf.stack([splits_ok(tf.cast(s, tf.int64), v) for s, v in zip(splits, ids)])
+    valid, in_range, bad, bounds = checked_splits_and_rows(metas, feature_table, ids, splits)
     first_bad = tf.argmin(tf.concat([tf.cast(valid, tf.int64), [0]], 0))     # = len(ids) when all valid
     # ids of static tables with a host tier must be rows: the first feature out of range and its id
-    ranged = row_id_checks(metas, feature_table, ids, names)
-    if ranged:
-        feats, in_range, bad, _ = ranged
-        which = tf.argmin(tf.cast(tf.concat([in_range, [False]], 0), tf.int64))   # the last: none out of range
-        out_feature = tf.gather(tf.constant(feats + [len(names)], tf.int64), which)
-        out_id = tf.gather(tf.concat([bad, [0]], 0), which)
-    else:
-        out_feature, out_id = tf.constant(len(names), tf.int64), tf.constant(0, tf.int64)
+    ranged = max(bounds) >= 0
+    out_feature = tf.argmin(tf.cast(tf.concat([in_range, [False]], 0), tf.int64))   # the last: none out of range
+    out_id = tf.gather(tf.concat([bad, [0]], 0), out_feature)
     every = comm.allgather(tf.stack([tf.constant(sig, tf.int64), first_bad, out_feature, out_id])[None, :],
                            name=f"tf_sok.dyncheck.{step}")                    # [N, 4]
     same = tf.debugging.Assert(

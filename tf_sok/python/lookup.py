@@ -346,33 +346,22 @@ def _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights
     return outs
 
 
-def splits_ok(splits, ids):
-    """Whether row_splits start at 0, never decrease and end at the id count (a bool tensor)."""
-    n = tf.size(splits)
-    return tf.logical_and(tf.logical_and(n >= 1, tf.equal(splits[0], 0)),
-                          tf.logical_and(tf.equal(splits[-1], tf.size(ids, out_type=splits.dtype)),
-                                         tf.reduce_all(splits[1:] >= splits[:-1])))
+def checked_splits_and_rows(metas, feature_table, ids, splits):
+    """The features' (all on dynamic tables) row splits checked, and where a static table behind a
+    host tier holds the feature, its ids against [0, rows) (the finds would insert others as keys):
+    (splits valid [k] bool, ids in range [k] bool, an offending id [k] int64, the bounds: rows or -1),
+    by one op on the ids' device."""
+    bounds = [metas[feature_table[f]].rows if metas[feature_table[f]].row_ids else -1 for f in range(len(ids))]
+    valid, in_range, offending = ops().tf_sok_row_splits_valid(
+        [tf.cast(s, tf.int64) for s in splits], [tf.cast(v, tf.int64) for v in ids],
+        rows=bounds if max(bounds) >= 0 else [])
+    return valid, in_range, offending, bounds
 
 
-def row_id_checks(metas, feature_table, ids, names):
-    """For the features of static tables held by a key index (a host tier), whose ids are rows in
-    [0, rows) (the finds would insert others as keys): (their positions, ids in range [k] bool, an
-    offending id [k] int64, message(i, bad): the i-th one's error text), by a min and a max reduction
-    per feature (on the ids' device: TensorFlow's segment reductions of int64 run on the host); None
-    when there are none."""
-    feats = [f for f in range(len(ids)) if metas[feature_table[f]].row_ids]
-    if not feats:
-        return None
-    values = [tf.cast(ids[f], tf.int64) for f in feats]
-    lo = tf.stack([tf.reduce_min(v) for v in values])   # a feature without ids: int64 max
-    hi = tf.stack([tf.reduce_max(v) for v in values])   # and int64 min: in range
-    rows = tf.constant([metas[feature_table[f]].rows for f in feats], tf.int64)
-
-    def message(i, bad):
-        meta = metas[feature_table[feats[i]]]
-        return tf.strings.join([f"lookup_sparse feature {names[feats[i]]}: id ", tf.strings.as_string(bad),
-                                f" is outside [0, {meta.rows}) of table {meta.name}"])
-    return feats, tf.logical_and(lo >= 0, hi < rows), tf.where(lo < 0, lo, hi), message
+def range_message(feature, bad, meta):
+    """The error text of feature `feature`'s id `bad` (a tensor) outside table `meta`'s rows."""
+    return tf.strings.join([f"lookup_sparse feature {feature}: id ", tf.strings.as_string(bad),
+                            f" is outside [0, {meta.rows}) of table {meta.name}"])
 
 
 def _checked_ids(metas, feature_table, ids, splits, names):
@@ -382,18 +371,17 @@ def _checked_ids(metas, feature_table, ids, splits, names):
     # the finds insert keys: a malformed feature must fail before them, not in the lookup after. One
     # check for all features (on a GPU, a check is a wait for the device)
     dynamic = [f for f in range(len(ids)) if metas[feature_table[f]].dynamic]
-    valid = ops().tf_sok_row_splits_valid([tf.cast(splits[f], tf.int64) for f in dynamic], [ids[f] for f in dynamic])
-    ranged = row_id_checks(metas, feature_table, ids, names)
-    ok = tf.reduce_all(tf.concat([valid, ranged[1]], 0) if ranged else valid)
+    valid, in_range, bad, bounds = checked_splits_and_rows(metas, [feature_table[f] for f in dynamic],
+                                                           [ids[f] for f in dynamic], [splits[f] for f in dynamic])
+    ok = tf.reduce_all(tf.logical_and(valid, in_range))
 
     def fail():   # built only when a check fails: the passing step reads one bool back
         asserts = [tf.debugging.Assert(tf.reduce_all(valid), [
             "lookup_sparse: row_splits must start at 0, never decrease and end at the number of ids; malformed "
             "in feature(s)", tf.boolean_mask(tf.constant([names[f] for f in dynamic]), tf.logical_not(valid))])]
-        if ranged:
-            _, within, bad, message = ranged
-            asserts += [tf.debugging.Assert(within[i], [message(i, bad[i])], name="ids_within_rows")
-                        for i in range(len(ranged[0]))]
+        asserts += [tf.debugging.Assert(in_range[i], [range_message(names[f], bad[i], metas[feature_table[f]])],
+                                        name="ids_within_rows")
+                    for i, f in enumerate(dynamic) if bounds[i] >= 0]
         with tf.control_dependencies(asserts):
             return tf.constant(False)
     return ids, tf.cond(ok, lambda: tf.constant(True), fail)

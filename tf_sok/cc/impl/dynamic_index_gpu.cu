@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <type_traits>
 
@@ -593,6 +594,58 @@ __global__ void RowSplitsValidKernel(SplitsChecks c, bool* valid) {
   bad = __syncthreads_or(bad);
   if (threadIdx.x == 0 && blockIdx.x == 0) bad |= n < 1 || splits[0] != 0 || splits[n - 1] != c.count[f];
   if (threadIdx.x == 0 && bad) valid[f] = false;
+}
+
+// ids' bounds checked at once: block (x, f) takes the min and max of a span of feature f's values
+// into bounds[2f], bounds[2f + 1] (set to LLONG_MAX, LLONG_MIN beforehand); then one block gives each
+// feature its verdict
+struct RangeChecks {
+  static constexpr int kMax = 32;
+  const long long* values[kMax];
+  int64_t count[kMax];
+  int64_t rows[kMax];
+};
+constexpr int kIdsPerBlock = kThreads * 8;
+
+__global__ void InitBoundsKernel(long long* bounds, int features) {
+  const int f = threadIdx.x;
+  if (f < features) {
+    bounds[2 * f] = LLONG_MAX;
+    bounds[2 * f + 1] = LLONG_MIN;
+  }
+}
+
+__global__ void IdsBoundsKernel(RangeChecks c, long long* bounds) {
+  const int f = blockIdx.y;
+  const int64_t begin = blockIdx.x * static_cast<int64_t>(kIdsPerBlock);
+  if (c.values[f] == nullptr || begin >= c.count[f]) return;   // (the whole block)
+  const int64_t end = begin + kIdsPerBlock < c.count[f] ? begin + kIdsPerBlock : c.count[f];
+  long long lo = LLONG_MAX, hi = LLONG_MIN;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const long long v = c.values[f][i];
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const long long l = __shfl_xor_sync(0xffffffffu, lo, o), h = __shfl_xor_sync(0xffffffffu, hi, o);
+    lo = l < lo ? l : lo;
+    hi = h > hi ? h : hi;
+  }
+  if ((threadIdx.x & 31) == 0 && lo <= hi) {
+    atomicMin(&bounds[2 * f], lo);
+    atomicMax(&bounds[2 * f + 1], hi);
+  }
+}
+
+__global__ void RangeVerdictKernel(RangeChecks c, const long long* bounds, int features, bool* in_range,
+                                   int64_t* offending) {
+  const int f = threadIdx.x;
+  if (f >= features) return;
+  const long long lo = bounds[2 * f], hi = bounds[2 * f + 1];
+  // no values (lo > hi) or no bound: in range
+  const bool ok = c.values[f] == nullptr || lo > hi || (lo >= 0 && hi < c.rows[f]);
+  in_range[f] = ok;
+  offending[f] = ok ? 0 : (lo < 0 ? lo : hi);
 }
 
 int64_t PowerOfTwoAtLeast(int64_t n) {
@@ -1560,6 +1613,30 @@ void GpuRowSplitsValid(const GpuDevice& d, const int64_t* const* splits, const i
     }
     const dim3 grid(static_cast<unsigned>((longest + kSplitsPerBlock - 1) / kSplitsPerBlock), k);
     RowSplitsValidKernel<<<grid, kThreads, 0, s>>>(c, valid + first);
+  }
+}
+
+void GpuIdsInRange(const GpuDevice& d, const int64_t* const* values, const int64_t* count, const int64_t* rows,
+                   int features, bool* in_range, int64_t* offending) {
+  cudaStream_t s = StreamOf(d);
+  for (int first = 0; first < features; first += RangeChecks::kMax) {
+    RangeChecks c{};
+    const int k = std::min(RangeChecks::kMax, features - first);
+    int64_t longest = 0;
+    for (int f = 0; f < k; ++f) {
+      const bool checked = values[first + f] != nullptr && rows[first + f] >= 0;
+      c.values[f] = checked ? reinterpret_cast<const long long*>(values[first + f]) : nullptr;
+      c.count[f] = checked ? count[first + f] : 0;
+      c.rows[f] = rows[first + f];
+      longest = std::max(longest, c.count[f]);
+    }
+    auto* bounds = gpu::Alloc<long long>(d, 2 * k);
+    InitBoundsKernel<<<1, RangeChecks::kMax, 0, s>>>(bounds, k);
+    if (longest > 0) {
+      const dim3 grid(static_cast<unsigned>((longest + kIdsPerBlock - 1) / kIdsPerBlock), k);
+      IdsBoundsKernel<<<grid, kThreads, 0, s>>>(c, bounds);
+    }
+    RangeVerdictKernel<<<1, RangeChecks::kMax, 0, s>>>(c, bounds, k, in_range + first, offending + first);
   }
 }
 

@@ -231,6 +231,11 @@ std::string GpuHostLinkBandwidth(const GpuDevice& d, void* device_buffer, int64_
 // at count[f]; one kernel for up to 32 features, the answers left in valid (device)
 void GpuRowSplitsValid(const GpuDevice& d, const int64_t* const* splits, const int64_t* n, const int64_t* count,
                        int features, bool* valid);
+// per feature f with values[f] (count[f] int64 on the device; nullptr: none to check) and rows[f] >= 0:
+// whether they all lie in [0, rows[f]) (in_range[f]; true for the others), offending[f] the smallest if
+// below 0, else the largest (0 where in range); a few kernels for up to 32 features, answers on the device
+void GpuIdsInRange(const GpuDevice& d, const int64_t* const* values, const int64_t* count, const int64_t* rows,
+                   int features, bool* in_range, int64_t* offending);
 
 }  // namespace impl
 }  // namespace tf_sok

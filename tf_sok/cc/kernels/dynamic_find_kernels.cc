@@ -556,7 +556,7 @@ void TablesAt(tf::OpKernelContext* ctx, const std::vector<tf::core::RefCountPtr<
 }
 
 // TfSokDynamicFindMany: one find (insert) per table; on a GPU the missing-key counts of all
-// tables come back in one wait.
+// tables come back in one wait, which Detached lets the step's other ops run beside.
 class FindManyOp : public tf::OpKernel {
  public:
   explicit FindManyOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
@@ -567,7 +567,7 @@ class FindManyOp : public tf::OpKernel {
     const int n = ctx->num_inputs() / 2;
     std::vector<tf::core::RefCountPtr<IndexResource>> res;
     std::vector<std::unique_ptr<tf::mutex_lock>> locks;
-    OP_REQUIRES_OK(ctx, LockIndices(ctx, n, "TfSokDynamicFindMany", &res, &locks));
+    TF_SOK_REQUIRES_OK(ctx, LockIndices(ctx, n, "TfSokDynamicFindMany", &res, &locks));
     TensorScratch scratch(ctx);
 #if TF_SOK_WITH_CUDA
     if (res[0]->gpu) {
@@ -576,24 +576,24 @@ class FindManyOp : public tf::OpKernel {
       std::vector<IndexResource*> tables;
       std::vector<const tf::Tensor*> keys;
       TablesAt(ctx, res, all, &tables, &keys);
-      OP_REQUIRES_OK(ctx, FindManyOnGpu(ctx, MakeDevice<impl::GpuDevice>(ctx, &scratch), tables, keys, insert_ratio_,
-                                        false, nullptr));
+      TF_SOK_REQUIRES_OK(ctx, FindManyOnGpu(ctx, MakeDevice<impl::GpuDevice>(ctx, &scratch), tables, keys,
+                                            insert_ratio_, false, nullptr));
       return;
     }
 #endif
     const impl::CpuDevice d = MakeDevice<impl::CpuDevice>(ctx, &scratch);
     for (int i = 0; i < n; ++i) {
       IndexResource* r = res[i].get();
-      OP_REQUIRES(ctx, r->host != nullptr, Failed(*r, ": ", "its index lives on a GPU; look it up there"));
+      TF_SOK_REQUIRES(ctx, r->host != nullptr, Failed(*r, ": ", "its index lives on a GPU; look it up there"));
       const tf::Tensor& keys = ctx->input(n + i);
       tf::Tensor* slots = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, keys.shape(), &slots));
+      TF_SOK_REQUIRES_OK(ctx, ctx->allocate_output(i, keys.shape(), &slots));
       impl::FindChanges ch;
       const std::string error = r->host->Find(keys.flat<int64_t>().data(), keys.NumElements(), true,
                                               slots->flat<int64_t>().data(), &ch, false, insert_ratio_,
                                               HeldOnHost(r, insert_ratio_), &d.parallel_for);
-      OP_REQUIRES(ctx, error.empty(), Failed(*r, " ", error));
-      OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, HostChanges(ch, keys.NumElements()), nullptr));
+      TF_SOK_REQUIRES(ctx, error.empty(), Failed(*r, " ", error));
+      TF_SOK_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, r, HostChanges(ch, keys.NumElements()), nullptr));
     }
   }
 
@@ -947,44 +947,79 @@ class ReadOp : public tf::OpKernel {
 template <typename Device>
 class RowSplitsValidOp : public tf::OpKernel {
  public:
-  using tf::OpKernel::OpKernel;
+  explicit RowSplitsValidOp(tf::OpKernelConstruction* c) : tf::OpKernel(c) {
+    int n = 0;
+    tf::DataType type;
+    OP_REQUIRES_OK(c, c->GetAttr("N", &n));
+    OP_REQUIRES_OK(c, c->GetAttr("T", &type));
+    OP_REQUIRES_OK(c, c->GetAttr("rows", &rows_));
+    OP_REQUIRES(c, rows_.empty() || static_cast<int>(rows_.size()) == n,
+                absl::InvalidArgumentError(absl::StrCat("rows must be empty or give one bound per feature (", n,
+                                                        "), got ", rows_.size())));
+    const bool ranged = std::any_of(rows_.begin(), rows_.end(), [](int64_t r) { return r >= 0; });
+    OP_REQUIRES(c, !ranged || type == tf::DT_INT64,
+                absl::InvalidArgumentError("a range check (rows) needs int64 values, got " +
+                                           tf::DataTypeString(type)));
+    if (rows_.empty()) rows_.assign(n, -1);
+  }
+
   void Compute(tf::OpKernelContext* ctx) override {
     const int n = ctx->num_inputs() / 2;
-    tf::Tensor* valid = nullptr;
+    tf::Tensor *valid = nullptr, *in_range = nullptr, *offending = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({n}), &valid));
-    std::vector<const int64_t*> splits(n);
-    std::vector<int64_t> entries(n), counts(n);
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({n}), &in_range));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, tf::TensorShape({n}), &offending));
+    Checks c;
+    c.splits.resize(n);
+    c.values.assign(n, nullptr);
+    c.entries.resize(n);
+    c.counts.resize(n);
     for (int i = 0; i < n; ++i) {
       const tf::Tensor& s = ctx->input(i);
       OP_REQUIRES(ctx, s.dims() == 1,
                   absl::InvalidArgumentError("row_splits must be a vector, got " + s.shape().DebugString()));
-      splits[i] = s.flat<int64_t>().data();
-      entries[i] = s.NumElements();
-      counts[i] = ctx->input(n + i).NumElements();
+      c.splits[i] = s.flat<int64_t>().data();
+      c.entries[i] = s.NumElements();
+      c.counts[i] = ctx->input(n + i).NumElements();
+      if (rows_[i] >= 0) c.values[i] = ctx->input(n + i).flat<int64_t>().data();
     }
-    Check(ctx, splits, entries, counts, valid->flat<bool>().data());
+    Check(ctx, c, valid->flat<bool>().data(), in_range->flat<bool>().data(), offending->flat<int64_t>().data());
   }
 
  private:
-  void Check(tf::OpKernelContext* ctx, const std::vector<const int64_t*>& splits, const std::vector<int64_t>& n,
-             const std::vector<int64_t>& count, bool* valid);
+  struct Checks {
+    std::vector<const int64_t*> splits, values;   // values: of the features with a bound, else nullptr
+    std::vector<int64_t> entries, counts;
+  };
+  void Check(tf::OpKernelContext* ctx, const Checks& c, bool* valid, bool* in_range, int64_t* offending);
+  std::vector<int64_t> rows_;
 };
 
 template <>
-void RowSplitsValidOp<impl::CpuDevice>::Check(tf::OpKernelContext*, const std::vector<const int64_t*>& splits,
-                                              const std::vector<int64_t>& n, const std::vector<int64_t>& count,
-                                              bool* valid) {
-  for (size_t i = 0; i < splits.size(); ++i) valid[i] = impl::RowSplitsValid(splits[i], n[i], count[i]);
+void RowSplitsValidOp<impl::CpuDevice>::Check(tf::OpKernelContext*, const Checks& c, bool* valid, bool* in_range,
+                                              int64_t* offending) {
+  for (size_t i = 0; i < c.splits.size(); ++i) {
+    valid[i] = impl::RowSplitsValid(c.splits[i], c.entries[i], c.counts[i]);
+    int64_t lo = 0, hi = 0;
+    if (c.values[i] != nullptr && c.counts[i] > 0) {
+      const auto [min, max] = std::minmax_element(c.values[i], c.values[i] + c.counts[i]);
+      lo = *min;
+      hi = *max;
+    }
+    in_range[i] = lo >= 0 && (c.values[i] == nullptr || c.counts[i] == 0 || hi < rows_[i]);
+    offending[i] = in_range[i] ? 0 : (lo < 0 ? lo : hi);
+  }
 }
 
 #if TF_SOK_WITH_CUDA
 template <>
-void RowSplitsValidOp<impl::GpuDevice>::Check(tf::OpKernelContext* ctx, const std::vector<const int64_t*>& splits,
-                                              const std::vector<int64_t>& n, const std::vector<int64_t>& count,
-                                              bool* valid) {
+void RowSplitsValidOp<impl::GpuDevice>::Check(tf::OpKernelContext* ctx, const Checks& c, bool* valid,
+                                              bool* in_range, int64_t* offending) {
   TensorScratch scratch(ctx);
-  impl::GpuRowSplitsValid(MakeDevice<impl::GpuDevice>(ctx, &scratch), splits.data(), n.data(), count.data(),
-                          static_cast<int>(splits.size()), valid);
+  const impl::GpuDevice d = MakeDevice<impl::GpuDevice>(ctx, &scratch);
+  const int n = static_cast<int>(c.splits.size());
+  impl::GpuRowSplitsValid(d, c.splits.data(), c.entries.data(), c.counts.data(), n, valid);
+  impl::GpuIdsInRange(d, c.values.data(), c.counts.data(), rows_.data(), n, in_range, offending);
 }
 #endif
 
@@ -995,7 +1030,10 @@ REGISTER_KERNEL_BUILDER(Name("TfSokDynamicRead").Device(tf::DEVICE_CPU), ReadOp)
 REGISTER_KERNEL_BUILDER(Name("TfSokRowSplitsValid").Device(tf::DEVICE_CPU), RowSplitsValidOp<impl::CpuDevice>);
 #if TF_SOK_WITH_CUDA
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFind").Device(tf::DEVICE_GPU).HostMemory("index"), FindOp);
-REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFindMany").Device(tf::DEVICE_GPU).HostMemory("indices"), FindManyOp);
+// (the find waits for the device once: on a thread of its own, so that the step's ops that do not
+// need its rows -- other tables' lookups, the dense layers -- are launched meanwhile)
+REGISTER_KERNEL_BUILDER(Name("TfSokDynamicFindMany").Device(tf::DEVICE_GPU).HostMemory("indices"),
+                        Detached<FindManyOp, true>);
 REGISTER_KERNEL_BUILDER(Name("TfSokDynamicRead").Device(tf::DEVICE_GPU).HostMemory("indices"), ReadOp);
 // (on a thread of its own: TensorFlow runs a GPU op's Compute in line with the step's others, which
 // would wait for the prefetch's waits)

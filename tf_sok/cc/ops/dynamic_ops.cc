@@ -143,18 +143,25 @@ REGISTER_OP("TfSokRowSplitsValid")
     .Input("splits: N * int64")
     .Input("values: N * T")
     .Output("valid: bool")
+    .Output("in_range: bool")
+    .Output("offending: int64")
     .Attr("N: int >= 1")
     .Attr("T: type")
+    .Attr("rows: list(int) = []")
     .SetShapeFn([](InferenceContext* c) {
       int n = 0;
       TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
-      c->set_output(0, c->Vector(n));
+      for (int i = 0; i < 3; ++i) c->set_output(i, c->Vector(n));
       return absl::OkStatus();
     })
     .Doc(R"doc(
 Whether each feature's row_splits start at 0, never decrease and end at the
-number of its values (only the values' count is read): one op for many
-features, on a GPU one kernel for up to 32 features, the answer left on the device.
+number of its values (valid); and, where rows (empty, or one entry per feature)
+gives feature f a bound rows[f] >= 0, whether its values (int64) all lie in
+[0, rows[f]) (in_range; true for the other features and for a feature without
+values), with offending[f] the smallest of them if it is below 0, else the
+largest (0 where in range). One op for many features; on a GPU one kernel per
+check for up to 32 features, the answers left on the device.
 )doc");
 
 REGISTER_OP("TfSokDynamicTouchedSince")
