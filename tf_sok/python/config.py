@@ -26,7 +26,8 @@ class TableConfig:
     its initial capacity (rows allocated at first; they double as keys arrive), and max_capacity,
     evict_strategy, min_frequency and seed mean what they mean there. max_hbm_for_vectors (GiB) gives
     a table, static or dynamic, a host tier (var_type "hybrid": every row in host memory, hot rows
-    cached on the device; see `sok.Variable` for a static table's).
+    cached on the device; see `sok.Variable` for a static table's), except a static table it holds
+    whole with any optimizer's state (rows x dim x 16 bytes): that one stays a plain weight.
     """
 
     name: str
