@@ -305,3 +305,42 @@ def test_keras_weights_files_refuse_another_kind_of_table(rng, tmp_path):
     before = tiered.predict_on_batch({"ids": tf.ragged.constant([[1, 2]], tf.int64)})
     tiered.load_weights(str(tmp_path / "t.weights.h5"))
     np.testing.assert_array_equal(tiered.predict_on_batch({"ids": tf.ragged.constant([[1, 2]], tf.int64)}), before)
+
+
+def test_int32_ids_of_tables_without_a_tier_are_not_widened(rng):
+    """A lookup over a plain and a tiered static table with int32 ids runs one fused lookup per id
+    type: only the tiered table's feature is widened to int64 (its find's keys). Outputs (NumPy first)
+    and three SGD steps equal the same tables without a tier."""
+    inits = [rng.standard_normal((ROWS, DIM)).astype(np.float32) for _ in range(2)]
+    mixed = [sok.Variable(inits[0], name="i32_plain"), sok.Variable(inits[1], name="i32_tier",
+                                                                    max_hbm_for_vectors=_gib(3))]
+    plain = [sok.Variable(inits[0], name="i32_ref_a"), sok.Variable(inits[1], name="i32_ref_b")]
+    opts = [sok.optimizers.SGD(0.1), sok.optimizers.SGD(0.1)]
+
+    def lookup(tables, feats):
+        return sok.lookup_sparse([tables[0], tables[1], tables[0]], feats, combiners="sum")
+
+    def step(tables, opt, feats):
+        with tf.GradientTape() as tape:
+            outs = lookup(tables, feats)
+            loss = sum(tf.reduce_sum(o * (i + 1)) for i, o in enumerate(outs))
+        opt.apply_gradients(zip(tape.gradient(loss, tables), tables))
+        return outs
+
+    steps = [tf.function(lambda f, t=t, o=o: step(t, o, f)) for t, o in zip((mixed, plain), opts)]
+    for s in range(3):
+        lens = [rng.integers(0, 4, 8) for _ in range(3)]
+        feats = [to_ragged(n, tf.constant(rng.integers(0, ROWS, int(n.sum())), tf.int32)) for n in lens]
+        got, want = ([o.numpy() for o in f(feats)] for f in steps)
+        if s == 0:
+            for o, n, f, init in zip(got, lens, feats, (inits[0], inits[1], inits[0])):
+                np.testing.assert_allclose(o, np_lookup(init, n, f.values.numpy(), None, "sum"), rtol=1e-6, atol=1e-6)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(mixed[0].numpy(), plain[0].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_held(mixed[1])[0], plain[1].numpy(), rtol=1e-5, atol=1e-6)
+    graph = tf.function(lambda f: lookup(mixed, f)).get_concrete_function(feats).graph
+    widened = [op for op in graph.get_operations() if op.type == "Cast"
+               and op.get_attr("SrcT") == tf.int32 and op.get_attr("DstT") == tf.int64]
+    assert len(widened) == 1, [op.name for op in widened]
+    assert sum(op.type == "TfSokFusedLookup" for op in graph.get_operations()) == 2

@@ -308,9 +308,22 @@ def _lookup(ctx, tables, metas, feature_table, ids, splits, weights, weighted, c
             [w if on else None for w, on in zip(weights, weighted)], comb, names,
             ctx.sparse_grad_reduction, ctx.collective_index())
         return [tf.cast(o, dtype) for o in outs]   # pooled from received float32 vectors
-    return lookup_ops.fused_lookup(
-        handles, ids, splits, weights, feature_table=feature_table, combiners=comb, weighted=weighted,
-        dims=[m.dim for m in metas], feature_names=names, table_names=[m.name for m in metas], dtype=dtype)
+    # one fused lookup per id type: the dynamic tables' rows are int64, the static tables' ids keep
+    # theirs (int32 ids are not widened; every table's features share its type)
+    by_type = {}
+    for f, v in enumerate(ids):
+        by_type.setdefault(v.dtype, []).append(f)
+    outs = [None] * len(ids)
+    for fs in by_type.values():
+        ts = sorted({feature_table[f] for f in fs})
+        got = lookup_ops.fused_lookup(
+            [handles[t] for t in ts], [ids[f] for f in fs], [splits[f] for f in fs], [weights[f] for f in fs],
+            feature_table=[ts.index(feature_table[f]) for f in fs], combiners=[comb[f] for f in fs],
+            weighted=[weighted[f] for f in fs], dims=[metas[t].dim for t in ts], feature_names=[names[f] for f in fs],
+            table_names=[metas[t].name for t in ts], dtype=dtype)
+        for f, o in zip(fs, got):
+            outs[f] = o
+    return outs
 
 
 def _with_dynamic_tables(ctx, tables, metas, feature_table, ids, splits, weights, weighted, comb, names, dtype,
@@ -365,9 +378,10 @@ def range_message(feature, bad, meta):
 
 
 def _checked_ids(metas, feature_table, ids, splits, names):
-    """(every feature's ids as int64, one op checking every dynamic feature's row splits and the range
-    of the ids of static tables behind a host tier): the dynamic tables' finds and reads wait for it."""
-    ids = [tf.cast(v, tf.int64) for v in ids]
+    """(the features' ids, those of dynamic tables as int64, one op checking every dynamic feature's row
+    splits and the range of the ids of static tables behind a host tier): the dynamic tables' finds
+    and reads wait for it."""
+    ids = [tf.cast(v, tf.int64) if metas[feature_table[f]].dynamic else v for f, v in enumerate(ids)]
     # the finds insert keys: a malformed feature must fail before them, not in the lookup after. One
     # check for all features (on a GPU, a check is a wait for the device)
     dynamic = [f for f in range(len(ids)) if metas[feature_table[f]].dynamic]
@@ -397,7 +411,7 @@ def _keys_of_tables(metas, feature_table, ids):
 def _dynamic_rows(tables, metas, feature_table, ids, splits, names, insert_ratio=1.0):
     """The ids of features on dynamic tables replaced by the rows holding them (missing keys
     inserted): one find per table over all its features' ids, so that keys of one feature never
-    evict those of another in the same step. Every feature's ids become int64."""
+    evict those of another in the same step. The static tables' ids are left as they are."""
     ids, check = _checked_ids(metas, feature_table, ids, splits, names)
     from tf_sok.python.dynamic_variable import rows_for_tables
 
