@@ -141,6 +141,9 @@ def test_the_budget_rule_takes_the_largest_shard_and_checks_as_the_tier():
         sok.Variable(shape=[10, DIM], name="glorot_whole", initializer="glorot_uniform", max_hbm_for_vectors=1)
     with pytest.raises(ValueError, match="max_hbm_for_vectors must be a number of GiB >= 0, got 'big'"):
         sok.Variable(shape=[10, DIM], name="word", max_hbm_for_vectors="big")
+    # a per-row initializer's names ("0.5": the constant) in a Keras layer whose budget holds its table
+    emb = sok.layers.Embedding(ROWS, DIM, initializer="0.5", name="halves", max_hbm_for_vectors=_whole())
+    np.testing.assert_array_equal(emb.table.numpy(), np.full((ROWS, DIM), 0.5, np.float32))
 
 
 def test_rows_start_at_the_per_row_initializer_and_dumps_hold_every_row(rng, tmp_path):

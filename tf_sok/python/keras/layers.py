@@ -120,13 +120,13 @@ def _add_table(layer: keras.layers.Layer, cfg: TableConfig):
         budget = whole_table_budget(cfg.name, cfg.vocab_size, cfg.dim, cfg.mode, cfg.max_hbm_for_vectors)
     if cfg.dynamic or (cfg.max_hbm_for_vectors is not None and budget < 0):
         return _add_dynamic_table(layer, cfg)
-    init = make_initializer(cfg.initializer)
     per_replica = context_lib.context().communicator.per_replica_tables
+    # a budget that holds the table: the rows a host tier would start at (its initializer names: "0.5")
+    init = make_initializer(cfg.initializer) if budget < 0 else None
 
     def create(meta):
         name = f"{cfg.name}_replica{meta.rank}" if per_replica else cfg.name
-        # a budget that holds the table: the rows a host tier would start at
-        start = init if budget < 0 else (lambda shape, dtype=None: per_row.shard(meta))
+        start = init or (lambda shape, dtype=None: per_row.shard(meta))
         weight = layer.add_weight(shape=(meta.local_rows, cfg.dim), initializer=start, name=name,
                                   trainable=True, dtype="float32", autocast=False)
         attach_meta(weight, dataclasses.replace(meta, budget_bytes=budget))
