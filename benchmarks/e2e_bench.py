@@ -245,6 +245,20 @@ def fit_sources(a, schema, cfg, files: str, steps: int) -> dict:
     return out
 
 
+def tier_tables(model) -> list:
+    """The model's tables (hybrid or not) as tf_sok sees them (Keras wraps them)."""
+    return [getattr(t, "_dynamic", t) for t in model.embeddings.tables.values()]
+
+
+def tier_counters(model) -> dict:
+    """The host tiers' counters summed over the model's hybrid tables: lookups, misses, bytes moved
+    over the host link, finds (a table's finds: the steps)."""
+    stats = [sok.cache_stats(t) for t in tier_tables(model) if getattr(t, "hybrid", False)]
+    return {"lookups": sum(s["lookups"] for s in stats), "misses": sum(s["misses"] for s in stats),
+            "moved": sum(s["bytes_to_device"] + s["bytes_to_host"] for s in stats),
+            "finds": stats[0]["finds"] if stats else 0}
+
+
 def fit_one(a, d, schema, name: str, spe: int) -> dict:
     """One model compiled once, fit on the cached batches then on each live pipeline (a
     process per model and setting: TensorFlow keeps a model's memory until it exits)."""
@@ -290,19 +304,27 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
     for src, ds in sources.items():
         # cores kept busy while the Parquet run is timed: the training process, the reader's workers
         busy = CpuUse(a.reader_workers) if src == "Parquet" and a.reader_workers else None
+        before = tier_counters(model) if tier else None
         try:
             row[src] = r = fit_rate(model, ds, a, spe, busy)
         except Exception as e:  # noqa: BLE001 (report and go on: one variant must not stop the run)
             text += f" | {src}: failed ({type(e).__name__}: {str(e)[:200]})"
             continue
         text += f" | {src} {r:11,.0f}" + (f" ({r / row['cached']:.2f} of cached" if src != "cached" else "")
+        if before is not None:   # the caches over this source's run (its warm-up included)
+            after = tier_counters(model)
+            d = {k: after[k] - before[k] for k in after}
+            row[f"{src}_tier"] = src_tier = {"hit_rate": 1 - d["misses"] / max(d["lookups"], 1),
+                                             "mb_per_step": d["moved"] / max(d["finds"], 1) / 1e6}
+            text += (f"{'; ' if src != 'cached' else ' ('}hit rate {src_tier['hit_rate']:.4f}, "
+                     f"{src_tier['mb_per_step']:.1f} MB per step" + (")" if src == "cached" else ""))
         if busy:
             main, workers = busy.cores()
             row["Parquet_cores_busy"] = {"training_process": main, "reader_workers": workers}
             text += f"; cores busy: training process {main:.1f}, reader processes {workers:.1f}"
         text += ")" if src != "cached" else ""
     if tier:   # the host tiers' caches over every run above
-        tables = [getattr(t, "_dynamic", t) for t in model.embeddings.tables.values()]   # (Keras wraps them)
+        tables = tier_tables(model)
         stats = [sok.cache_stats(t) for t in tables if getattr(t, "hybrid", False)]
         lookups, misses = sum(s["lookups"] for s in stats), sum(s["misses"] for s in stats)
         moved = sum(s["bytes_to_device"] + s["bytes_to_host"] for s in stats)

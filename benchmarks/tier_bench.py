@@ -218,14 +218,14 @@ def _find_rate(a, device, share):
             # (each kind its own calls: the reads' keys are not those the training lookups just cached)
             calls = [tf.RaggedTensor.from_row_splits(
                 tf.constant(ids_for(rng, a.find_keys, a.find_batch, a.find_dist) * HASH), splits)
-                for _ in range(a.iters + 3)]
+                for _ in range(a.iters + 3 + (PROFILED if a.profile else 0))]
             look = tf.function(lambda ids: tf.reduce_sum(
                 sok.lookup_sparse(t, ids, combiners="sum", training=training)[0:1]))
             for ids in calls[:3]:
                 look(ids).numpy()
             before = sok.cache_stats(t) if share is not None else None
             times = []
-            for ids in calls[3:]:
+            for ids in calls[3:3 + a.iters]:
                 t0 = time.perf_counter()
                 look(ids).numpy()
                 times.append(time.perf_counter() - t0)
@@ -240,6 +240,11 @@ def _find_rate(a, device, share):
                     res["host_bytes_per_call"] = d["bytes_read_in_place"] / len(times)
                     res["host_gb_s"] = res["host_bytes_per_call"] / sec / 1e9
             out["find" if training else "read"] = res
+            if a.profile and share is not None:
+                from profile_step import profile as profile_calls
+                print(f"  -- {'training lookups' if training else 'reads'}, cache {share:.0%}, profiled "
+                      f"(per call):", flush=True)
+                profile_calls(lambda i: look(calls[3 + a.iters + i]).numpy(), steps=PROFILED, top=30)
     return out
 
 
@@ -284,7 +289,8 @@ def main():
                    help="the timed steps split into rounds in which the kinds of tables take turns")
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--link-mib", type=int, default=1024)
-    p.add_argument("--profile", action="store_true", help="also profile both steps of the first distribution")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile both steps of the first distribution (with --find: the hybrid lookups)")
     p.add_argument("--static", action="store_true",
                    help="static tables (sok.Variable with max_hbm_for_vectors) against plain sok.Variables")
     p.add_argument("--no-prefetch", action="store_true", help="skip the hybrid run with sok.prefetch")
