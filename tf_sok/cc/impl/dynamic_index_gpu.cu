@@ -1,7 +1,14 @@
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include <cooperative_groups.h>
 
@@ -1586,6 +1593,95 @@ class PinnedHostMemory : public HostMemory {
 }  // namespace
 
 std::unique_ptr<HostMemory> NewPinnedHostMemory() { return std::make_unique<PinnedHostMemory>(); }
+
+namespace {
+// Pinned memory that grows in place: a range of address space reserved (no memory behind it), its
+// used front made readable and writable and registered with CUDA (pinned, mapped) piece by piece.
+// Kernels use the host address as the device address (checked per piece), so every piece of a
+// region is one contiguous array to them.
+class GrowablePinnedHostMemory : public HostMemory {
+ public:
+  void* Allocate(size_t bytes) override {
+    const size_t reserve = RoundUp(std::max(bytes, ReserveBytes()));
+    void* p = mmap(nullptr, reserve, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return plain_.Allocate(bytes);
+    Region r;
+    r.reserved = reserve;
+    if (!Commit(p, &r, bytes)) {
+      munmap(p, reserve);
+      return plain_.Allocate(bytes);   // (no host-pointer access to registered memory, or out of memory)
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    regions_[p] = std::move(r);
+    return p;
+  }
+  bool Grow(void* p, size_t, size_t to) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = regions_.find(p);
+    return it != regions_.end() && Commit(p, &it->second, to);
+  }
+  void Free(void* p) override {
+    if (p == nullptr) return;
+    Region r;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = regions_.find(p);
+      if (it == regions_.end()) {
+        plain_.Free(p);
+        return;
+      }
+      r = std::move(it->second);
+      regions_.erase(it);
+    }
+    for (const auto& piece : r.pieces) cudaHostUnregister(piece.first);
+    munmap(p, r.reserved);
+  }
+
+ private:
+  static constexpr size_t kPiece = size_t{2} << 20;   // pieces of whole 2 MiB (huge) pages
+  struct Region {
+    size_t reserved = 0, committed = 0;
+    std::vector<std::pair<void*, size_t>> pieces;   // registered with CUDA
+  };
+  static size_t RoundUp(size_t n) { return (std::max<size_t>(n, 1) + kPiece - 1) / kPiece * kPiece; }
+  // address space per region: the host's memory (pinned memory cannot exceed it)
+  static size_t ReserveBytes() {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : size_t{64} << 30;
+  }
+  // the region's first `bytes` usable (pinned, mapped at the same address); false: out of its range,
+  // of memory, or the device would need another address
+  static bool Commit(void* p, Region* r, size_t bytes) {
+    const size_t to = RoundUp(bytes);
+    if (to <= r->committed) return true;
+    if (to > r->reserved) return false;
+    char* at = static_cast<char*>(p) + r->committed;
+    const size_t len = to - r->committed;
+    if (mprotect(at, len, PROT_READ | PROT_WRITE) != 0) return false;
+    madvise(at, len, MADV_HUGEPAGE);
+    void* device = nullptr;
+    if (cudaHostRegister(at, len, cudaHostRegisterPortable | cudaHostRegisterMapped) != cudaSuccess) {
+      cudaGetLastError();
+      mprotect(at, len, PROT_NONE);
+      return false;
+    }
+    if (cudaHostGetDevicePointer(&device, at, 0) != cudaSuccess || device != at) {
+      cudaGetLastError();
+      cudaHostUnregister(at);
+      mprotect(at, len, PROT_NONE);
+      return false;
+    }
+    r->pieces.emplace_back(at, len);
+    r->committed = to;
+    return true;
+  }
+  PinnedHostMemory plain_;
+  std::mutex mu_;
+  std::unordered_map<void*, Region> regions_;
+};
+}  // namespace
+
+std::unique_ptr<HostMemory> NewGrowablePinnedHostMemory() { return std::make_unique<GrowablePinnedHostMemory>(); }
 
 void GpuFillRows(const GpuDevice& d, float* base, int64_t width, const int64_t* rows, int64_t n, float fill) {
   if (n * width > 0) FillRowsKernel<<<Blocks(n * width), kThreads, 0, StreamOf(d)>>>(base, width, rows, n, fill);

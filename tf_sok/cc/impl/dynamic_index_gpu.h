@@ -192,6 +192,10 @@ void GpuFill(const GpuDevice& d, float* p, int64_t count, float value);
 // Pinned host memory mapped into the GPUs' address space: a hybrid table's host tier, which the
 // kernels below read and write in place.
 std::unique_ptr<HostMemory> NewPinnedHostMemory();
+// The same for a store that grows: each allocation reserves address space (the host's physical
+// memory) and pins only what is asked for; Grow pins more right after it, at the same address.
+// (Plain pinned allocations where the device cannot use host pointers of registered memory.)
+std::unique_ptr<HostMemory> NewGrowablePinnedHostMemory();
 // StoreWrite (host_store.h) as a CUDA kernel: cache rows in device memory, the store in pinned memory,
 // row lists in either (device-accessible) memory; and the moves of a call below.
 void GpuStoreWrite(const GpuDevice& d, const float* cache, int64_t width, const int64_t* cache_rows,

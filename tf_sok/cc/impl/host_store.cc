@@ -30,6 +30,17 @@ int64_t RoundUp4(int64_t n) { return (n + 3) / 4 * 4; }
 
 std::string HostStore::Reserve(int64_t rows) {
   if (rows <= capacity_) return "";
+  if (records_ != nullptr) {
+    // grown in place where the memory can: only the new rows are allocated (pinned), nothing copied or
+    // freed (a pinned copy of a large store, and the free's wait for the device, stalled the steps that
+    // brought new keys); growth by a quarter keeps each extension's pinning short
+    const int64_t capacity = std::max<int64_t>(rows, capacity_ + capacity_ / 4);
+    const size_t row_bytes = sizeof(float) * static_cast<size_t>(stride_);
+    if (memory_->Grow(records_, row_bytes * capacity_, row_bytes * capacity)) {
+      capacity_ = capacity;
+      return "";
+    }
+  }
   const int64_t capacity = std::max<int64_t>({rows, 2 * capacity_, 1024});
   auto* records = static_cast<float*>(memory_->Allocate(sizeof(float) * capacity * stride_));
   if (records == nullptr) return "ran out of host memory for its host tier (" + std::to_string(capacity) + " rows)";

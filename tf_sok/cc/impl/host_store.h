@@ -57,6 +57,9 @@ class HostMemory {
   virtual ~HostMemory() = default;
   virtual void* Allocate(size_t bytes) = 0;  // nullptr when out of memory
   virtual void Free(void* p) = 0;
+  // Extends the allocation at p (of `bytes` so far) to `to` bytes where it is, its contents and
+  // address kept; false when it cannot (the caller then allocates anew and copies).
+  virtual bool Grow(void* /*p*/, size_t /*bytes*/, size_t /*to*/) { return false; }
 };
 
 std::unique_ptr<HostMemory> NewPlainHostMemory();

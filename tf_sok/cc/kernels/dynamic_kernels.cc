@@ -66,7 +66,7 @@ class IndexOp : public tf::OpKernel {
         r->gpu = std::make_unique<impl::GpuDynamicIndex>(config_, r->memory.get());
         r->pinned = impl::NewPinnedHostMemory();
         if (cache_bytes_ >= 0) {
-          r->store = std::make_unique<impl::HostStore>(impl::NewPinnedHostMemory());
+          r->store = std::make_unique<impl::HostStore>(impl::NewGrowablePinnedHostMemory());
           r->store->set_max_keys(store_max_keys_);
           // (TF_SOK_STORE_KEYS_ON_GPU=0: on the host alone; a bounded tier drops keys the host
           // chooses: its keys stay on the host alone)
