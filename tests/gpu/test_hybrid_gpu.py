@@ -9,7 +9,8 @@ import tf_sok as sok
 from tf_sok.data import zipf_ranks
 from tests.helpers import to_ragged
 from tests.python.test_dynamic import random_keys
-from tests.python.test_hybrid import DIM, OPTIMIZERS, _assert_same_tables, _cache_model, _gib, _slot_widths
+from tests.python.test_hybrid import (DIM, OPTIMIZERS, _assert_same_tables, _cache_model, _gib, _slot_widths,
+                                      check_tier_growth)
 from tests.python.test_read_lookup import check_read
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
@@ -335,42 +336,6 @@ def test_rows_written_back_are_the_next_steps_rows(rng):
 
 
 def test_a_host_tier_that_grows_many_times_keeps_every_row_on_the_gpu(rng):
-    """New keys grow the pinned host tier in place, piece after piece (its address kept, nothing
-    copied): after batches of new keys, each trained once with SGD, every key reads NumPy's value
-    (training=False: read from host memory in place, or the cache), and again after a training lookup
-    of all of them has moved rows between the tiers."""
-    dim, lr, total = 64, 0.25, 40_000   # 272-byte records: a 2 MiB piece holds ~7,700 of them
-    keys = random_keys(rng, total)
-    with tf.device("/GPU:0"):
-        t = sok.DynamicVariable(dim, initializer="0.5", var_type="hybrid", max_hbm_for_vectors=500 * dim * 4 / 2**30,
-                                name="grows_in_place")
-        opt = sok.optimizers.SGD(learning_rate=lr)
-    assert "GPU" in t.device
-
-    @tf.function
-    def step(ids, target):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(sok.lookup_sparse(t, ids, combiners="sum") * target)
-        opt.apply_gradients([(tape.gradient(loss, t), t)])
-
-    expect = np.empty((total, dim), np.float32)
-    lo, size = 0, 300
-    while lo < total:   # batches of distinct new keys, growing: 300, 450, ... (about 14 extensions of the tier)
-        hi = min(total, lo + size)
-        target = rng.standard_normal((hi - lo, dim)).astype(np.float32)
-        with tf.device("/GPU:0"):
-            step(to_ragged(np.ones(hi - lo, np.int64), keys[lo:hi]), tf.constant(target))
-        expect[lo:hi] = np.float32(0.5) - np.float32(lr) * target   # one id per sample: the row's gradient
-        lo, size = hi, size * 3 // 2
-    stats = sok.cache_stats(t)
-    assert stats["keys"] == total and stats["cached"] < total // 4   # (a cache holds at least a batch's keys)
-
-    def read(training):
-        with tf.device("/GPU:0"):
-            return sok.lookup_sparse(t, to_ragged(np.ones(total, np.int64), keys), combiners="sum",
-                                     training=training).numpy()
-
-    np.testing.assert_allclose(read(False), expect, rtol=1e-6, atol=1e-6)
-    assert sok.cache_stats(t)["reads_from_host"] - stats["reads_from_host"] == total - stats["cached"]
-    np.testing.assert_allclose(read(True), expect, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(read(False), expect, rtol=1e-6, atol=1e-6)
+    """On a GPU the pinned host tier grows in place, piece after piece (its address kept, nothing
+    copied): see check_tier_growth."""
+    check_tier_growth(rng, "/GPU:0")

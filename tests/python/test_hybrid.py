@@ -530,6 +530,52 @@ def test_keras_fit_with_a_host_tier_equals_without_and_logs_the_cache(rng, caplo
     assert len(lines) == 2 and all("table 'k1'" in l for l in lines)
 
 
+def check_tier_growth(rng, device):
+    """A hybrid table on `device` whose host tier new keys grow many times (on a GPU: pinned memory
+    extended in place, piece after piece): after batches of new keys, each trained once with SGD,
+    every key reads NumPy's value (training=False: read from host memory in place, or the cache),
+    and again after a training lookup of all of them has moved rows between the tiers."""
+    dim, lr, total = 64, 0.25, 40_000   # 272-byte records: a 2 MiB piece holds ~7,700 of them
+    keys = random_keys(rng, total)
+    with tf.device(device):
+        t = sok.DynamicVariable(dim, initializer="0.5", var_type="hybrid", max_hbm_for_vectors=500 * dim * 4 / 2**30,
+                                name=f"grows_{device[1:4]}")
+        opt = sok.optimizers.SGD(learning_rate=lr)
+    assert device[1:4] in t.device
+
+    @tf.function
+    def step(ids, target):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(sok.lookup_sparse(t, ids, combiners="sum") * target)
+        opt.apply_gradients([(tape.gradient(loss, t), t)])
+
+    expect = np.empty((total, dim), np.float32)
+    lo, size = 0, 300
+    while lo < total:   # batches of distinct new keys, growing: 300, 450, ... (about 14 extensions of the tier)
+        hi = min(total, lo + size)
+        target = rng.standard_normal((hi - lo, dim)).astype(np.float32)
+        with tf.device(device):
+            step(to_ragged(np.ones(hi - lo, np.int64), keys[lo:hi]), tf.constant(target))
+        expect[lo:hi] = np.float32(0.5) - np.float32(lr) * target   # one id per sample: the row's gradient
+        lo, size = hi, size * 3 // 2
+    stats = sok.cache_stats(t)
+    assert stats["keys"] == total and stats["cached"] < total // 4   # (a cache holds at least a batch's keys)
+
+    def read(training):
+        with tf.device(device):
+            return sok.lookup_sparse(t, to_ragged(np.ones(total, np.int64), keys), combiners="sum",
+                                     training=training).numpy()
+
+    np.testing.assert_allclose(read(False), expect, rtol=1e-6, atol=1e-6)
+    assert sok.cache_stats(t)["reads_from_host"] - stats["reads_from_host"] == total - stats["cached"]
+    np.testing.assert_allclose(read(True), expect, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(read(False), expect, rtol=1e-6, atol=1e-6)
+
+
+def test_a_host_tier_that_grows_many_times_keeps_every_row(rng):
+    check_tier_growth(rng, "/CPU:0")
+
+
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="max_hbm_for_vectors needs var_type=\"hybrid\""):
         sok.DynamicVariable(DIM, var_type="hbm", max_hbm_for_vectors=1)
