@@ -325,15 +325,14 @@ def fit_one(a, d, schema, name: str, spe: int) -> dict:
         text += ")" if src != "cached" else ""
     if tier:   # the host tiers' caches over every run above
         tables = tier_tables(model)
-        stats = [sok.cache_stats(t) for t in tables if getattr(t, "hybrid", False)]
-        lookups, misses = sum(s["lookups"] for s in stats), sum(s["misses"] for s in stats)
-        moved = sum(s["bytes_to_device"] + s["bytes_to_host"] for s in stats)
-        row["tier"] = {"budget_gib": tier["max_hbm_for_vectors"], "hit_rate": 1 - misses / max(lookups, 1),
-                       "mb_per_step": moved / max(1, stats[0]["finds"] if stats else 1) / 1e6,
-                       "tables_tiered": len(stats), "tables_held_whole": len(tables) - len(stats)}
+        tiered = sum(1 for t in tables if getattr(t, "hybrid", False))
+        c = tier_counters(model)
+        row["tier"] = {"budget_gib": tier["max_hbm_for_vectors"], "hit_rate": 1 - c["misses"] / max(c["lookups"], 1),
+                       "mb_per_step": c["moved"] / max(c["finds"], 1) / 1e6,
+                       "tables_tiered": tiered, "tables_held_whole": len(tables) - tiered}
         budget = tier["max_hbm_for_vectors"]
         text += (f" | host tier: {f'{budget:.2f} GiB' if budget >= 0.1 else f'{budget * 1024:.1f} MiB'} per table "
-                 f"({len(stats)} of {len(tables)} tables tiered, the others held whole), hit rate "
+                 f"({tiered} of {len(tables)} tables tiered, the others held whole), hit rate "
                  f"{row['tier']['hit_rate']:.4f}, {row['tier']['mb_per_step']:.1f} MB over the link per step")
     print(text, flush=True)
     return row
