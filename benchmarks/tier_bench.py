@@ -14,8 +14,10 @@ anchor: dim 64, 128M keys, half the values in HBM, 1M random held keys per call,
 inserted first), forward lookups (`sok.lookup_sparse`, no gradient) of --find-batch held keys per
 call (uniform, or --find-dist), as G keys/s, with a cache of each --find-shares of the values and all in device
 memory; each two ways: training lookups (a miss takes the key's row into the cache and writes back
-an evicted one), then lookups that do not train (`training=False`: a key not cached is read from
-host memory where it is, as HierarchicalKV's find does, and nothing changes).
+an evicted one), then lookups that do not train (`training=False`: nothing changes; on a GPU the
+keys not cached have their rows gathered from host memory by the host's threads and copied over
+in one piece, the default for reads this large, and then, on the same calls, read where they are
+by the kernel, as HierarchicalKV's find does: both rates printed, and their ratio).
 
 The DLRM-like step: `--tables` dynamic tables of `--keys` keys each (every key inserted before the
 timed steps, so the tables hold their full size; `--static`: `sok.Variable`s of `--keys` rows, with a
@@ -193,6 +195,45 @@ class Runner:
         return res
 
 
+class GatherReads:
+    """Within it, reads of many keys gather their host rows on the host's threads (the library's
+    default) or, with False, read them all in place (TF_SOK_READ_GATHER_MIN_ROWS=-1)."""
+
+    def __init__(self, on):
+        self.on = on
+
+    def __enter__(self):
+        self.old = os.environ.get("TF_SOK_READ_GATHER_MIN_ROWS")
+        if not self.on:
+            os.environ["TF_SOK_READ_GATHER_MIN_ROWS"] = "-1"
+        else:
+            os.environ.pop("TF_SOK_READ_GATHER_MIN_ROWS", None)
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop("TF_SOK_READ_GATHER_MIN_ROWS", None)
+        else:
+            os.environ["TF_SOK_READ_GATHER_MIN_ROWS"] = self.old
+
+
+def _timed_calls(a, t, look, calls, hybrid):
+    """G keys/s (median call) of `look` over `calls`, with the hybrid table's hit rate of training
+    lookups and bytes its reads brought from host memory (in place or gathered)."""
+    before = sok.cache_stats(t) if hybrid else None
+    times = []
+    for ids in calls:
+        t0 = time.perf_counter()
+        look(ids).numpy()
+        times.append(time.perf_counter() - t0)
+    res = {"gkeys_s": a.find_batch / float(np.median(times)) / 1e9, "host_bytes": 0}
+    if before:
+        after = sok.cache_stats(t)
+        d = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
+        res["hit_rate"] = 1 - d["misses"] / d["lookups"] if d["lookups"] else 0.0
+        res["host_bytes"] = d["bytes_read_in_place"] + d["bytes_read_gathered"]
+    return res
+
+
 def find_rate(a, device, share, keys_on_gpu=False):
     with StoreKeys(keys_on_gpu):
         return _find_rate(a, device, share)
@@ -200,7 +241,8 @@ def find_rate(a, device, share, keys_on_gpu=False):
 
 def _find_rate(a, device, share):
     """For one table of random held keys (share None: all in device memory): G keys/s of lookups that
-    do not train (`training=False`: a key not cached is read from host memory in place) and of
+    do not train (`training=False`: the keys not cached read from host memory, their rows gathered
+    by the host's threads and copied over, and read in place by the kernel: both on the same calls) and of
     training lookups without their gradient (a miss moves the key's row into the cache), the
     training lookups' hit rate, and the reads' bytes from host memory per call."""
     with tf.device(device):
@@ -223,23 +265,15 @@ def _find_rate(a, device, share):
                 sok.lookup_sparse(t, ids, combiners="sum", training=training)[0:1]))
             for ids in calls[:3]:
                 look(ids).numpy()
-            before = sok.cache_stats(t) if share is not None else None
-            times = []
-            for ids in calls[3:3 + a.iters]:
-                t0 = time.perf_counter()
-                look(ids).numpy()
-                times.append(time.perf_counter() - t0)
-            sec = float(np.median(times))
-            res = {"gkeys_s": a.find_batch / sec / 1e9}
-            if before:
-                after = sok.cache_stats(t)
-                d = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
-                if training:
-                    res["hit_rate"] = 1 - d["misses"] / d["lookups"]
-                else:
-                    res["host_bytes_per_call"] = d["bytes_read_in_place"] / len(times)
-                    res["host_gb_s"] = res["host_bytes_per_call"] / sec / 1e9
-            out["find" if training else "read"] = res
+            # reads both ways on the same calls: the rows not cached gathered by the host's threads and
+            # copied (the default for reads this large), then read in place by the kernel
+            for mode in ("find",) if training else ("read", "read_in_place"):
+                with GatherReads(mode == "read"):
+                    res = _timed_calls(a, t, look, calls[3:3 + a.iters], share is not None)
+                if not training:
+                    res["host_bytes_per_call"] = res.pop("host_bytes") / a.iters
+                    res["host_gb_s"] = res["host_bytes_per_call"] / (a.find_batch / res["gkeys_s"] / 1e9) / 1e9
+                out[mode] = res
             if a.profile and share is not None:
                 from profile_step import profile as profile_calls
                 print(f"  -- {'training lookups' if training else 'reads'}, cache {share:.0%}, profiled "
@@ -260,13 +294,15 @@ def find_section(a, device):
         res = find_rate(a, device, share, on_gpu)
         gc.collect()   # the lookup's tf.function holds its table in a reference cycle
         what = "all in device memory" if share is None else f"cache {share:.0%} of the values{label}"
-        read, find = res["read"], res["find"]
+        read, in_place, find = res["read"], res["read_in_place"], res["find"]
         line = f"  {what:42s} read (training=False) {read['gkeys_s']:6.3f} G keys/s"
-        if "host_gb_s" in read:
-            line += (f" ({read['host_bytes_per_call'] / 1e6:.1f} MB from host memory per call, "
-                     f"{read['host_gb_s']:.1f} GB/s)")
+        if share is not None:
+            line += f" ({read['host_bytes_per_call'] / 1e6:.1f} MB from host memory per call, {read['host_gb_s']:.1f} GB/s"
+            # (a GPU's reads gather the rows on the host first; the CPU reads them in place either way)
+            line += (f"; read in place {in_place['gkeys_s']:.3f} G keys/s, {in_place['host_gb_s']:.1f} GB/s: "
+                     f"gathered {read['gkeys_s'] / in_place['gkeys_s']:.2f}x)" if "GPU" in device.upper() else ")")
         line += f" | training lookup {find['gkeys_s']:6.3f} G keys/s"
-        if "hit_rate" in find:
+        if share is not None:
             line += f", hit rate {find['hit_rate']:.3f}"
         print(line, flush=True)
         out["hbm" if share is None else f"share_{share}{'_keys_gpu' if on_gpu else ''}"] = res

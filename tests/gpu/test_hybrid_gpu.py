@@ -141,11 +141,25 @@ def test_gpu_lfu_counts_come_back_from_a_checkpoint_on_either_device(rng, tmp_pa
         assert sok.cache_stats(table)["evicted"] > 0
 
 
+@pytest.mark.parametrize("gather_min", [-1, 1])
 @pytest.mark.parametrize("budget_rows", [None, 0, 16])
-def test_gpu_read_gives_values_and_initial_values_and_changes_nothing(rng, budget_rows):
+def test_gpu_read_gives_values_and_initial_values_and_changes_nothing(rng, budget_rows, gather_min, monkeypatch):
     """Lookups with training=False on the GPU (ReadRowsKernel: rows of width 4 as float4 words, of
-    width 6 as floats; a hybrid table's keys not cached read from pinned host memory in place)."""
-    check_read(rng, budget_rows, "/GPU:0", keys=400, dims=(DIM, 6), batch=300)
+    width 6 as floats; a hybrid table's keys not cached read from pinned host memory in place, or
+    with TF_SOK_READ_GATHER_MIN_ROWS=1 gathered by the host's threads and copied over)."""
+    monkeypatch.setenv("TF_SOK_READ_GATHER_MIN_ROWS", str(gather_min))
+    check_read(rng, budget_rows, "/GPU:0", keys=400, dims=(DIM, 6), batch=300, gather_min=gather_min)
+
+
+def test_gpu_read_of_many_keys_gathers_their_host_rows(rng, monkeypatch):
+    """A read of ~160,000 ids of which ~40,000 of keys in host memory only, gathering from 20,000
+    rows: table a's host rows gathered by the host's threads in chunks of 4,096 ids, 32 chunks a
+    wave (two waves, each sent over as it completes); table b's read (~80,000 ids, ~6,000 of them
+    in host memory) waits for its rows and then reads them in place. Values against NumPy."""
+    monkeypatch.setenv("TF_SOK_READ_GATHER_MIN_ROWS", "20000")
+    a, b = check_read(rng, 3, "/GPU:0", keys=40, dims=(DIM, 6), batch=40000, gather_min=20000)
+    assert sok.cache_stats(a)["bytes_read_gathered"] > 0 and sok.cache_stats(a)["bytes_read_in_place"] == 0
+    assert sok.cache_stats(b)["bytes_read_in_place"] > 0 and sok.cache_stats(b)["bytes_read_gathered"] == 0
 
 
 def test_host_link_bandwidth_is_measured_each_way():

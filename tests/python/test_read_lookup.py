@@ -73,11 +73,14 @@ def test_a_read_gives_values_and_initial_values_and_changes_nothing(rng, budget_
     check_read(rng, budget_rows, "/CPU:0")
 
 
-def check_read(rng, budget_rows, device, keys=60, dims=(DIM, 2 * DIM), batch=20):
+def check_read(rng, budget_rows, device, keys=60, dims=(DIM, 2 * DIM), batch=20, gather_min=-1):
     """Two tables on `device` (budget_rows: hybrid ones caching that many rows) trained a few steps,
     then read by one lookup of three features (held and new keys, sum / mean / weighted sqrtn):
     the outputs are NumPy's pooling of the tables' exports and of new keys' initial values; the
-    tables keep their keys, values and cache, and count the ids read from host memory."""
+    tables keep their keys, values and cache, and count the ids read from host memory and their
+    bytes: gathered on the host and copied where a table's read has at least `gather_min` ids and
+    as many of them in host memory (TF_SOK_READ_GATHER_MIN_ROWS on a GPU; -1: never), read in place
+    otherwise."""
     pool = random_keys(rng, keys)
     with tf.device(device):
         a = _table(f"read_a_{budget_rows}_{device[1:4]}", budget_rows, dim=dims[0])
@@ -113,7 +116,7 @@ def check_read(rng, budget_rows, device, keys=60, dims=(DIM, 2 * DIM), batch=20)
         for k in old:
             np.testing.assert_array_equal(now[k], old[k])
     if budget_rows is None:
-        return
+        return a, b
     for t, table in enumerate((a, b)):   # nothing moved; the ids not cached were read from host memory
         stats = sok.cache_stats(table)
         for name in ("finds", "lookups", "misses", "loaded", "evicted", "bytes_to_device", "bytes_to_host"):
@@ -123,10 +126,13 @@ def check_read(rng, budget_rows, device, keys=60, dims=(DIM, 2 * DIM), batch=20)
         from_host = sum(1 for k in ids.tolist() if k in before[t] and k not in cached_before[t])
         assert stats["reads"] - stats_before[t]["reads"] == len(ids)
         assert stats["reads_from_host"] - stats_before[t]["reads_from_host"] == from_host
-        assert stats["bytes_read_in_place"] - stats_before[t]["bytes_read_in_place"] == from_host * 4 * \
-            table.dimension
+        gathered = 0 <= gather_min <= from_host and len(ids) >= gather_min and from_host > 0
+        nbytes = from_host * 4 * table.dimension
+        assert stats["bytes_read_in_place"] - stats_before[t]["bytes_read_in_place"] == (0 if gathered else nbytes)
+        assert stats["bytes_read_gathered"] - stats_before[t]["bytes_read_gathered"] == (nbytes if gathered else 0)
     if budget_rows in (0, 3):   # most held keys live in host memory only
         assert sok.cache_stats(a)["reads_from_host"] > 0
+    return a, b
 
 
 @pytest.mark.parametrize("min_frequency", [1, 2])

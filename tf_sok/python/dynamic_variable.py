@@ -544,7 +544,8 @@ def read_tables(variables, keys) -> list:
 tf.no_gradient("TfSokDynamicRead")
 
 _STAT_NAMES = ("finds", "lookups", "misses", "loaded", "new_keys", "evicted", "bytes_to_device", "bytes_to_host",
-               "dropped", "prefetched", "reads", "reads_from_host", "bytes_read_in_place")
+               "dropped", "prefetched", "reads", "reads_from_host", "bytes_read_in_place",
+               "bytes_read_gathered")
 
 
 def cache_stats(var) -> dict:
@@ -555,8 +556,10 @@ def cache_stats(var) -> dict:
     `bytes_to_device` / `bytes_to_host` (rows of values and optimizer state moved), `dropped` (keys
     the table's max_capacity removed from it), `prefetched` (of `loaded`, keys `sok.prefetch` took in:
     their ids count as hits when a lookup uses them), `reads` (ids read by lookups that do not train,
-    `training=False`), `reads_from_host` (of those, ids read from host memory in place, not cached),
-    `bytes_read_in_place`, `keys` (held in all), `cached` (held in device memory). A static table
+    `training=False`), `reads_from_host` (of those, ids read from host memory, not cached), their bytes
+    `bytes_read_in_place` (read over the host link by the device's kernel) and `bytes_read_gathered`
+    (on a GPU, reads of many rows: gathered by the host's threads and copied over in one piece), `keys`
+    (held in all), `cached` (held in device memory). A static table
     whose budget holds it whole has no cache: a ValueError says so.
 
     Example:

@@ -31,7 +31,15 @@ class StageClock {
   static constexpr int kStages = 9;
   enum Kind { kFind = 0, kFindMany = 1, kPrefetch = 2, kRead = 3 };
   // a read's stages (its clock marks these, then the last stage takes the device's tail)
-  enum ReadStage { kReadProbe = 0, kReadWait = 1, kReadHostLookups = 2, kReadLaunched = 3 };
+  enum ReadStage {
+    kReadProbe = 0,
+    kReadWait = 1,
+    kReadHostLookups = 2,
+    kReadLaunched = 3,
+    kReadRowsWait = 4,
+    kReadGather = 5,
+    kReadGatheredLaunched = 6
+  };
   StageClock(cudaStream_t stream, Kind kind, bool active = true)
       : stream_(stream), on_(active && Enabled()), kind_(kind) {
     if (on_) last_ = Now();
@@ -53,7 +61,8 @@ class StageClock {
                                          "commit + wait new keys", "host store lookups / array upkeep launched",
                                          "arrays + device tail"};
     static const char* read_names[kStages] = {"probe + keys to the host launched", "wait", "host store lookups",
-                                              "rows back + read kernels launched", "", "", "", "",
+                                              "rows back + read kernels launched", "wait store rows",
+                                              "host gather", "gathered rows sent + read kernels launched", "",
                                               "device tail"};
     static const char* kinds[4] = {"find", "find-many", "prefetch", "read"};
     std::fprintf(stderr, "tf_sok %s stages (ms per call, mean of 20):", kinds[kind_]);
@@ -867,17 +876,40 @@ class ReadOp : public tf::OpKernel {
     r->stats.bytes_read_in_place += from_host * r->dim * static_cast<int64_t>(sizeof(float));
   }
 #if TF_SOK_WITH_CUDA
+  // The fewest host-tier rows a GPU read gathers on the host's threads and copies over in one piece
+  // rather than reading them in place (TF_SOK_READ_GATHER_MIN_ROWS; negative: never). A table read
+  // with fewer keys than this reads in place, with no wait; one read with more waits for its store rows.
+  static int64_t GatherMinRows() {
+    const char* v = std::getenv("TF_SOK_READ_GATHER_MIN_ROWS");
+    if (v == nullptr || v[0] == 0) return 32768;
+    char* end = nullptr;
+    const long long x = std::strtoll(v, &end, 10);
+    return end != nullptr && *end == 0 ? static_cast<int64_t>(x) : 32768;
+  }
+  static void CountGathered(IndexResource* r, int64_t reads, int64_t from_host) {
+    r->stats.reads += reads;
+    r->stats.reads_from_host += from_host;
+    r->stats.bytes_read_gathered += from_host * r->dim * static_cast<int64_t>(sizeof(float));
+  }
   // Every table's index probed, the hybrid tables' keys and slots brought to the host (each table's
-  // pinned staging: [keys | slots | store rows]) with one wait, the keys not cached looked up in all
-  // host tiers together, their store rows sent back; one read kernel per table.
+  // pinned staging: [keys | slots | store rows], then room for gathered rows) with one wait, the keys
+  // not cached looked up in all host tiers together (or, the tier's keys on the device, in its map
+  // there), their store rows sent back; one read kernel per table. The host link reads random rows in
+  // place at a fraction of its copy rate (an access per row), so the rows of a read of many keys not
+  // cached are gathered by the host's threads into the staging and copied over contiguous instead.
   absl::Status ComputeGpu(tf::OpKernelContext* ctx, const impl::GpuDevice& d, const std::vector<IndexResource*>& res,
                           const std::vector<tf::Tensor*>& out) {
     const int n = static_cast<int>(res.size());
     const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
     StageClock clock(stream, StageClock::kRead);
+    const int64_t gather_min = GatherMinRows();
     std::vector<impl::GpuFindResult> found(n);
     std::vector<int64_t*> staging(n, nullptr);
     std::vector<bool> on_gpu(n, false);   // the keys not cached found in the tier's map on the device
+    std::vector<bool> may_gather(n, false);
+    auto staging_bytes = [&](const IndexResource& r, int64_t count, bool gather) {
+      return (24 + (gather ? 4 * r.dim : 0)) * static_cast<size_t>(count);
+    };
     for (int i = 0; i < n; ++i) {
       IndexResource* r = res[i];
       if (r->gpu == nullptr) return Failed(*r, ": ", "its index is on the host; read it there");
@@ -886,8 +918,9 @@ class ReadOp : public tf::OpKernel {
       const std::string error = r->gpu->Find(d, keys.flat<int64_t>().data(), count, false, &found[i]);
       if (!error.empty()) return Failed(*r, " ", error);
       on_gpu[i] = r->store && count > 0 && DeviceMapReady(d, r, 0);
+      may_gather[i] = r->store && gather_min >= 0 && count > 0 && count >= gather_min;
       if (!r->store || count == 0 || on_gpu[i]) continue;
-      staging[i] = reinterpret_cast<int64_t*>(r->Staging(24 * static_cast<size_t>(count)));
+      staging[i] = reinterpret_cast<int64_t*>(r->Staging(staging_bytes(*r, count, may_gather[i])));
       if (staging[i] == nullptr) return Failed(*r, ": ", "ran out of host memory");
       cudaMemcpyAsync(staging[i], keys.flat<int64_t>().data(), 8 * count, cudaMemcpyDeviceToHost, stream);
       cudaMemcpyAsync(staging[i] + count, found[i].slots, 8 * count, cudaMemcpyDeviceToHost, stream);
@@ -908,36 +941,105 @@ class ReadOp : public tf::OpKernel {
     }
     const std::vector<int64_t> held = StoreRowsOfMissing(ctx, res, key_lists, slot_lists, counts, row_lists);
     clock.Mark(StageClock::kReadHostLookups);
+    std::vector<int64_t*> store_rows(n, nullptr);   // on the device
+    auto read = [&](int i, const float* store, int64_t stride) {
+      IndexResource* r = res[i];
+      impl::GpuReadRows(d, ctx->input(n + i).flat<int64_t>().data(), found[i].slots, store_rows[i],
+                        ctx->input(n + i).NumElements(), r->arrays[0].var->tensor()->flat<float>().data(), r->dim,
+                        store, stride, InitKind(*r), r->a, r->b, r->seed, out[i]->flat<float>().data());
+    };
+    bool wait_rows = false;
     for (int i = 0; i < n; ++i) {
       IndexResource* r = res[i];
       const tf::Tensor& keys = ctx->input(n + i);
       const int64_t count = keys.NumElements();
-      int64_t* store_rows = nullptr;
+      if (on_gpu[i] || staging[i]) {
+        store_rows[i] = static_cast<int64_t*>(d.scratch->Allocate(8 * count));
+        if (store_rows[i] == nullptr) return Failed(*r, ": ", "out of GPU memory");
+      }
       if (on_gpu[i]) {
-        if (r->reads_from_host_dev == nullptr) {
-          r->reads_from_host_dev = static_cast<int64_t*>(r->memory->Allocate(8));
-          if (r->reads_from_host_dev == nullptr) return Failed(*r, ": ", "out of GPU memory");
-          cudaMemsetAsync(r->reads_from_host_dev, 0, 8, stream);
+        int64_t* held_dev = r->reads_from_host_dev;   // (a gathered read counts its rows on the host)
+        if (may_gather[i]) {
+          held_dev = static_cast<int64_t*>(d.scratch->Allocate(8));
+          staging[i] = reinterpret_cast<int64_t*>(r->Staging(staging_bytes(*r, count, true)));
+          if (staging[i] == nullptr) return Failed(*r, ": ", "ran out of host memory");
+          row_lists[i] = staging[i] + 2 * count;
+          counts[i] = count;
+          wait_rows = true;
+        } else if (held_dev == nullptr) {
+          held_dev = r->reads_from_host_dev = static_cast<int64_t*>(r->memory->Allocate(8));
+          if (held_dev != nullptr) cudaMemsetAsync(held_dev, 0, 8, stream);
         }
-        store_rows = static_cast<int64_t*>(d.scratch->Allocate(8 * count));
-        if (store_rows == nullptr) return Failed(*r, ": ", "out of GPU memory");
+        if (held_dev == nullptr) return Failed(*r, ": ", "out of GPU memory");
         const std::string error = r->gpu->StoreMapRowsOfMissing(d, keys.flat<int64_t>().data(), found[i].slots,
-                                                                count, store_rows, r->reads_from_host_dev);
+                                                                count, store_rows[i], held_dev);
         if (!error.empty()) return Failed(*r, ": ", error);
+        if (may_gather[i]) {
+          cudaMemcpyAsync(row_lists[i], store_rows[i], 8 * count, cudaMemcpyDeviceToHost, stream);
+          continue;
+        }
         Count(r, count, 0);
       } else if (staging[i]) {
-        store_rows = static_cast<int64_t*>(d.scratch->Allocate(8 * count));
-        if (store_rows == nullptr) return Failed(*r, ": ", "out of GPU memory");
+        if (may_gather[i]) continue;
         // (pinned: the next call to use the staging waits for this stream first)
-        cudaMemcpyAsync(store_rows, row_lists[i], 8 * count, cudaMemcpyHostToDevice, stream);
+        cudaMemcpyAsync(store_rows[i], row_lists[i], 8 * count, cudaMemcpyHostToDevice, stream);
         Count(r, count, held[i]);
       }
-      impl::GpuReadRows(d, keys.flat<int64_t>().data(), found[i].slots, store_rows, count,
-                        r->arrays[0].var->tensor()->flat<float>().data(), r->dim,
-                        r->store ? r->store->base(0) : nullptr, r->store ? r->store->stride() : 0, InitKind(*r), r->a,
-                        r->b, r->seed, out[i]->flat<float>().data());
+      read(i, r->store ? r->store->base(0) : nullptr, r->store ? r->store->stride() : 0);
     }
     clock.Mark(StageClock::kReadLaunched);
+    if (!std::any_of(may_gather.begin(), may_gather.end(), [](bool g) { return g; })) return absl::OkStatus();
+    if (wait_rows) TF_RETURN_IF_ERROR(CudaWait(stream));
+    clock.Mark(StageClock::kReadRowsWait);
+    std::vector<IndexResource*> g_res;
+    std::vector<int64_t> g_n;
+    std::vector<int64_t*> g_rows;
+    std::vector<float*> g_out;
+    std::vector<int> g_table;
+    for (int i = 0; i < n; ++i) {
+      if (!may_gather[i]) continue;
+      g_res.push_back(res[i]);
+      g_n.push_back(counts[i]);
+      g_rows.push_back(row_lists[i]);
+      g_out.push_back(reinterpret_cast<float*>(staging[i] + 3 * counts[i]));
+      g_table.push_back(i);
+    }
+    // (each gathered table's rows sent over wave by wave, as the host's threads gather the next)
+    std::vector<float*> rows_dev(g_res.size(), nullptr);
+    size_t failed = 0;
+    GatherHooks hooks;
+    hooks.start = [&](size_t g, int64_t m) {
+      rows_dev[g] = static_cast<float*>(d.scratch->Allocate(4 * m * g_res[g]->dim));
+      failed = g;
+      return rows_dev[g] != nullptr;
+    };
+    hooks.ready = [&](size_t g, int64_t first, int64_t m) {
+      const int64_t dim = g_res[g]->dim;
+      cudaMemcpyAsync(rows_dev[g] + first * dim, g_out[g] + first * dim, 4 * m * dim, cudaMemcpyHostToDevice,
+                      stream);
+    };
+    std::vector<bool> gathered;
+    bool ok = true;
+    const std::vector<int64_t> rows_held =
+        GatherStoreRows(ctx, g_res, g_n, g_rows, gather_min, g_out, hooks, &gathered, &ok);
+    if (!ok) return Failed(*g_res[failed], ": ", "out of GPU memory");
+    clock.Mark(StageClock::kReadGather);
+    for (size_t g = 0; g < g_res.size(); ++g) {
+      const int i = g_table[g];
+      IndexResource* r = res[i];
+      const int64_t count = g_n[g], m = rows_held[g];
+      // (the rows' places in the gathered rows; or, not gathered, the store rows a host lookup found)
+      if (gathered[g] || !on_gpu[i])
+        cudaMemcpyAsync(store_rows[i], row_lists[i], 8 * count, cudaMemcpyHostToDevice, stream);
+      if (!gathered[g]) {
+        Count(r, count, m);
+        read(i, r->store->base(0), r->store->stride());
+        continue;
+      }
+      CountGathered(r, count, m);
+      read(i, rows_dev[g], r->dim);
+    }
+    clock.Mark(StageClock::kReadGatheredLaunched);
     return absl::OkStatus();
   }
 #endif

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -157,6 +158,91 @@ std::vector<int64_t> StoreRowsOfMissing(tf::OpKernelContext* ctx, const std::vec
   std::vector<int64_t> out(res.size());
   for (size_t i = 0; i < res.size(); ++i) out[i] = held[i].load();
   return out;
+}
+
+std::vector<int64_t> GatherStoreRows(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
+                                     const std::vector<int64_t>& n, const std::vector<int64_t*>& rows,
+                                     int64_t min_rows, const std::vector<float*>& out, const GatherHooks& hooks,
+                                     std::vector<bool>* gathered, bool* ok) {
+  // chunks of each table's rows, counted, then (where gathered) filled from each chunk's offset,
+  // a wave of kWave chunks of each table at a time
+  constexpr int64_t kChunk = 4096, kWave = 32;
+  struct Chunk {
+    size_t table;
+    int64_t begin, end, held = 0, at = 0;
+  };
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < res.size(); ++i)
+    for (int64_t b = 0; b < n[i]; b += kChunk) chunks.push_back({i, b, std::min(n[i], b + kChunk)});
+  TensorScratch scratch(ctx);
+  const impl::CpuDevice host = MakeDevice<impl::CpuDevice>(ctx, &scratch);
+  host.parallel_for(static_cast<int64_t>(chunks.size()), kChunk * 2, [&](int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c) {
+      const int64_t* r = rows[chunks[c].table];
+      int64_t held = 0;
+      for (int64_t j = chunks[c].begin; j < chunks[c].end; ++j) held += r[j] >= 0;
+      chunks[c].held = held;
+    }
+  });
+  std::vector<int64_t> held(res.size(), 0);
+  for (Chunk& c : chunks) {
+    c.at = held[c.table];
+    held[c.table] += c.held;
+  }
+  *ok = true;
+  gathered->assign(res.size(), false);
+  int64_t dim_max = 0;
+  for (size_t i = 0; i < res.size(); ++i) {
+    if (held[i] == 0 || held[i] < min_rows) continue;
+    if (!hooks.start(i, held[i])) {
+      *ok = false;
+      return held;
+    }
+    (*gathered)[i] = true;
+    dim_max = std::max(dim_max, res[i]->dim);
+  }
+  if (dim_max == 0) return held;
+  // the waves: chunk w * kWave .. of each gathered table (a table's chunks are consecutive)
+  std::vector<std::vector<int64_t>> of_table(res.size());
+  for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c)
+    if ((*gathered)[chunks[c].table]) of_table[chunks[c].table].push_back(c);
+  for (size_t w = 0;; ++w) {
+    std::vector<int64_t> wave;
+    for (const auto& t : of_table)
+      for (size_t k = w * kWave; k < std::min(t.size(), (w + 1) * kWave); ++k) wave.push_back(t[k]);
+    if (wave.empty()) break;
+    // (each row a random access into a large array: the rows a few ahead are asked for first)
+    host.parallel_for(static_cast<int64_t>(wave.size()), kChunk * (50 + dim_max), [&](int64_t lo, int64_t hi) {
+      constexpr int64_t kAhead = 8;
+      for (int64_t x = lo; x < hi; ++x) {
+        const Chunk& c = chunks[wave[x]];
+        const size_t i = c.table;
+        int64_t* r = rows[i];
+        const int64_t dim = res[i]->dim, stride = res[i]->store->stride();
+        const float* base = res[i]->store->base(0);
+        const size_t bytes = sizeof(float) * static_cast<size_t>(dim);
+        int64_t at = c.at;
+        for (int64_t j = c.begin; j < c.end; ++j) {
+          const int64_t ahead = j + kAhead < c.end ? r[j + kAhead] : -1;
+          if (ahead >= 0) {
+            const char* p = reinterpret_cast<const char*>(base + ahead * stride);
+            for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+          }
+          if (r[j] < 0) continue;
+          std::memcpy(out[i] + at * dim, base + r[j] * stride, bytes);
+          r[j] = at++;
+        }
+      }
+    });
+    for (size_t i = 0; i < res.size(); ++i) {   // each table's rows of this wave: one range of out[i]
+      const auto& t = of_table[i];
+      if (w * kWave >= t.size()) continue;
+      const size_t last = std::min(t.size(), (w + 1) * kWave) - 1;
+      const int64_t first = chunks[t[w * kWave]].at, end = chunks[t[last]].at + chunks[t[last]].held;
+      if (end > first) hooks.ready(i, first, end - first);
+    }
+  }
+  return held;
 }
 
 #if TF_SOK_WITH_CUDA

@@ -5,6 +5,7 @@
 #define TF_SOK_CC_KERNELS_DYNAMIC_ROWS_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -185,6 +186,22 @@ std::vector<int64_t> StoreRowsOfMissing(tf::OpKernelContext* ctx, const std::vec
                                         const std::vector<const int64_t*>& keys,
                                         const std::vector<const int64_t*>& slots, const std::vector<int64_t>& n,
                                         const std::vector<int64_t*>& rows);
+// A read's host-tier rows gathered on the host's threads, for all tables at once: of table i's n[i]
+// store rows rows[i] (-1: none), those >= 0 counted; where there are at least min_rows of them,
+// start(i, count) is told, their values (array 0's) are copied in order into out[i] (room for n[i]
+// rows of the table's dim) and each rows[i][j] >= 0 is replaced by its row's place there. The copies
+// go in waves of a few chunks of every table; after each wave, ready(i, first, count) is told the
+// rows of out[i] it completed (to send them on while the next wave runs). Returns per table the
+// count of rows >= 0, and in gathered[i] whether they were gathered (rows[i] untouched where not);
+// a start that returns false stops it (nothing gathered after; false returned in *ok).
+struct GatherHooks {
+  std::function<bool(size_t table, int64_t count)> start;
+  std::function<void(size_t table, int64_t first, int64_t count)> ready;
+};
+std::vector<int64_t> GatherStoreRows(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
+                                     const std::vector<int64_t>& n, const std::vector<int64_t*>& rows,
+                                     int64_t min_rows, const std::vector<float*>& out, const GatherHooks& hooks,
+                                     std::vector<bool>* gathered, bool* ok);
 #if TF_SOK_WITH_CUDA
 // rows[i][j]: the store row of keys[i][j] in table i's host tier (-1: absent), j < n[i], for all
 // tables at once on the host's threads (the stores must not change meanwhile).

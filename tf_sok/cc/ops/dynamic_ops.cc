@@ -273,7 +273,7 @@ REGISTER_OP("TfSokDynamicCacheStats")
     .Output("stats: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(13));
+      c->set_output(0, c->Vector(14));
       return absl::OkStatus();
     })
     .Doc(R"doc(
@@ -282,8 +282,8 @@ looked up, positions whose key was not cached, keys taken into the cache, keys
 of those the table had never held, keys written back to host memory, bytes read
 from host memory, bytes written to it, keys its bound (max_capacity) dropped,
 keys of those taken in that prefetches took in; then of read-only lookups
-(TfSokDynamicRead): key positions read, those read from host memory in place,
-and their bytes.
+(TfSokDynamicRead): key positions read, those read from host memory, their bytes
+read in place by the device, and their bytes gathered on the host and copied.
 )doc");
 
 REGISTER_OP("TfSokDynamicPrefetch")

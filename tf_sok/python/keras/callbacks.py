@@ -44,12 +44,13 @@ class CacheStats(keras.callbacks.Callback):
             now, before = cache_stats(t), self._start.get(t.table.name, {})
             d = {k: now[k] - before.get(k, 0) for k in ("lookups", "misses", "loaded", "new_keys", "evicted",
                                                         "bytes_to_device", "bytes_to_host", "dropped", "prefetched",
-                                                        "reads", "reads_from_host", "bytes_read_in_place")}
+                                                        "reads", "reads_from_host", "bytes_read_in_place",
+                                                        "bytes_read_gathered")}
             rate = 1.0 - d["misses"] / d["lookups"] if d["lookups"] else 0.0
-            # (lookups that do not train, e.g. validation's: ids read, of them read from host memory in place)
+            # (lookups that do not train, e.g. validation's: ids read, of them read from host memory)
             reads = "" if not d["reads"] else \
                 f"; {d['reads']} ids read without training ({d['reads_from_host']} from host memory, " \
-                f"{d['bytes_read_in_place'] / 1e6:.1f} MB)"
+                f"{(d['bytes_read_in_place'] + d['bytes_read_gathered']) / 1e6:.1f} MB)"
             _log.info("epoch %d, table %r: hit rate %.4f, %d keys taken in (%d new, %d prefetched), %d written back, "
                       "%.1f MB to the device, %.1f MB to the host; %d keys (%d dropped by max_capacity), %d cached%s",
                       epoch + 1, t.table.name, rate, d["loaded"], d["new_keys"], d["prefetched"], d["evicted"],
