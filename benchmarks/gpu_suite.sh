@@ -8,6 +8,7 @@
 #         (E2E_ARGS: more e2e_bench arguments for e2e-fit)
 # `tests` needs the dev requirements next to TensorFlow (pytest, and tf_keras for test_sok_compat.py).
 set -uo pipefail
+export PYTHONUNBUFFERED=1   # (each part's lines reach the log as they come, even when a limit cuts it off)
 part=$1
 out=${2:-out/gpu}
 mkdir -p "$out"
