@@ -297,7 +297,8 @@ def find_section(a, device):
         read, in_place, find = res["read"], res["read_in_place"], res["find"]
         line = f"  {what:42s} read (training=False) {read['gkeys_s']:6.3f} G keys/s"
         if share is not None:
-            line += f" ({read['host_bytes_per_call'] / 1e6:.1f} MB from host memory per call, {read['host_gb_s']:.1f} GB/s"
+            line += (f" ({read['host_bytes_per_call'] / 1e6:.1f} MB from host memory per call, "
+                     f"{read['host_gb_s']:.1f} GB/s")
             # (a GPU's reads gather the rows on the host first; the CPU reads them in place either way)
             line += (f"; read in place {in_place['gkeys_s']:.3f} G keys/s, {in_place['host_gb_s']:.1f} GB/s: "
                      f"gathered {read['gkeys_s'] / in_place['gkeys_s']:.2f}x)" if "GPU" in device.upper() else ")")
