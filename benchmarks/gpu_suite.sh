@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1   # (each part's lines reach the log as they come, eve
 part=$1
 out=${2:-out/gpu}
 mkdir -p "$out"
-quiet() { grep -v -E "^(W|I|E)0000|WARNING: All log|retracing|UserWarning|self\._interrupted" ; }
+quiet() { grep --line-buffered -v -E "^(W|I|E)0000|WARNING: All log|retracing|UserWarning|self\._interrupted" ; }
 case $part in
   tests)       # (the whole log written as it goes: a run cut off by a timeout keeps what had passed)
                python3 -m pytest -v -m gpu tests -p no:cacheprovider --durations=10 > "$out/gpu_tests.txt" 2>&1

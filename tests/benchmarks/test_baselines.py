@@ -69,3 +69,20 @@ def test_the_tensorflow_dlrm_trains_like_the_tf_sok_dlrm():
     after = ours(x0).numpy()
     assert np.abs(after - start).max() > 1e-3              # both trained
     np.testing.assert_allclose(theirs(x0).numpy(), after, rtol=1e-4, atol=1e-5)
+
+
+def test_the_tensorflow_dlrm_keeps_its_step_out_of_xla_unless_asked(monkeypatch):
+    """Keras' jit_compile="auto" would compile the whole step, table scatters included, with XLA on a GPU
+    (made to resolve as there); the baseline compiles like tf_sok's DLRM (no XLA for the step) unless the
+    caller asks."""
+    import tf_dlrm
+
+    schema = sd.CriteoSchema.capped(50)
+    model = tf_dlrm.TFDLRM(schema, 4)
+    monkeypatch.setattr(type(model), "_resolve_auto_jit_compile", lambda self: True, raising=True)
+    model.compile(optimizer=tf_dlrm.optimizer(), loss="binary_crossentropy", jit_compile="auto")
+    assert model.jit_compile is True       # ("auto" as on a GPU)
+    model.compile(optimizer=tf_dlrm.optimizer(), loss="binary_crossentropy")
+    assert model.jit_compile is False
+    model.compile(optimizer=tf_dlrm.optimizer(), loss="binary_crossentropy", jit_compile=True)
+    assert model.jit_compile is True

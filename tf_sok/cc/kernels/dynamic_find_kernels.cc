@@ -958,19 +958,21 @@ class ReadOp : public tf::OpKernel {
         if (store_rows[i] == nullptr) return Failed(*r, ": ", "out of GPU memory");
       }
       if (on_gpu[i]) {
-        int64_t* held_dev = r->reads_from_host_dev;   // (a gathered read counts its rows on the host)
+        int64_t* held_dev = nullptr;   // (a read that may gather counts its rows on the host)
         if (may_gather[i]) {
-          held_dev = static_cast<int64_t*>(d.scratch->Allocate(8));
           staging[i] = reinterpret_cast<int64_t*>(r->Staging(staging_bytes(*r, count, true)));
           if (staging[i] == nullptr) return Failed(*r, ": ", "ran out of host memory");
           row_lists[i] = staging[i] + 2 * count;
           counts[i] = count;
           wait_rows = true;
-        } else if (held_dev == nullptr) {
-          held_dev = r->reads_from_host_dev = static_cast<int64_t*>(r->memory->Allocate(8));
-          if (held_dev != nullptr) cudaMemsetAsync(held_dev, 0, 8, stream);
+        } else {
+          held_dev = r->reads_from_host_dev;
+          if (held_dev == nullptr) {
+            held_dev = r->reads_from_host_dev = static_cast<int64_t*>(r->memory->Allocate(8));
+            if (held_dev == nullptr) return Failed(*r, ": ", "out of GPU memory");
+            cudaMemsetAsync(held_dev, 0, 8, stream);
+          }
         }
-        if (held_dev == nullptr) return Failed(*r, ": ", "out of GPU memory");
         const std::string error = r->gpu->StoreMapRowsOfMissing(d, keys.flat<int64_t>().data(), found[i].slots,
                                                                 count, store_rows[i], held_dev);
         if (!error.empty()) return Failed(*r, ": ", error);
