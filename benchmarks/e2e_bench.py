@@ -356,9 +356,19 @@ def fit_section(a, d):
             args += ["--pageable"]
         if a.ragged_tensors:
             args += ["--ragged-tensors"]
-        p = subprocess.run(args, capture_output=True, text=True)
+        began = time.time()
+        try:
+            p = subprocess.run(args, capture_output=True, text=True, timeout=a.fit_timeout or None)
+        except subprocess.TimeoutExpired as e:   # (one run must not hold up the others; what it printed is kept)
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+            last = " / ".join(err.strip().splitlines()[-3:])
+            print(f"  {name:18s} spe {int(spe):2d}: timed out after {a.fit_timeout:.0f} s (--fit-timeout); its last "
+                  f"lines: {last}", flush=True)
+            out[f"{name}/spe{spe}"] = None
+            continue
         lines = [l for l in p.stdout.splitlines() if l.startswith("  ") or l.startswith("{")]
         print("\n".join(l for l in lines if not l.startswith("{")) or p.stderr[-1500:], flush=True)
+        print(f"    ({name} took {time.time() - began:.0f} s with its set-up and compilation)", flush=True)
         out[f"{name}/spe{spe}"] = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
     for key, base in [(k, k.replace("-tf/", "/")) for k in out if "-tf/" in k]:   # tf_sok vs the baseline
         ours, theirs = out.get(base) or {}, out[key] or {}
@@ -413,6 +423,8 @@ def main():
                         "device cache), -tier-prefetch (and each step prefetching the next "
                         "batch's ids: sok.keras.loop_on_host(prefetch=...), as the examples' --prefetch); DLRM-tf: the same DLRM without "
                         "tf_sok (benchmarks/tf_dlrm.py), its samples/s compared with DLRM's at the same spe")
+    p.add_argument("--fit-timeout", type=float, default=900,
+                   help="seconds each fit run (a process) may take, its set-up included; 0: no limit")
     p.add_argument("--tier-share", type=float, default=0.1,
                    help="-tier runs: each table's device budget (max_hbm_for_vectors), this share of the largest "
                         "table's rows and optimizer state")
