@@ -5,7 +5,7 @@
 #   part: tests | e2e-readers [e2e_bench args] | e2e-fit [MODEL:SPE ...] | kernels | profile [args]
 #         | fuzz CASES MINUTES | soak MINUTES | dynamic [dynamic_bench args] | tier [tier_bench args]
 #         | readers [reader_scaling args] | link [GiB [row bytes ...]]
-#         (E2E_ARGS: more e2e_bench arguments for e2e-fit)
+#         (E2E_ARGS: more e2e_bench arguments for e2e-fit; FIT_TIMEOUT: seconds per fit run, 240)
 # `tests` needs the dev requirements next to TensorFlow (pytest, and tf_keras for test_sok_compat.py).
 set -uo pipefail
 export PYTHONUNBUFFERED=1   # (each part's lines reach the log as they come, even when a limit cuts it off)
@@ -19,7 +19,7 @@ case $part in
                rc=$?; tail -40 "$out/gpu_tests.txt"; exit $rc ;;
   e2e-readers) shift 2; python3 benchmarks/e2e_bench.py --sections readers embedding "$@" --json "$out/e2e_readers.json" 2>&1 | quiet | tee -a "$out/e2e_readers.txt" ;;
   e2e-fit)     shift 2; runs=${*:+--fit-runs $*}
-               python3 benchmarks/e2e_bench.py --sections fit ${E2E_ARGS:-} $runs --json "$out/e2e_fit.json" 2>&1 | quiet | tee -a "$out/e2e_fit.txt" ;;
+               python3 benchmarks/e2e_bench.py --sections fit --fit-timeout ${FIT_TIMEOUT:-240} ${E2E_ARGS:-} $runs --json "$out/e2e_fit.json" 2>&1 | quiet | tee -a "$out/e2e_fit.txt" ;;
   kernels)     python3 benchmarks/gpu_bench.py --sections train --json "$out/gpu_train.json" 2>&1 | quiet | tee "$out/gpu_train.txt" ;;
   profile)     shift 2; python3 benchmarks/fit_profile.py "$@" 2>&1 | quiet | tee -a "$out/fit_profile.txt" ;;
   fuzz)        python3 benchmarks/fuzz.py --device gpu --calls "$3" --minutes "$4" --jobs 4 --first-seed 300000 \
