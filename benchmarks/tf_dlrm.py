@@ -1,6 +1,10 @@
 """The small DLRM as a TensorFlow user builds it without tf_sok, in its fastest form: the 26 tables
-as tf.Variables, each feature's ids gathered and mean-pooled by row (`tf.gather` +
-`tf.math.unsorted_segment_sum` over the (values, row_splits) pairs the pipeline feeds), gradients
+as tf.Variables, each feature's ids gathered and mean-pooled by row (`tf.gather`, then
+`tf.sparse.segment_mean` of the gathered rows, as `tf.nn.embedding_lookup_sparse` builds it, over
+the (values, row_splits) pairs the pipeline feeds; on the project's CPU machine, 26 tables of 1e5 x 16
+at batch 4,096, a step of lookups and sparse updates took 20-24 ms this way, 33 ms with
+`tf.math.unsorted_segment_sum` for the mean and 50-53 ms with `tf.sparse.segment_mean` straight from
+the table with `sparse_gradient=True`), gradients
 kept as `tf.IndexedSlices` and applied by a lazy Adam over the touched rows
 (gpu_common.TFSparseOptimizer: Keras 3's optimizers would densify them), the dense part (the same
 layers as examples/dlrm.py) by Keras' Adam. e2e_bench.py's "DLRM-tf" fit runs train it next to
@@ -25,11 +29,11 @@ class PooledTables:
         for name, table in zip(self.names, self.tables):
             f = features[name]
             values, splits = (f.values, f.row_splits) if isinstance(f, tf.RaggedTensor) else f
-            rows = tf.ragged.row_splits_to_segment_ids(splits)
+            rows = tf.ragged.row_splits_to_segment_ids(splits)   # (sorted, as the sparse segment ops need)
             n = tf.shape(splits, out_type=rows.dtype)[0] - 1
-            total = tf.math.unsorted_segment_sum(tf.gather(table, values), rows, n)
-            count = tf.math.unsorted_segment_sum(tf.ones_like(rows, tf.float32), rows, n)
-            out[name] = total / tf.maximum(count, 1.0)[:, None]
+            picked = tf.gather(table, values)   # (its gradient: IndexedSlices of the ids' rows)
+            out[name] = tf.sparse.segment_mean(picked, tf.range(tf.shape(values, out_type=rows.dtype)[0]),
+                                               rows, num_segments=n)   # (0 for a row without ids)
         return out
 
 
