@@ -47,10 +47,11 @@ class TFDLRM(DLRM):
     def compile(self, *args, jit_compile=False, **kwargs):
         """As Keras' compile, but not the whole step under XLA by default: Keras' jit_compile="auto" picks
         XLA on a GPU for this model (all its layers support it, unlike tf_sok's), and XLA then compiles the
-        step with its scatters into the 26 tables and their moments. On an H100 that step (steps_per_execution
-        10, tables capped at 1e7 rows of dim 128) filled the GPU's memory and had not finished its first
-        execution 330 s after the process started; on the CPU it compiles for ~95 s and runs each step 1.7-2x slower. Like tf_sok's
-        DLRM, only the dense part is compiled, and only when asked (jit_dense)."""
+        step with its scatters into the 26 tables and their moments. On an H100 that step
+        (steps_per_execution 10, tables capped at 1e7 rows of dim 128) filled the GPU's memory and had not
+        finished its first execution 330 s after the process started; on the CPU it compiles for ~95 s and
+        runs each step 1.7-2x slower. Like tf_sok's DLRM, only the dense part is compiled, and only when
+        asked (jit_dense)."""
         super().compile(*args, jit_compile=jit_compile, **kwargs)
 
     def make_embeddings(self, schema, dim, max_hbm_for_vectors):
