@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sok as sok
-from tests.python.test_dynamic import _reference_model, held, random_keys
+from tests.python.test_dynamic import _reference_model, call_evicting, give_wide_scores, held, random_keys
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
                                                   reason="no GPU visible to TensorFlow")]
@@ -102,6 +102,33 @@ def test_few_victims_among_many_rows_match_the_python_model_on_the_gpu(rng, poli
             _, ev_keys, _ = sok.sparse_read_and_evict(table, tf.constant(b))
         assert sorted(ev_keys.numpy().tolist()) == want, f"call {i}"
     assert set(held(table)) == want_keys
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_victims_among_wide_tied_scores_match_numpy_and_the_cpu_on_the_gpu(rng, policy):
+    """Scores of 41 bits, many tied (the GPU selects victims by 16-bit digits of the score, then of the
+    key): the first call's victims are NumPy's lowest (score, key); later calls evict what the CPU
+    table evicts, and both end up holding the same keys."""
+    max_keys = 20_000
+    pool = random_keys(rng, max_keys + 12_000)
+    gpu, cpu = pair(dimension=2, initializer="zeros", max_capacity=max_keys, evict_strategy=policy,
+                    init_capacity=1024)
+    for part in np.array_split(pool[:max_keys], 4):
+        gather_on_each(gpu, cpu, tf.constant(part))
+    give_wide_scores(gpu, "/GPU:0")
+    give_wide_scores(cpu, "/CPU:0")
+    batch, want = call_evicting(rng, np.array(sorted(held(cpu))), pool[max_keys:])
+    for call in range(4):
+        got = []
+        for table, device in ((gpu, "/GPU:0"), (cpu, "/CPU:0")):
+            with tf.device(device):
+                got.append(sorted(sok.sparse_read_and_evict(table, tf.constant(batch))[1].numpy().tolist()))
+        assert got[0] == got[1], f"call {call}"
+        if call == 0:
+            assert got[0] == want
+        fresh = pool[max_keys + 3000 * (call + 1):]
+        batch = rng.permutation(np.concatenate([fresh[:3000], rng.choice(np.array(sorted(held(cpu))), 2000)]))
+    assert set(held(gpu)) == set(held(cpu))
 
 
 @pytest.mark.parametrize("case", ["adam_lru_admission", "adagrad_lfu"])

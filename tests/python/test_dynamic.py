@@ -164,6 +164,48 @@ def test_eviction_over_many_calls_and_a_restore_follows_the_policy(rng, tmp_path
     assert set(held(table)) == want_keys
 
 
+def wide_scores(keys):
+    """Scores of 41 bits from the keys, 183 values among them (ties): what a long training's clock
+    (or an LFU count on top of an imported one) gives, far past 2^16 calls."""
+    mixed = (keys.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)
+    return (1 << 40) + (mixed % np.uint64(61)).astype(np.int64) * (1 << 17) + (mixed % np.uint64(3)).astype(np.int64)
+
+
+def give_wide_scores(table, device):
+    """The table's index exported, its keys given wide_scores (and the clock the largest), imported back."""
+    from tf_sok.python.ops.loader import ops
+    with tf.device(device):
+        parts = [p.numpy() for p in ops().tf_sok_dynamic_export(table._index.resource_handle)]  # noqa: SLF001
+        parts[2] = wide_scores(parts[0])
+        parts[6] = parts[6].copy()
+        parts[6][0] = parts[2].max()
+        ops().tf_sok_dynamic_import(table._index.resource_handle,  # noqa: SLF001
+                                    *[tf.constant(p, tf.int64) for p in parts])
+
+
+def call_evicting(rng, held_keys, pool, n_new=3000, n_touched=2000):
+    """A batch of n_new keys from `pool` and n_touched held ones (some twice), and the keys a full table
+    evicts for it: the n_new untouched ones of lowest (wide_scores, key), by NumPy's lexsort."""
+    touched = rng.choice(held_keys, n_touched, replace=False)
+    batch = rng.permutation(np.concatenate([pool[:n_new], touched, touched[:n_touched // 4]]))
+    untouched = np.setdiff1d(held_keys, touched)
+    return batch, sorted(untouched[np.lexsort((untouched, wide_scores(untouched)))[:n_new]].tolist())
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_victims_among_wide_tied_scores_are_the_lowest_score_then_key(rng, policy):
+    max_keys = 20_000
+    pool = random_keys(rng, max_keys + 3000)
+    table = sok.DynamicVariable(2, initializer="zeros", max_capacity=max_keys, evict_strategy=policy,
+                                init_capacity=1024, name="wide_scores")
+    for part in np.array_split(pool[:max_keys], 4):
+        tf.gather(table, tf.constant(part))
+    give_wide_scores(table, "/CPU:0")
+    batch, want = call_evicting(rng, np.array(sorted(held(table))), pool[max_keys:])
+    _, evicted, _ = sok.sparse_read_and_evict(table, tf.constant(batch))
+    assert sorted(evicted.numpy().tolist()) == want
+
+
 def test_large_batches_find_the_values_assigned_to_their_keys(rng):
     """Batches large enough to be looked up on several host threads: each position reads the value
     assigned to its key (a dict's), missing keys -1 without insert; with insert, the missing keys
