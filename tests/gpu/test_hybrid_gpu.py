@@ -34,6 +34,14 @@ def _train(table, opt, batches, device, **lookup_kw):
     return outs
 
 
+def _assert_close_at_row_scale(got, want, rtol=1e-4, atol=2e-5, row_rtol=1e-5):
+    """|got - want| within atol + rtol |want| + row_rtol (the largest |want| of its row), elementwise."""
+    tol = atol + rtol * np.abs(want) + row_rtol * np.abs(want).max(axis=1, keepdims=True)
+    bad = np.argwhere(np.abs(got - want) > tol)
+    assert len(bad) == 0, (f"{len(bad)} of {want.size} elements apart beyond tolerance, first at {bad[0].tolist()}: "
+                           f"{got[tuple(bad[0])]} against {want[tuple(bad[0])]}")
+
+
 @pytest.mark.parametrize("case", sorted(OPTIMIZERS))
 def test_gpu_hybrid_trains_as_the_cpu_hybrid_and_the_all_hbm_table(rng, case):
     cls, hp = OPTIMIZERS[case]
@@ -55,10 +63,12 @@ def test_gpu_hybrid_trains_as_the_cpu_hybrid_and_the_all_hbm_table(rng, case):
         tables.append(t)
         opts.append(opt)
     # the GPU's and the CPU's kernels round differently, and the GPU sums a key's duplicate gradients
-    # with atomics (in no fixed order): the runs drift apart at float32 rounding level
+    # with atomics (in no fixed order): the runs drift apart at float32 rounding level, which for a
+    # sum of rows near 10 that cancels to 5e-4 is that of its terms (1e-5 of the sample's largest
+    # output on top of the element's own tolerance)
     for a, b, c in zip(*outs):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
-        np.testing.assert_allclose(a, c, rtol=1e-4, atol=2e-5)
+        _assert_close_at_row_scale(a, b)
+        _assert_close_at_row_scale(a, c)
     # GPU against CPU: the kernels' rounding apart (FTRL / RMSprop state near 10 differed by 1.5e-5
     # relative after the steps; an FTRL linear term of 0.52 in a row reaching 379 by 1.7e-4, the
     # rounding of the large terms it sums), the same tables
