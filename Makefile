@@ -39,7 +39,7 @@ demo-mirrored: build
 	$(BIN)/python examples/mirrored_dlrm.py
 
 test: build
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 # GPU-marked tests only (they skip themselves where no GPU is visible).
 test-gpu: build
