@@ -106,9 +106,9 @@ def test_few_victims_among_many_rows_match_the_python_model_on_the_gpu(rng, poli
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_victims_among_wide_tied_scores_match_numpy_and_the_cpu_on_the_gpu(rng, policy):
-    """Scores of 41 bits, many tied (the GPU selects victims by 16-bit digits of the score, then of the
-    key): the first call's victims are NumPy's lowest (score, key); later calls evict what the CPU
-    table evicts, and both end up holding the same keys."""
+    """Scores of 41 bits, many tied (the GPU sorts its evictable rows by key, then by the score's bits):
+    the first call's victims are NumPy's lowest (score, key); later calls evict what the CPU table
+    evicts, and both end up holding the same keys."""
     max_keys = 20_000
     pool = random_keys(rng, max_keys + 12_000)
     gpu, cpu = pair(dimension=2, initializer="zeros", max_capacity=max_keys, evict_strategy=policy,
