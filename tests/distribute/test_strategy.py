@@ -39,11 +39,27 @@ def _load(outdir, scenarios, tasks):
     return res
 
 
-def run_mirrored(n, scenarios, seed, outdir, gpu=False, exchange="auto"):
+def start_mirrored(n, scenarios, seed, outdir, gpu=False, exchange="auto"):
+    """The mirrored worker, started (finish_mirrored waits for it and reads its results)."""
     cmd = [sys.executable, "-m", "tests.distribute.worker", "mirrored", str(n), str(outdir), str(seed), *scenarios]
-    p = subprocess.run(cmd, cwd=ROOT, env=_env(gpu, exchange), capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    with open(os.path.join(outdir, "worker.log"), "w") as log:  # (a file: a pipe left unread would block it)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(gpu, exchange), stdout=log, stderr=subprocess.STDOUT)
+    return proc, scenarios, outdir
+
+
+def finish_mirrored(started):
+    proc, scenarios, outdir = started
+    try:
+        proc.wait(timeout=900)
+    finally:
+        proc.kill()
+    with open(os.path.join(outdir, "worker.log")) as log:
+        assert proc.returncode == 0, log.read()[-9000:]
     return _load(outdir, scenarios, 1)
+
+
+def run_mirrored(n, scenarios, seed, outdir, gpu=False, exchange="auto"):
+    return finish_mirrored(start_mirrored(n, scenarios, seed, outdir, gpu, exchange))
 
 
 def _free_ports(n):
@@ -79,11 +95,23 @@ def run_multiworker(n, scenarios, seed, outdir):
     return _load(outdir, scenarios, n)
 
 
+@pytest.fixture(scope="module")
+def mirrored_workers(tmp_path_factory):
+    """Both device counts' workers, started together (each mostly one core's tracing): {n: (seed, worker)}."""
+    workers = {}
+    for n in (2, 3):
+        seed = fresh_seed(f"MirroredStrategy over {n} logical CPU devices")
+        workers[n] = seed, start_mirrored(n, MIRRORED_SCENARIOS, seed, tmp_path_factory.mktemp(f"mirrored{n}"))
+    yield workers
+    for _, (proc, _, _) in workers.values():
+        proc.kill()
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["2devices", "3devices"])
-def mirrored(request, tmp_path_factory):
+def mirrored(request, mirrored_workers):
     n = request.param
-    seed = fresh_seed(f"MirroredStrategy over {n} logical CPU devices")
-    return n, seed, run_mirrored(n, MIRRORED_SCENARIOS, seed, tmp_path_factory.mktemp(f"mirrored{n}"))
+    seed, started = mirrored_workers[n]
+    return n, seed, finish_mirrored(started)
 
 
 @pytest.fixture(scope="module")
