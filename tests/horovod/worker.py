@@ -3,6 +3,7 @@ Each rank writes what it computed to OUTDIR/<scenario>.rank<r>.npz; the pytest
 driver compares it with a single-process run of the same global batch."""
 import os
 import sys
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -265,7 +266,7 @@ def rank_skips_lookup(seed, out):
             return sok.lookup_sparse(table, ids)
         return hvd.allreduce(tf.ones([3]), name="user_allreduce")
 
-    print(f"rank {hvd.rank()}: stepping ({mode})", flush=True)
+    print(f"rank {hvd.rank()}: stepping ({mode}) at {time.time():.3f}", flush=True)
     (tf.function(step) if mode == "function" else step)()
     print(f"rank {hvd.rank()}: the diverged step returned", flush=True)
 
