@@ -163,9 +163,10 @@ def test_gpu_read_gives_values_and_initial_values_and_changes_nothing(rng, budge
 
 def test_gpu_read_of_many_keys_gathers_their_host_rows(rng, monkeypatch):
     """A read of ~160,000 ids of which ~40,000 of keys in host memory only, gathering from 20,000
-    rows: table a's host rows gathered by the host's threads in chunks of 4,096 ids, 32 chunks a
-    wave (two waves, each sent over as it completes); table b's read (~80,000 ids, ~6,000 of them
-    in host memory) waits for its rows and then reads them in place. Values against NumPy."""
+    rows: table a's host rows gathered by the host's threads in chunks of 4,096 ids, 16 chunks a
+    group (three groups, each sent over by the thread that completes it); table b's read (~80,000
+    ids, ~6,000 of them in host memory) waits for its rows and then reads them in place. Values
+    against NumPy."""
     monkeypatch.setenv("TF_SOK_READ_GATHER_MIN_ROWS", "20000")
     a, b = check_read(rng, 3, "/GPU:0", keys=40, dims=(DIM, 6), batch=40000, gather_min=20000)
     assert sok.cache_stats(a)["bytes_read_gathered"] > 0 and sok.cache_stats(a)["bytes_read_in_place"] == 0

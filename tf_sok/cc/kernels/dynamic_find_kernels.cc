@@ -1006,7 +1006,10 @@ class ReadOp : public tf::OpKernel {
       g_out.push_back(reinterpret_cast<float*>(staging[i] + 3 * counts[i]));
       g_table.push_back(i);
     }
-    // (each gathered table's rows sent over wave by wave, as the host's threads gather the next)
+    // (each gathered table's rows sent over group by group, as the host's threads gather the rest; the
+    // host thread that completes a group sends it, on this call's device)
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return Failed(*g_res[0], ": ", "no current CUDA device");
     std::vector<float*> rows_dev(g_res.size(), nullptr);
     size_t failed = 0;
     GatherHooks hooks;
@@ -1017,6 +1020,7 @@ class ReadOp : public tf::OpKernel {
     };
     hooks.ready = [&](size_t g, int64_t first, int64_t m) {
       const int64_t dim = g_res[g]->dim;
+      cudaSetDevice(device);
       cudaMemcpyAsync(rows_dev[g] + first * dim, g_out[g] + first * dim, 4 * m * dim, cudaMemcpyHostToDevice,
                       stream);
     };

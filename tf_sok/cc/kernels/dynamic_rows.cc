@@ -164,9 +164,10 @@ std::vector<int64_t> GatherStoreRows(tf::OpKernelContext* ctx, const std::vector
                                      const std::vector<int64_t>& n, const std::vector<int64_t*>& rows,
                                      int64_t min_rows, const std::vector<float*>& out, const GatherHooks& hooks,
                                      std::vector<bool>* gathered, bool* ok) {
-  // chunks of each table's rows, counted, then (where gathered) filled from each chunk's offset,
-  // a wave of kWave chunks of each table at a time
-  constexpr int64_t kChunk = 4096, kWave = 32;
+  // chunks of each table's rows, counted, then (where gathered) filled from each chunk's offset: the
+  // host's threads take the chunks in order, and the thread that completes a group of a table's
+  // consecutive chunks tells ready of its rows (no barrier between groups)
+  constexpr int64_t kChunk = 4096, kGroup = 16, kAhead = 8;
   struct Chunk {
     size_t table;
     int64_t begin, end, held = 0, at = 0;
@@ -191,7 +192,6 @@ std::vector<int64_t> GatherStoreRows(tf::OpKernelContext* ctx, const std::vector
   }
   *ok = true;
   gathered->assign(res.size(), false);
-  int64_t dim_max = 0;
   for (size_t i = 0; i < res.size(); ++i) {
     if (held[i] == 0 || held[i] < min_rows) continue;
     if (!hooks.start(i, held[i])) {
@@ -199,49 +199,54 @@ std::vector<int64_t> GatherStoreRows(tf::OpKernelContext* ctx, const std::vector
       return held;
     }
     (*gathered)[i] = true;
-    dim_max = std::max(dim_max, res[i]->dim);
   }
-  if (dim_max == 0) return held;
-  // the waves: chunk w * kWave .. of each gathered table (a table's chunks are consecutive)
-  std::vector<std::vector<int64_t>> of_table(res.size());
-  for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c)
-    if ((*gathered)[chunks[c].table]) of_table[chunks[c].table].push_back(c);
-  for (size_t w = 0;; ++w) {
-    std::vector<int64_t> wave;
-    for (const auto& t : of_table)
-      for (size_t k = w * kWave; k < std::min(t.size(), (w + 1) * kWave); ++k) wave.push_back(t[k]);
-    if (wave.empty()) break;
-    // (each row a random access into a large array: the rows a few ahead are asked for first)
-    host.parallel_for(static_cast<int64_t>(wave.size()), kChunk * (50 + dim_max), [&](int64_t lo, int64_t hi) {
-      constexpr int64_t kAhead = 8;
-      for (int64_t x = lo; x < hi; ++x) {
-        const Chunk& c = chunks[wave[x]];
-        const size_t i = c.table;
-        int64_t* r = rows[i];
-        const int64_t dim = res[i]->dim, stride = res[i]->store->stride();
-        const float* base = res[i]->store->base(0);
-        const size_t bytes = sizeof(float) * static_cast<size_t>(dim);
-        int64_t at = c.at;
-        for (int64_t j = c.begin; j < c.end; ++j) {
-          const int64_t ahead = j + kAhead < c.end ? r[j + kAhead] : -1;
-          if (ahead >= 0) {
-            const char* p = reinterpret_cast<const char*>(base + ahead * stride);
-            for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
-          }
-          if (r[j] < 0) continue;
-          std::memcpy(out[i] + at * dim, base + r[j] * stride, bytes);
-          r[j] = at++;
+  // the gathered tables' chunks (a table's consecutive) and their groups: group g is work[first[g],
+  // first[g + 1]), all of one table
+  std::vector<int64_t> work, first;
+  for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c) {
+    if (!(*gathered)[chunks[c].table]) continue;
+    const bool opens = work.empty() || chunks[work.back()].table != chunks[c].table ||
+                       static_cast<int64_t>(work.size()) - first.back() == kGroup;
+    if (opens) first.push_back(static_cast<int64_t>(work.size()));
+    work.push_back(c);
+  }
+  if (work.empty()) return held;
+  first.push_back(static_cast<int64_t>(work.size()));
+  std::vector<int64_t> group_of(work.size());
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[first.size() - 1]);
+  for (size_t g = 0; g + 1 < first.size(); ++g) {
+    left[g].store(first[g + 1] - first[g]);
+    for (int64_t w = first[g]; w < first[g + 1]; ++w) group_of[w] = static_cast<int64_t>(g);
+  }
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max(1, ctx->device()->tensorflow_cpu_worker_threads()->num_threads);
+  // (each row a random access into a large array: the rows a few ahead are asked for first)
+  host.parallel_for(threads, int64_t{1} << 40, [&](int64_t, int64_t) {
+    for (int64_t w; (w = next.fetch_add(1)) < static_cast<int64_t>(work.size());) {
+      const Chunk& c = chunks[work[w]];
+      const size_t i = c.table;
+      int64_t* r = rows[i];
+      const int64_t dim = res[i]->dim, stride = res[i]->store->stride();
+      const float* base = res[i]->store->base(0);
+      const size_t bytes = sizeof(float) * static_cast<size_t>(dim);
+      int64_t at = c.at;
+      for (int64_t j = c.begin; j < c.end; ++j) {
+        const int64_t ahead = j + kAhead < c.end ? r[j + kAhead] : -1;
+        if (ahead >= 0) {
+          const char* p = reinterpret_cast<const char*>(base + ahead * stride);
+          for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
         }
+        if (r[j] < 0) continue;
+        std::memcpy(out[i] + at * dim, base + r[j] * stride, bytes);
+        r[j] = at++;
       }
-    });
-    for (size_t i = 0; i < res.size(); ++i) {   // each table's rows of this wave: one range of out[i]
-      const auto& t = of_table[i];
-      if (w * kWave >= t.size()) continue;
-      const size_t last = std::min(t.size(), (w + 1) * kWave) - 1;
-      const int64_t first = chunks[t[w * kWave]].at, end = chunks[t[last]].at + chunks[t[last]].held;
-      if (end > first) hooks.ready(i, first, end - first);
+      const int64_t g = group_of[w];
+      if (left[g].fetch_sub(1) != 1) continue;
+      const Chunk& a = chunks[work[first[g]]];
+      const Chunk& z = chunks[work[first[g + 1] - 1]];
+      if (z.at + z.held > a.at) hooks.ready(i, a.at, z.at + z.held - a.at);
     }
-  }
+  });
   return held;
 }
 

@@ -189,9 +189,10 @@ std::vector<int64_t> StoreRowsOfMissing(tf::OpKernelContext* ctx, const std::vec
 // A read's host-tier rows gathered on the host's threads, for all tables at once: of table i's n[i]
 // store rows rows[i] (-1: none), those >= 0 counted; where there are at least min_rows of them,
 // start(i, count) is told, their values (array 0's) are copied in order into out[i] (room for n[i]
-// rows of the table's dim) and each rows[i][j] >= 0 is replaced by its row's place there. The copies
-// go in waves of a few chunks of every table; after each wave, ready(i, first, count) is told the
-// rows of out[i] it completed (to send them on while the next wave runs). Returns per table the
+// rows of the table's dim) and each rows[i][j] >= 0 is replaced by its row's place there. The host's
+// threads copy chunks of rows in order; as each group of a table's consecutive chunks completes,
+// ready(i, first, count) is told its rows of out[i] (to send them on while the rest are copied), from
+// whichever host thread completed it (concurrently with other groups'). Returns per table the
 // count of rows >= 0, and in gathered[i] whether they were gathered (rows[i] untouched where not);
 // a start that returns false stops it (nothing gathered after; false returned in *ok).
 struct GatherHooks {
