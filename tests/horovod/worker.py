@@ -79,7 +79,7 @@ def training(seed, out):
             sparse_opt = getattr(sok.optimizers, cls)(**kwargs)
             dense_opt = keras.optimizers.SGD(0.05)
 
-            @tf.function
+            @tf.function(reduce_retracing=True)   # (each step's batch sizes differ: one trace for all but the first)
             def step(feats, target):
                 with tf.GradientTape(persistent=True) as tape:
                     loss = model.mean_loss(tables, dense_w, feats, target)
