@@ -124,7 +124,7 @@ def train(tables, dense_w, batches, dense_tape=None, sparse_opt=None, prefetch=F
     sparse_opt = sparse_opt or adam()
     names = list(tables)
 
-    @tf.function
+    @tf.function(reduce_retracing=True)   # (each step's batch sizes differ: one trace for all but the first)
     def step(feats, next_feats, target):
         with tf.GradientTape(persistent=True) as tape:
             loss = loss_fn(tables, dense_w, feats, target, **lookup_kw)
