@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -241,14 +242,20 @@ class DivergedJob:
         self.log = os.path.join(outdir, "job.log")
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.ended = None   # when the job ended, taken by a thread waiting for it (finish may come much later)
+        self.waiter = threading.Thread(target=self._wait, daemon=True)
+        self.waiter.start()
+
+    def _wait(self):
+        self.proc.wait()
+        self.ended = time.time()
 
     def finish(self, timeout):
         """(exit code, output, seconds from rank 0's step into its collective to the job's end)."""
-        try:
-            self.proc.wait(timeout=timeout)
-        finally:
-            self.proc.kill()
-        ended = time.time()
+        self.waiter.join(timeout=timeout)
+        self.proc.kill()
+        self.waiter.join()
+        ended = self.ended
         with open(self.log) as f:
             out = f.read()
         stepped = re.search(r"rank 0: stepping \(\w+\) at ([\d.]+)", out)
