@@ -279,7 +279,7 @@ def test_ranks_waiting_on_different_collectives_end_in_bounded_time(tmp_path, mo
                                                                     default_timeout_job):
     """Rank 1 runs a lookup fewer and then an allreduce of its own: rank 0's watchdog ends it
     after TF_SOK_COLLECTIVE_TIMEOUT (default 90 s) naming the collective, and horovodrun stops
-    the job (within 30 s of the limit from the ranks' step into the diverging collectives)."""
+    the job (within 30 s of the limit from rank 0's step into its diverging collective)."""
     from tf_sok.python.comm.watchdog import DEFAULT_TIMEOUT_S, EXIT_CODE
 
     limit = float(timeout or DEFAULT_TIMEOUT_S)
