@@ -23,9 +23,10 @@ absl::Status EvictedOutputs(tf::OpKernelContext* ctx, const IndexResource& res, 
 #if TF_SOK_WITH_CUDA
 // With TF_SOK_FIND_STAGES=1 in the environment, the GPU finds (one table, or many) and reads time their
 // stages on the host (kernel launches, each wait for counts, the host store's lookups; a last wait
-// takes the device's remaining work) and print their means to stderr every 20 calls: where a
-// dynamic or hybrid table's step goes. The extra wait changes the overlap it measures; for
-// profiling only.
+// takes the device's remaining work) and print their means to stderr every 20 calls of a kind: where a
+// dynamic or hybrid table's step goes. The extra wait changes the overlap it measures; with
+// TF_SOK_FIND_STAGES=2 the stages are timed without it (the device's tail then shows as 0). For
+// profiling only; the variable is read at each call, so one process may compare the two.
 class StageClock {
  public:
   static constexpr int kStages = 9;
@@ -41,7 +42,10 @@ class StageClock {
     kReadGatheredLaunched = 6
   };
   StageClock(cudaStream_t stream, Kind kind, bool active = true)
-      : stream_(stream), on_(active && Enabled()), kind_(kind) {
+      : stream_(stream), kind_(kind) {
+    const int mode = active ? Mode() : 0;
+    on_ = mode != 0;
+    tail_ = mode == 1;
     if (on_) last_ = Now();
   }
   void Mark(int stage) {
@@ -52,7 +56,7 @@ class StageClock {
   }
   ~StageClock() {
     if (!on_) return;
-    cudaStreamSynchronize(stream_);
+    if (tail_) cudaStreamSynchronize(stream_);
     Mark(kStages - 1);
     Sums& t = Totals(kind_);
     if (++t.calls % 20 != 0) return;
@@ -65,7 +69,8 @@ class StageClock {
                                               "host gather", "gathered rows sent + read kernels launched", "",
                                               "device tail"};
     static const char* kinds[4] = {"find", "find-many", "prefetch", "read"};
-    std::fprintf(stderr, "tf_sok %s stages (ms per call, mean of 20):", kinds[kind_]);
+    std::fprintf(stderr, "tf_sok %s stages (ms per call, mean of 20%s):", kinds[kind_],
+                 tail_ ? "" : ", the device's tail not waited for");
     for (int i = 0; i < kStages; ++i) {
       const char* name = kind_ == kRead ? read_names[i] : names[i];
       if (name[0] != 0) std::fprintf(stderr, " %s %.3f;", name, t.ms[i] / 20);
@@ -79,12 +84,9 @@ class StageClock {
     double ms[kStages] = {};
     int64_t calls = 0;
   };
-  static bool Enabled() {
-    static const bool on = [] {
-      const char* v = std::getenv("TF_SOK_FIND_STAGES");
-      return v != nullptr && v[0] == '1';
-    }();
-    return on;
+  static int Mode() {
+    const char* v = std::getenv("TF_SOK_FIND_STAGES");
+    return v != nullptr && (v[0] == '1' || v[0] == '2') && v[1] == 0 ? v[0] - '0' : 0;
   }
   static Sums& Totals(Kind kind) {
     static Sums sums[4];
@@ -94,7 +96,8 @@ class StageClock {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
   }
   cudaStream_t stream_;
-  bool on_;
+  bool on_ = false;
+  bool tail_ = false;
   Kind kind_;
   double last_ = 0;
 };
@@ -908,7 +911,7 @@ class ReadOp : public tf::OpKernel {
     std::vector<bool> on_gpu(n, false);   // the keys not cached found in the tier's map on the device
     std::vector<bool> may_gather(n, false);
     auto staging_bytes = [&](const IndexResource& r, int64_t count, bool gather) {
-      return (24 + (gather ? 4 * r.dim : 0)) * static_cast<size_t>(count);
+      return (24 + (gather ? 4 * r.dim : 0)) * static_cast<size_t>(count) + (gather ? 64 : 0);
     };
     for (int i = 0; i < n; ++i) {
       IndexResource* r = res[i];
@@ -1003,7 +1006,9 @@ class ReadOp : public tf::OpKernel {
       g_res.push_back(res[i]);
       g_n.push_back(counts[i]);
       g_rows.push_back(row_lists[i]);
-      g_out.push_back(reinterpret_cast<float*>(staging[i] + 3 * counts[i]));
+      // (the gathered rows from a 64-byte boundary: whole lines for the host's streaming stores)
+      const uintptr_t rows_at = reinterpret_cast<uintptr_t>(staging[i] + 3 * counts[i]);
+      g_out.push_back(reinterpret_cast<float*>((rows_at + 63) & ~uintptr_t{63}));
       g_table.push_back(i);
     }
     // (each gathered table's rows sent over group by group, as the host's threads gather the rest; the
