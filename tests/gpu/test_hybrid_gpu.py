@@ -1,6 +1,6 @@
 """Hybrid tables on the GPU (the cache in HBM, every row in pinned host memory that the CUDA kernels
-read and write in place) against the same table on the CPU and against the table without a host
-tier on the GPU: lookups, every optimizer's steps, the cache's counters, checkpoints."""
+read in place, evicted rows copied back) against the same table on the CPU and against the table
+without a host tier on the GPU: lookups, every optimizer's steps, the cache's counters, checkpoints."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -336,10 +336,14 @@ def test_low_frequency_filter_on_a_gpu_hybrid_table_equals_the_cpu_table_without
     assert stats["evicted"] > 0 and stats["loaded"] > stats["new_keys"]   # keys came back from the tier
 
 
-def test_rows_written_back_are_the_next_steps_rows(rng):
+@pytest.mark.parametrize("write_back", ["copies", "in_place"])
+def test_rows_written_back_are_the_next_steps_rows(rng, write_back, monkeypatch):
     """Two key sets take turns, the cache holding one (20,000 rows of dim 64 and their Adagrad state):
     every step reads in exactly the rows the step before wrote back, and a checkpoint export between
-    steps reads the tier; all as the table without a tier."""
+    steps reads the tier; all as the table without a tier. The evicted rows go back by copies that the
+    host writes into the tier after the step (the default), or written in place by the kernel
+    (TF_SOK_WRITE_BACK_COPIES=0)."""
+    monkeypatch.setenv("TF_SOK_WRITE_BACK_COPIES", "1" if write_back == "copies" else "0")
     dim, n = 64, 20_000
     cls, hp = OPTIMIZERS["adagrad"]
     sets = np.split(random_keys(rng, 2 * n), 2)

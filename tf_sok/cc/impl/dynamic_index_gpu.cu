@@ -464,16 +464,19 @@ __device__ void ReadRecordWord(const StoreRecordLayout& l, int64_t i, const int6
 // The evicted records (their meta: the marks and scores given; every array's cache row
 // evicted_slots[j]; padding zero) gathered into device memory, `out` [n, stride], before new keys
 // take the rows.
+// (rows_out, when given: store_row_of[cache_rows[j]], each record's store row)
 template <typename V>
-__global__ void GatherRecordsKernel(StoreRecordLayout l, const int64_t* cache_rows, int64_t n, V* out) {
+__global__ void GatherRecordsKernel(StoreRecordLayout l, const int64_t* cache_rows, int64_t n, V* out,
+                                    const int64_t* store_row_of, int64_t* rows_out) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n * l.stride) return;
   const int64_t j = i / l.stride, w = i - j * l.stride;
-  if (w < l.meta) {   // (its first word's thread writes both int64)
+  if (w < l.meta) {   // (its first word's thread writes both int64, and the store row)
     if (w == 0) {
       int64_t* meta = reinterpret_cast<int64_t*>(out + i);
       meta[0] = l.touched[j];
       meta[1] = l.scores != nullptr ? l.scores[j] : 0;
+      if (rows_out != nullptr) rows_out[j] = store_row_of[cache_rows[j]];
     }
     return;
   }
@@ -1470,14 +1473,15 @@ void MoveRecords(const GpuDevice& d, const StoreRecordLayout& l, const float* ev
 }  // namespace
 
 void GpuGatherRecords(const GpuDevice& d, const StoreRecordLayout& l, const int64_t* cache_rows, int64_t n,
-                      float* out) {
+                      float* out, const int64_t* store_row_of, int64_t* rows_out) {
   if (n * l.stride == 0) return;
   if (Float4Records(l, out, out)) {
     const StoreRecordLayout w = InWords(l, 4);
-    GatherRecordsKernel<float4><<<Blocks(n * w.stride), kThreads, 0, StreamOf(d)>>>(w, cache_rows, n,
-                                                                                     reinterpret_cast<float4*>(out));
+    GatherRecordsKernel<float4><<<Blocks(n * w.stride), kThreads, 0, StreamOf(d)>>>(
+        w, cache_rows, n, reinterpret_cast<float4*>(out), store_row_of, rows_out);
   } else {
-    GatherRecordsKernel<float><<<Blocks(n * l.stride), kThreads, 0, StreamOf(d)>>>(l, cache_rows, n, out);
+    GatherRecordsKernel<float><<<Blocks(n * l.stride), kThreads, 0, StreamOf(d)>>>(l, cache_rows, n, out,
+                                                                                    store_row_of, rows_out);
   }
 }
 

@@ -204,9 +204,10 @@ void GpuStoreWrite(const GpuDevice& d, const float* cache, int64_t width, const 
 void GpuScatter64(const GpuDevice& d, const int64_t* at, const int64_t* values, int64_t n, int64_t* out);
 // The records of cache rows cache_rows[j] (meta: l.touched[j] and l.scores[j] or 0; every array of the
 // layout; padding zero) into out [n, stride] (device memory): the rows a call evicts, before new keys
-// take their cache rows.
+// take their cache rows. Given rows_out [n] (device memory), their store rows too:
+// rows_out[j] = store_row_of[cache_rows[j]].
 void GpuGatherRecords(const GpuDevice& d, const StoreRecordLayout& l, const int64_t* cache_rows, int64_t n,
-                      float* out);
+                      float* out, const int64_t* store_row_of = nullptr, int64_t* rows_out = nullptr);
 // Both directions in one launch: records evicted[j] (GpuGatherRecords) written to store rows
 // store_row_of[evicted_slots[j]], j < n_out, while the records of keys not fresh are read from store
 // rows store_rows[j] into cache rows cache_rows[j] of every array, j < n_in (fresh null: none is), so

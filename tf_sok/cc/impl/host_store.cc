@@ -21,6 +21,7 @@ std::unique_ptr<HostMemory> NewPlainHostMemory() { return std::make_unique<Plain
 HostStore::HostStore(std::unique_ptr<HostMemory> memory) : memory_(std::move(memory)), row_of_key_(1024) {}
 
 HostStore::~HostStore() {
+  Settle();
   if (records_) memory_->Free(records_);
 }
 
@@ -29,6 +30,7 @@ int64_t RoundUp4(int64_t n) { return (n + 3) / 4 * 4; }
 }  // namespace
 
 std::string HostStore::Reserve(int64_t rows) {
+  Settle();
   if (rows <= capacity_) return "";
   if (records_ != nullptr) {
     // grown in place where the memory can: only the new rows are allocated (pinned), nothing copied or
@@ -56,6 +58,7 @@ std::string HostStore::Reserve(int64_t rows) {
 std::string HostStore::AddArray(int64_t width, float fill) {
   if (num_arrays() >= kMaxRecordArrays)
     return "its host tier holds at most " + std::to_string(kMaxRecordArrays) + " arrays (values and optimizer slots)";
+  Settle();
   Array a;
   a.offset = arrays_.empty() ? kMetaFloats : RoundUp4(arrays_.back().offset + arrays_.back().width);
   a.width = width;
@@ -159,7 +162,7 @@ std::string HostStore::Replace(const int64_t* keys, int64_t n, const std::vector
     if (seen.Get(keys[j], -1) >= 0) return "key " + std::to_string(keys[j]) + " is given twice";
     seen.Put(keys[j], j);
   }
-  const std::string error = Reserve(n);
+  const std::string error = Reserve(n);   // (settles)
   if (!error.empty()) return error;
   for (size_t i = 0; i < arrays_.size(); ++i) {
     const Array& a = arrays_[i];

@@ -11,11 +11,13 @@
 // current after the cache wrote it back (eviction, or Flush before a checkpoint).
 //
 // On GPU builds the memory is pinned and mapped into the device's address space, so
-// CUDA kernels read and write rows in place (zero-copy). Not thread safe: the caller
-// holds the index's lock.
+// CUDA kernels read rows in place (zero-copy); evicted rows come back by copies, which the
+// host writes into their records (Pending / Settle). Not thread safe: the caller holds the
+// index's lock.
 #ifndef TF_SOK_CC_IMPL_HOST_STORE_H_
 #define TF_SOK_CC_IMPL_HOST_STORE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -77,11 +79,35 @@ class HostStore {
   int num_arrays() const { return static_cast<int>(arrays_.size()); }
   int64_t width(int a) const { return arrays_[a].width; }
   // Row r of array a is the `width(a)` floats at base(a) + r * stride(); base(a) = records() + offset(a).
-  float* base(int a) { return records_ + arrays_[a].offset; }
-  const float* base(int a) const { return records_ + arrays_[a].offset; }
+  float* base(int a) {
+    Settle();
+    return records_ + arrays_[a].offset;
+  }
+  const float* base(int a) const {
+    Settle();
+    return records_ + arrays_[a].offset;
+  }
   int64_t offset(int a) const { return arrays_[a].offset; }
   int64_t stride() const { return stride_; }
-  float* records() { return records_; }   // record r at records() + r * stride()
+  float* records() {   // record r at records() + r * stride()
+    Settle();
+    return records_;
+  }
+  // records() without waiting for pending writes: for device work queued after them (its stream waits
+  // for them itself)
+  float* device_records() { return records_; }
+  // Writes into the records still under way that the store does not make itself (a GPU's evicted
+  // records copied back and written by the host after the call that evicted them): Pending() says
+  // there are, and `settle` waits for all of them to end. Every access to the records (the accessors
+  // here, growth, Insert's fills) settles first. Settle may be called from several threads at once.
+  void set_settle(std::function<void()> settle) { settle_ = std::move(settle); }
+  void Pending() { pending_.store(true, std::memory_order_release); }
+  void Settle() const {
+    if (pending_.load(std::memory_order_acquire)) {
+      if (settle_) settle_();
+      pending_.store(false, std::memory_order_release);
+    }
+  }
   int64_t size() const { return count_ - static_cast<int64_t>(free_rows_.size() + freed_.size()); }
   // Rows [0, rows_used()) hold a key each, except rows a bound dropped (alive(r) false).
   int64_t rows_used() const { return count_; }
@@ -96,10 +122,16 @@ class HostStore {
   // cache's own marks, the keys touched since a time; [1] an LFU cache's score of its key as of its
   // last write-back (the calls that touched it since the index was made or imported), carried over
   // while the key is not cached. Row r's at meta() + r * meta_stride(); 0 for rows added since.
-  int64_t* meta() { return reinterpret_cast<int64_t*>(records_); }
+  int64_t* meta() { return reinterpret_cast<int64_t*>(records()); }
   int64_t meta_stride() const { return stride_ / 2; }
-  int64_t mark(int64_t r) const { return reinterpret_cast<const int64_t*>(records_)[r * meta_stride()]; }
-  int64_t score(int64_t r) const { return reinterpret_cast<const int64_t*>(records_)[r * meta_stride() + 1]; }
+  int64_t mark(int64_t r) const {
+    Settle();
+    return reinterpret_cast<const int64_t*>(records_)[r * meta_stride()];
+  }
+  int64_t score(int64_t r) const {
+    Settle();
+    return reinterpret_cast<const int64_t*>(records_)[r * meta_stride() + 1];
+  }
   void set_mark(int64_t r, int64_t mark) { meta()[r * meta_stride()] = mark; }
   void set_score(int64_t r, int64_t score) { meta()[r * meta_stride() + 1] = score; }
   void ClearMarks();   // marks and scores (after the index was replaced)
@@ -174,6 +206,8 @@ class HostStore {
       queue_;
   std::vector<Array> arrays_;
   float* records_ = nullptr;   // capacity_ records of stride_ floats: the meta, then the arrays
+  std::function<void()> settle_;
+  mutable std::atomic<bool> pending_{false};
   int64_t stride_ = kMetaFloats;
   int64_t count_ = 0, capacity_ = 0;
   int64_t version_ = 0;

@@ -68,6 +68,7 @@ class IndexOp : public tf::OpKernel {
         if (cache_bytes_ >= 0) {
           r->store = std::make_unique<impl::HostStore>(impl::NewGrowablePinnedHostMemory());
           r->store->set_max_keys(store_max_keys_);
+          r->store->set_settle([r] { r->WaitWriteBack(); });
           // (TF_SOK_STORE_KEYS_ON_GPU=0: on the host alone; a bounded tier drops keys the host
           // chooses: its keys stay on the host alone)
           const char* on_gpu = std::getenv("TF_SOK_STORE_KEYS_ON_GPU");

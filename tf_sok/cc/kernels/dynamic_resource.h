@@ -112,6 +112,17 @@ class IndexResource : public tf::ResourceBase {
   // event (shared by the tables of that prefetch) has passed. The next op to take mu waits for them
   // first (SettleMoves).
   std::shared_ptr<CUevent_st> moves;
+  // A GPU find's evicted records go back by copies (MoveRecords): gathered on the device, copied into
+  // write_back_host (pinned) on write_back_stream, then written into their store rows by the host (a
+  // host function there); write_back_done has passed once they all are, which the store waits for
+  // before its records are used (HostStore::Pending, set_settle: WaitWriteBack).
+  cudaStream_t write_back_stream = nullptr;
+  cudaEvent_t write_back_gathered = nullptr, write_back_copied = nullptr, write_back_done = nullptr;
+  void* write_back_host = nullptr;
+  size_t write_back_bytes = 0;
+  void WaitWriteBack() {
+    if (write_back_done) cudaEventSynchronize(write_back_done);
+  }
   void RecordFind(cudaStream_t stream) {
     if (found_event == nullptr && cudaEventCreateWithFlags(&found_event, cudaEventDisableTiming) != cudaSuccess) {
       found_event = nullptr;
@@ -121,6 +132,14 @@ class IndexResource : public tf::ResourceBase {
     found_call = gpu->calls();
   }
   ~IndexResource() override {
+    if (store) store->Settle();   // (its settle waits on write_back_done)
+    if (write_back_stream) {
+      cudaStreamSynchronize(write_back_stream);
+      for (cudaEvent_t e : {write_back_gathered, write_back_copied, write_back_done})
+        if (e) cudaEventDestroy(e);
+      cudaStreamDestroy(write_back_stream);
+    }
+    if (write_back_host) pinned->Free(write_back_host);
     if (moves) {
       cudaEventSynchronize(moves.get());
       for (const Array& a : arrays) ClearSideWrites(a.var.get());

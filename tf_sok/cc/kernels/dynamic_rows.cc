@@ -9,11 +9,15 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+
+#include "tensorflow/core/platform/env.h"
+#include "tensorflow/core/platform/threadpool.h"
 
 namespace tf_sok {
 namespace dynamic_kernels {
@@ -185,7 +189,8 @@ inline void FenceStreaming() {
   _mm_sfence();
 #endif
 }
-// Streaming stores for the gathered rows unless TF_SOK_GATHER_STREAMING=0 (read at each call). Side by
+// Streaming stores for the rows the host's threads write for the device (a read's gathered rows) or
+// from it (evicted records written back) unless TF_SOK_GATHER_STREAMING=0 (read at each call). Side by
 // side on one H100 host they made reads 1.45x faster; on another, 5-8 % slower (benchmarks/RESULTS.md).
 bool StreamingGather() {
   const char* v = std::getenv("TF_SOK_GATHER_STREAMING");
@@ -313,6 +318,127 @@ absl::Status StoreRowArray(tf::OpKernelContext*, const impl::GpuDevice& d, Index
     res->store_row_capacity = capacity;
   }
   *out = res->store_row_dev;
+  return absl::OkStatus();
+}
+
+namespace {
+// Evicted records go back by copies (MoveRecords) unless TF_SOK_WRITE_BACK_COPIES=0 (read at each call).
+bool WriteBackByCopies() {
+  const char* v = std::getenv("TF_SOK_WRITE_BACK_COPIES");
+  return !(v != nullptr && v[0] == '0' && v[1] == 0);
+}
+
+// The host's threads that write copied-back records into their store rows, shared by every table
+// (CUDA runs a device's host functions one at a time); never destroyed (host functions may run late).
+tf::thread::ThreadPool* WriteBackThreads() {
+  static auto* pool = new tf::thread::ThreadPool(
+      tf::Env::Default(), "tf_sok_write_back",
+      std::max(1, std::min(8, static_cast<int>(std::thread::hardware_concurrency()) / 2)));
+  return pool;
+}
+
+struct WriteBackJob {
+  const float* records;   // [n, stride], pinned
+  const int64_t* rows;    // [n]: each record's store row
+  int64_t n, stride;
+  float* store;           // HostStore::records()
+  bool streaming;
+};
+
+// A host function of the write-back stream (no CUDA calls): the copied records into their store rows.
+void CUDART_CB WriteBackRecords(void* arg) {
+  std::unique_ptr<WriteBackJob> job(static_cast<WriteBackJob*>(arg));
+  const size_t bytes = sizeof(float) * static_cast<size_t>(job->stride);
+  WriteBackThreads()->ParallelFor(job->n, static_cast<int64_t>(bytes) * 4, [&](int64_t lo, int64_t hi) {
+    for (int64_t j = lo; j < hi; ++j)
+      CopyRow(job->store + job->rows[j] * job->stride, job->records + j * job->stride, bytes, job->streaming);
+    if (job->streaming) FenceStreaming();
+  });
+}
+
+// The n_out evicted records gathered into `evicted` (device memory) and sent back: copied into pinned
+// memory on the table's write-back stream, then written into their store rows by a host function
+// there; the store settles on them (HostStore::Pending). *started false: no pinned memory for them
+// (nothing queued).
+absl::Status StartWriteBack(const impl::GpuDevice& d, IndexResource* res, const impl::StoreRecordLayout& l,
+                            const int64_t* evicted_slots, const int64_t* store_row_of, int64_t n_out, float* evicted,
+                            float* store, bool* started) {
+  *started = false;
+  auto cuda = [&](cudaError_t e) {
+    return e == cudaSuccess ? absl::OkStatus()
+                            : absl::InternalError("dynamic table '" + res->table + "': writing evicted rows back: " +
+                                                  "CUDA error " + cudaGetErrorString(e));
+  };
+  if (res->write_back_stream == nullptr) {
+    TF_RETURN_IF_ERROR(cuda(cudaStreamCreateWithFlags(&res->write_back_stream, cudaStreamNonBlocking)));
+    for (cudaEvent_t* e : {&res->write_back_gathered, &res->write_back_copied, &res->write_back_done})
+      TF_RETURN_IF_ERROR(cuda(cudaEventCreateWithFlags(e, cudaEventDisableTiming)));
+  }
+  const size_t record_bytes = sizeof(float) * static_cast<size_t>(n_out * l.stride);
+  const size_t bytes = record_bytes + 8 * static_cast<size_t>(n_out);
+  // (the pinned memory is reused in the stream's order: the copies into it follow the last host function)
+  if (bytes > res->write_back_bytes) {
+    TF_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(res->write_back_stream)));
+    if (res->write_back_host) res->pinned->Free(res->write_back_host);
+    res->write_back_bytes = std::max(bytes, 2 * res->write_back_bytes);
+    res->write_back_host = res->pinned->Allocate(res->write_back_bytes);
+    if (res->write_back_host == nullptr) {
+      res->write_back_bytes = 0;
+      return absl::OkStatus();
+    }
+  }
+  auto* rows_dev = static_cast<int64_t*>(d.scratch->Allocate(8 * static_cast<size_t>(n_out)));
+  if (rows_dev == nullptr) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table evicts");
+  impl::GpuGatherRecords(d, l, evicted_slots, n_out, evicted, store_row_of, rows_dev);
+  const cudaStream_t stream = static_cast<cudaStream_t>(d.stream), side = res->write_back_stream;
+  auto* records = static_cast<float*>(res->write_back_host);
+  auto* rows = reinterpret_cast<int64_t*>(static_cast<char*>(res->write_back_host) + record_bytes);
+  TF_RETURN_IF_ERROR(cuda(cudaEventRecord(res->write_back_gathered, stream)));
+  TF_RETURN_IF_ERROR(cuda(cudaStreamWaitEvent(side, res->write_back_gathered, 0)));
+  TF_RETURN_IF_ERROR(cuda(cudaMemcpyAsync(records, evicted, record_bytes, cudaMemcpyDeviceToHost, side)));
+  TF_RETURN_IF_ERROR(cuda(cudaMemcpyAsync(rows, rows_dev, 8 * n_out, cudaMemcpyDeviceToHost, side)));
+  TF_RETURN_IF_ERROR(cuda(cudaEventRecord(res->write_back_copied, side)));
+  auto* job = new WriteBackJob{records, rows, n_out, l.stride, store, StreamingGather()};
+  const cudaError_t queued = cudaLaunchHostFunc(side, WriteBackRecords, job);
+  if (queued != cudaSuccess) delete job;
+  TF_RETURN_IF_ERROR(cuda(queued));
+  TF_RETURN_IF_ERROR(cuda(cudaEventRecord(res->write_back_done, side)));
+  res->store->Pending();
+  *started = true;
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status MoveRecords(const impl::GpuDevice& d, IndexResource* res, const impl::StoreRecordLayout& l,
+                         const int64_t* evicted_slots, const int64_t* store_row_of, int64_t n_out,
+                         const int64_t* store_rows, const uint8_t* fresh, const int64_t* cache_rows, int64_t n_in,
+                         float* store) {
+  // (the store rows read and written here after every earlier write-back's)
+  if (res->write_back_done != nullptr) {
+    const cudaError_t e = cudaStreamWaitEvent(static_cast<cudaStream_t>(d.stream), res->write_back_done, 0);
+    if (e != cudaSuccess) return absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(e));
+  }
+  float* evicted = nullptr;
+  if (n_out > 0) {
+    evicted = static_cast<float*>(d.scratch->Allocate(sizeof(float) * static_cast<size_t>(n_out * l.stride)));
+    if (evicted == nullptr) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table evicts");
+    bool started = false;
+    // (a prefetch's, beside the step, in place: copies written back by the host would hold up the
+    // next step, which waits for them)
+    if (WriteBackByCopies() && !l.beside)
+      TF_RETURN_IF_ERROR(StartWriteBack(d, res, l, evicted_slots, store_row_of, n_out, evicted, store, &started));
+    if (started) {
+      // the new records read in place meanwhile; the call's stream then waits for the copies (which
+      // read its scratch memory)
+      impl::GpuMoveRecords(d, l, nullptr, nullptr, nullptr, 0, store_rows, fresh, cache_rows, n_in, store);
+      const cudaError_t e = cudaStreamWaitEvent(static_cast<cudaStream_t>(d.stream), res->write_back_copied, 0);
+      if (e != cudaSuccess)
+        return absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(e));
+      return absl::OkStatus();
+    }
+    impl::GpuGatherRecords(d, l, evicted_slots, n_out, evicted);
+  }
+  impl::GpuMoveRecords(d, l, evicted, evicted_slots, store_row_of, n_out, store_rows, fresh, cache_rows, n_in, store);
   return absl::OkStatus();
 }
 
@@ -613,15 +739,15 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
   }
   if (moves) {
     const uint8_t* fresh = plan.fresh_count > 0 || plan.by_device_map ? plan.fresh : nullptr;
-    TF_RETURN_IF_ERROR(MoveRecords(d, layout, c.evicted_slots, plan.store_row_of, c.num_evicted, plan.new_rows, fresh,
-                                   c.new_slots, c.num_new, res->store->records()));
+    TF_RETURN_IF_ERROR(MoveRecords(d, res, layout, c.evicted_slots, plan.store_row_of, c.num_evicted, plan.new_rows,
+                                   fresh, c.new_slots, c.num_new, res->store->device_records()));
     for (size_t i = 0; fresh != nullptr && i < res->arrays.size(); ++i)
       StoreFresh(d, *res, res->arrays[i], layout.width[i], fresh, c.new_keys, c.new_slots, c.num_new,
                  layout.cache[i]);
   }
   // the keys taken in count on from the LFU scores they left with
   if (moves && res->lfu && plan.fresh_count < c.num_new)
-    AddStoreScores(d, res, c.new_slots, plan.new_rows, plan.fresh_count > 0 || plan.by_device_map ? plan.fresh : nullptr,
+    AddStoreScores(d, res, res->store->device_records(), c.new_slots, plan.new_rows, plan.fresh_count > 0 || plan.by_device_map ? plan.fresh : nullptr,
                    c.num_new);
   if (moves && c.num_new > 0) SetStoreRows(d, plan.store_row_of, c.new_slots, plan.new_rows, c.num_new);
   return absl::OkStatus();

@@ -33,14 +33,17 @@ inline void StoreWrite(const impl::CpuDevice&, const float* cache, int64_t width
   impl::StoreWrite(cache, width, cache_rows, store_row_of, n, store, stride);
 }
 // An LFU cache's scores carried over its host tier (DynamicIndex::AddStoreScores).
-inline void AddStoreScores(const impl::CpuDevice&, IndexResource* r, const int64_t* cache_rows,
+// (records: the store's, HostStore::device_records())
+inline void AddStoreScores(const impl::CpuDevice&, IndexResource* r, float* records, const int64_t* cache_rows,
                            const int64_t* store_rows, const uint8_t* fresh, int64_t n) {
-  r->host->AddStoreScores(cache_rows, store_rows, fresh, r->store->meta() + 1, r->store->meta_stride(), n);
+  r->host->AddStoreScores(cache_rows, store_rows, fresh, reinterpret_cast<int64_t*>(records) + 1,
+                          r->store->meta_stride(), n);
 }
 // A call's moves between the cache's arrays (l) and the host tier (store: HostStore::records()): the
 // evicted keys' records written back (with their marks and scores), then the new keys' read in
 // (fresh ones left to StoreFresh).
-inline absl::Status MoveRecords(const impl::CpuDevice&, const impl::StoreRecordLayout& l, const int64_t* evicted_slots,
+inline absl::Status MoveRecords(const impl::CpuDevice&, IndexResource*, const impl::StoreRecordLayout& l,
+                                const int64_t* evicted_slots,
                                 const int64_t* store_row_of, int64_t n_out, const int64_t* store_rows,
                                 const uint8_t* fresh, const int64_t* cache_rows, int64_t n_in, float* store) {
   for (int a = 0; a < l.arrays; ++a)
@@ -64,24 +67,20 @@ inline void StoreWrite(const impl::GpuDevice& d, const float* cache, int64_t wid
                 const int64_t* store_row_of, int64_t n, float* store, int64_t stride) {
   impl::GpuStoreWrite(d, cache, width, cache_rows, store_row_of, n, store, stride);
 }
-inline void AddStoreScores(const impl::GpuDevice& d, IndexResource* r, const int64_t* cache_rows,
+inline void AddStoreScores(const impl::GpuDevice& d, IndexResource* r, float* records, const int64_t* cache_rows,
                            const int64_t* store_rows, const uint8_t* fresh, int64_t n) {
-  r->gpu->AddStoreScores(d, cache_rows, store_rows, fresh, r->store->meta() + 1, r->store->meta_stride(), n);
+  r->gpu->AddStoreScores(d, cache_rows, store_rows, fresh, reinterpret_cast<int64_t*>(records) + 1,
+                         r->store->meta_stride(), n);
 }
-// On a GPU the evicted records are gathered into device memory first, then written back by the launch
-// that reads the new records in, so that the host link carries both directions at once.
-inline absl::Status MoveRecords(const impl::GpuDevice& d, const impl::StoreRecordLayout& l, const int64_t* evicted_slots,
-                                const int64_t* store_row_of, int64_t n_out, const int64_t* store_rows,
-                                const uint8_t* fresh, const int64_t* cache_rows, int64_t n_in, float* store) {
-  float* evicted = nullptr;
-  if (n_out > 0) {
-    evicted = static_cast<float*>(d.scratch->Allocate(sizeof(float) * static_cast<size_t>(n_out * l.stride)));
-    if (evicted == nullptr) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table evicts");
-    impl::GpuGatherRecords(d, l, evicted_slots, n_out, evicted);
-  }
-  impl::GpuMoveRecords(d, l, evicted, evicted_slots, store_row_of, n_out, store_rows, fresh, cache_rows, n_in, store);
-  return absl::OkStatus();
-}
+// On a GPU the evicted records are gathered into device memory first, then copied back to the host,
+// which writes them into their store rows after the call (HostStore::Pending), while the new records
+// are read in place; with TF_SOK_WRITE_BACK_COPIES=0, or no pinned memory for the copies, both
+// directions in place, in one launch. The call's stream first waits for earlier calls' write-backs
+// (store: HostStore::device_records()).
+absl::Status MoveRecords(const impl::GpuDevice& d, IndexResource* res, const impl::StoreRecordLayout& l,
+                         const int64_t* evicted_slots, const int64_t* store_row_of, int64_t n_out,
+                         const int64_t* store_rows, const uint8_t* fresh, const int64_t* cache_rows, int64_t n_in,
+                         float* store);
 inline void StoreFresh(const impl::GpuDevice& d, const IndexResource& r, const IndexResource::Array& a, int64_t width,
                        const uint8_t* fresh, const int64_t* keys, const int64_t* cache_rows, int64_t n, float* cache) {
   impl::GpuStoreFresh(d, width, fresh, keys, cache_rows, n, a.values ? r.init_kind : -1, r.a, r.b, r.seed, a.fill,
