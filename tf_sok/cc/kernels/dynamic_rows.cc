@@ -747,8 +747,8 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
   }
   // the keys taken in count on from the LFU scores they left with
   if (moves && res->lfu && plan.fresh_count < c.num_new)
-    AddStoreScores(d, res, res->store->device_records(), c.new_slots, plan.new_rows, plan.fresh_count > 0 || plan.by_device_map ? plan.fresh : nullptr,
-                   c.num_new);
+    AddStoreScores(d, res, res->store->device_records(), c.new_slots, plan.new_rows,
+                   plan.fresh_count > 0 || plan.by_device_map ? plan.fresh : nullptr, c.num_new);
   if (moves && c.num_new > 0) SetStoreRows(d, plan.store_row_of, c.new_slots, plan.new_rows, c.num_new);
   return absl::OkStatus();
 }
