@@ -336,14 +336,17 @@ def test_low_frequency_filter_on_a_gpu_hybrid_table_equals_the_cpu_table_without
     assert stats["evicted"] > 0 and stats["loaded"] > stats["new_keys"]   # keys came back from the tier
 
 
-@pytest.mark.parametrize("write_back", ["copies", "in_place"])
-def test_rows_written_back_are_the_next_steps_rows(rng, write_back, monkeypatch):
+@pytest.mark.parametrize("write_back,read_in", [("copies", "gathered"), ("copies", "in_place"),
+                                                ("in_place", "gathered"), ("in_place", "in_place")])
+def test_rows_written_back_are_the_next_steps_rows(rng, write_back, read_in, monkeypatch):
     """Two key sets take turns, the cache holding one (20,000 rows of dim 64 and their Adagrad state):
     every step reads in exactly the rows the step before wrote back, and a checkpoint export between
     steps reads the tier; all as the table without a tier. The evicted rows go back by copies that the
     host writes into the tier after the step (the default), or written in place by the kernel
-    (TF_SOK_WRITE_BACK_COPIES=0)."""
+    (TF_SOK_WRITE_BACK_COPIES=0); the rows taken in are gathered by the host's threads and copied
+    over (a step taking in at least TF_SOK_READ_GATHER_MIN_ROWS), or read in place by the kernel."""
     monkeypatch.setenv("TF_SOK_WRITE_BACK_COPIES", "1" if write_back == "copies" else "0")
+    monkeypatch.setenv("TF_SOK_READ_GATHER_MIN_ROWS", "1000" if read_in == "gathered" else "-1")
     dim, n = 64, 20_000
     cls, hp = OPTIMIZERS["adagrad"]
     sets = np.split(random_keys(rng, 2 * n), 2)

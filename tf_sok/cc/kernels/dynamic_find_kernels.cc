@@ -879,16 +879,6 @@ class ReadOp : public tf::OpKernel {
     r->stats.bytes_read_in_place += from_host * r->dim * static_cast<int64_t>(sizeof(float));
   }
 #if TF_SOK_WITH_CUDA
-  // The fewest host-tier rows a GPU read gathers on the host's threads and copies over in one piece
-  // rather than reading them in place (TF_SOK_READ_GATHER_MIN_ROWS; negative: never). A table read
-  // with fewer keys than this reads in place, with no wait; one read with more waits for its store rows.
-  static int64_t GatherMinRows() {
-    const char* v = std::getenv("TF_SOK_READ_GATHER_MIN_ROWS");
-    if (v == nullptr || v[0] == 0) return 32768;
-    char* end = nullptr;
-    const long long x = std::strtoll(v, &end, 10);
-    return end != nullptr && *end == 0 ? static_cast<int64_t>(x) : 32768;
-  }
   static void CountGathered(IndexResource* r, int64_t reads, int64_t from_host) {
     r->stats.reads += reads;
     r->stats.reads_from_host += from_host;

@@ -123,6 +123,10 @@ class IndexResource : public tf::ResourceBase {
   void WaitWriteBack() {
     if (write_back_done) cudaEventSynchronize(write_back_done);
   }
+  // A find's records taken in, gathered by the host (MoveRecords): their store rows, then the records
+  // (pinned; reused by the next such call, which waits for TensorFlow's stream first)
+  void* gather_pinned = nullptr;
+  size_t gather_bytes = 0;
   void RecordFind(cudaStream_t stream) {
     if (found_event == nullptr && cudaEventCreateWithFlags(&found_event, cudaEventDisableTiming) != cudaSuccess) {
       found_event = nullptr;
@@ -140,6 +144,7 @@ class IndexResource : public tf::ResourceBase {
       cudaStreamDestroy(write_back_stream);
     }
     if (write_back_host) pinned->Free(write_back_host);
+    if (gather_pinned) pinned->Free(gather_pinned);
     if (moves) {
       cudaEventSynchronize(moves.get());
       for (const Array& a : arrays) ClearSideWrites(a.var.get());

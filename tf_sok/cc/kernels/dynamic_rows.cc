@@ -198,10 +198,18 @@ bool StreamingGather() {
 }
 }  // namespace
 
+int64_t GatherMinRows() {
+  const char* v = std::getenv("TF_SOK_READ_GATHER_MIN_ROWS");
+  if (v == nullptr || v[0] == 0) return 32768;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  return end != nullptr && *end == 0 ? static_cast<int64_t>(x) : 32768;
+}
+
 std::vector<int64_t> GatherStoreRows(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
                                      const std::vector<int64_t>& n, const std::vector<int64_t*>& rows,
                                      int64_t min_rows, const std::vector<float*>& out, const GatherHooks& hooks,
-                                     std::vector<bool>* gathered, bool* ok) {
+                                     std::vector<bool>* gathered, bool* ok, bool records) {
   // chunks of each table's rows, counted, then (where gathered) filled from each chunk's offset: the
   // host's threads take the chunks in order, and the thread that completes a group of a table's
   // consecutive chunks tells ready of its rows (no barrier between groups)
@@ -265,8 +273,8 @@ std::vector<int64_t> GatherStoreRows(tf::OpKernelContext* ctx, const std::vector
       const Chunk& c = chunks[work[w]];
       const size_t i = c.table;
       int64_t* r = rows[i];
-      const int64_t dim = res[i]->dim, stride = res[i]->store->stride();
-      const float* base = res[i]->store->base(0);
+      const int64_t stride = res[i]->store->stride(), dim = records ? stride : res[i]->dim;
+      const float* base = records ? res[i]->store->device_records() : res[i]->store->base(0);
       const size_t bytes = sizeof(float) * static_cast<size_t>(dim);
       int64_t at = c.at;
       for (int64_t j = c.begin; j < c.end; ++j) {
@@ -337,6 +345,18 @@ tf::thread::ThreadPool* WriteBackThreads() {
   return pool;
 }
 
+// Pinned memory *p (*have bytes) of a table's, grown to at least `bytes` (doubling) once `stream` is
+// done with it; *p null when there is no pinned memory for it.
+absl::Status GrowPinned(IndexResource* res, cudaStream_t stream, size_t bytes, void** p, size_t* have) {
+  if (bytes <= *have) return absl::OkStatus();
+  TF_RETURN_IF_ERROR(CudaWait(stream));
+  if (*p) res->pinned->Free(*p);
+  *have = std::max(bytes, 2 * *have);
+  *p = res->pinned->Allocate(*have);
+  if (*p == nullptr) *have = 0;
+  return absl::OkStatus();
+}
+
 struct WriteBackJob {
   const float* records;   // [n, stride], pinned
   const int64_t* rows;    // [n]: each record's store row
@@ -377,16 +397,8 @@ absl::Status StartWriteBack(const impl::GpuDevice& d, IndexResource* res, const 
   const size_t record_bytes = sizeof(float) * static_cast<size_t>(n_out * l.stride);
   const size_t bytes = record_bytes + 8 * static_cast<size_t>(n_out);
   // (the pinned memory is reused in the stream's order: the copies into it follow the last host function)
-  if (bytes > res->write_back_bytes) {
-    TF_RETURN_IF_ERROR(cuda(cudaStreamSynchronize(res->write_back_stream)));
-    if (res->write_back_host) res->pinned->Free(res->write_back_host);
-    res->write_back_bytes = std::max(bytes, 2 * res->write_back_bytes);
-    res->write_back_host = res->pinned->Allocate(res->write_back_bytes);
-    if (res->write_back_host == nullptr) {
-      res->write_back_bytes = 0;
-      return absl::OkStatus();
-    }
-  }
+  TF_RETURN_IF_ERROR(GrowPinned(res, res->write_back_stream, bytes, &res->write_back_host, &res->write_back_bytes));
+  if (res->write_back_host == nullptr) return absl::OkStatus();
   auto* rows_dev = static_cast<int64_t*>(d.scratch->Allocate(8 * static_cast<size_t>(n_out)));
   if (rows_dev == nullptr) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table evicts");
   impl::GpuGatherRecords(d, l, evicted_slots, n_out, evicted, store_row_of, rows_dev);
@@ -407,38 +419,92 @@ absl::Status StartWriteBack(const impl::GpuDevice& d, IndexResource* res, const 
   *started = true;
   return absl::OkStatus();
 }
+
+// The records of the n_in keys a call takes in (store_rows, fresh: on the device) gathered from the
+// host tier by the host's threads, copied over group by group as they complete, then written into
+// their cache rows. *read_in false: too few of them held (nothing done).
+absl::Status GatherRecordsIn(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
+                             const impl::StoreRecordLayout& l, const int64_t* store_rows, const uint8_t* fresh,
+                             const int64_t* cache_rows, int64_t n_in, int64_t min_rows, bool* read_in) {
+  *read_in = false;
+  const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+  // [store rows | fresh flags | records from a 64-byte boundary]
+  const size_t list_bytes = 8 * static_cast<size_t>(n_in) + (fresh ? (static_cast<size_t>(n_in) + 7) / 8 * 8 : 0);
+  const size_t bytes = list_bytes + 64 + sizeof(float) * static_cast<size_t>(n_in * l.stride);
+  TF_RETURN_IF_ERROR(GrowPinned(res, stream, bytes, &res->gather_pinned, &res->gather_bytes));
+  if (res->gather_pinned == nullptr) return absl::OkStatus();
+  auto* rows = static_cast<int64_t*>(res->gather_pinned);
+  auto* fresh_host = reinterpret_cast<uint8_t*>(rows + n_in);
+  cudaMemcpyAsync(rows, store_rows, 8 * n_in, cudaMemcpyDeviceToHost, stream);
+  if (fresh) cudaMemcpyAsync(fresh_host, fresh, n_in, cudaMemcpyDeviceToHost, stream);
+  TF_RETURN_IF_ERROR(CudaWait(stream));
+  if (fresh)
+    for (int64_t j = 0; j < n_in; ++j)
+      if (fresh_host[j]) rows[j] = -1;   // (StoreFresh sets them)
+  const uintptr_t records_at = reinterpret_cast<uintptr_t>(res->gather_pinned) + list_bytes;
+  float* out = reinterpret_cast<float*>((records_at + 63) & ~uintptr_t{63});
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return absl::InternalError("no current CUDA device");
+  float* records_dev = nullptr;
+  GatherHooks hooks;
+  hooks.start = [&](size_t, int64_t m) {
+    records_dev = static_cast<float*>(d.scratch->Allocate(sizeof(float) * static_cast<size_t>(m * l.stride)));
+    return records_dev != nullptr;
+  };
+  hooks.ready = [&](size_t, int64_t first, int64_t m) {
+    cudaSetDevice(device);
+    cudaMemcpyAsync(records_dev + first * l.stride, out + first * l.stride, sizeof(float) * m * l.stride,
+                    cudaMemcpyHostToDevice, stream);
+  };
+  std::vector<bool> gathered;
+  bool ok = true;
+  GatherStoreRows(ctx, {res}, {n_in}, {rows}, min_rows, {out}, hooks, &gathered, &ok, /*records=*/true);
+  if (!ok) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table takes in");
+  if (!gathered[0]) return absl::OkStatus();
+  // (each record's place in the gathered ones; pinned: the next call to use them waits for the stream)
+  auto* at = static_cast<int64_t*>(d.scratch->Allocate(8 * static_cast<size_t>(n_in)));
+  if (at == nullptr) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table takes in");
+  cudaMemcpyAsync(at, rows, 8 * n_in, cudaMemcpyHostToDevice, stream);
+  impl::GpuMoveRecords(d, l, nullptr, nullptr, nullptr, 0, at, fresh, cache_rows, n_in, records_dev);
+  *read_in = true;
+  return absl::OkStatus();
+}
 }  // namespace
 
-absl::Status MoveRecords(const impl::GpuDevice& d, IndexResource* res, const impl::StoreRecordLayout& l,
-                         const int64_t* evicted_slots, const int64_t* store_row_of, int64_t n_out,
-                         const int64_t* store_rows, const uint8_t* fresh, const int64_t* cache_rows, int64_t n_in,
-                         float* store) {
+absl::Status MoveRecords(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
+                         const impl::StoreRecordLayout& l, const int64_t* evicted_slots, const int64_t* store_row_of,
+                         int64_t n_out, const int64_t* store_rows, const uint8_t* fresh, const int64_t* cache_rows,
+                         int64_t n_in, float* store) {
   // (the store rows read and written here after every earlier write-back's)
   if (res->write_back_done != nullptr) {
     const cudaError_t e = cudaStreamWaitEvent(static_cast<cudaStream_t>(d.stream), res->write_back_done, 0);
     if (e != cudaSuccess) return absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(e));
   }
+  const int64_t gather_min = GatherMinRows();
+  const bool gather_in = !l.beside && gather_min >= 0 && n_in > 0 && n_in >= gather_min;
+  if (gather_in) res->store->Settle();   // (the host reads the records: earlier write-backs in first)
   float* evicted = nullptr;
+  bool sent_back = false;   // the evicted records on their way back by copies
   if (n_out > 0) {
     evicted = static_cast<float*>(d.scratch->Allocate(sizeof(float) * static_cast<size_t>(n_out * l.stride)));
     if (evicted == nullptr) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table evicts");
-    bool started = false;
     // (a prefetch's, beside the step, in place: copies written back by the host would hold up the
     // next step, which waits for them)
     if (WriteBackByCopies() && !l.beside)
-      TF_RETURN_IF_ERROR(StartWriteBack(d, res, l, evicted_slots, store_row_of, n_out, evicted, store, &started));
-    if (started) {
-      // the new records read in place meanwhile; the call's stream then waits for the copies (which
-      // read its scratch memory)
-      impl::GpuMoveRecords(d, l, nullptr, nullptr, nullptr, 0, store_rows, fresh, cache_rows, n_in, store);
-      const cudaError_t e = cudaStreamWaitEvent(static_cast<cudaStream_t>(d.stream), res->write_back_copied, 0);
-      if (e != cudaSuccess)
-        return absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(e));
-      return absl::OkStatus();
-    }
-    impl::GpuGatherRecords(d, l, evicted_slots, n_out, evicted);
+      TF_RETURN_IF_ERROR(StartWriteBack(d, res, l, evicted_slots, store_row_of, n_out, evicted, store, &sent_back));
+    if (!sent_back) impl::GpuGatherRecords(d, l, evicted_slots, n_out, evicted);
   }
-  impl::GpuMoveRecords(d, l, evicted, evicted_slots, store_row_of, n_out, store_rows, fresh, cache_rows, n_in, store);
+  bool read_in = false;   // the new records gathered by the host and copied over
+  if (gather_in)
+    TF_RETURN_IF_ERROR(GatherRecordsIn(ctx, d, res, l, store_rows, fresh, cache_rows, n_in, gather_min, &read_in));
+  // what is left in place, in one launch: the evicted records' writes, the new records' reads
+  impl::GpuMoveRecords(d, l, evicted, evicted_slots, store_row_of, sent_back ? 0 : n_out, store_rows, fresh,
+                       cache_rows, read_in ? 0 : n_in, store);
+  // (the copies back read the call's scratch memory: its stream waits for them)
+  if (sent_back) {
+    const cudaError_t e = cudaStreamWaitEvent(static_cast<cudaStream_t>(d.stream), res->write_back_copied, 0);
+    if (e != cudaSuccess) return absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(e));
+  }
   return absl::OkStatus();
 }
 
@@ -739,8 +805,8 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
   }
   if (moves) {
     const uint8_t* fresh = plan.fresh_count > 0 || plan.by_device_map ? plan.fresh : nullptr;
-    TF_RETURN_IF_ERROR(MoveRecords(d, res, layout, c.evicted_slots, plan.store_row_of, c.num_evicted, plan.new_rows,
-                                   fresh, c.new_slots, c.num_new, res->store->device_records()));
+    TF_RETURN_IF_ERROR(MoveRecords(ctx, d, res, layout, c.evicted_slots, plan.store_row_of, c.num_evicted,
+                                   plan.new_rows, fresh, c.new_slots, c.num_new, res->store->device_records()));
     for (size_t i = 0; fresh != nullptr && i < res->arrays.size(); ++i)
       StoreFresh(d, *res, res->arrays[i], layout.width[i], fresh, c.new_keys, c.new_slots, c.num_new,
                  layout.cache[i]);

@@ -42,7 +42,8 @@ inline void AddStoreScores(const impl::CpuDevice&, IndexResource* r, float* reco
 // A call's moves between the cache's arrays (l) and the host tier (store: HostStore::records()): the
 // evicted keys' records written back (with their marks and scores), then the new keys' read in
 // (fresh ones left to StoreFresh).
-inline absl::Status MoveRecords(const impl::CpuDevice&, IndexResource*, const impl::StoreRecordLayout& l,
+inline absl::Status MoveRecords(tf::OpKernelContext*, const impl::CpuDevice&, IndexResource*,
+                                const impl::StoreRecordLayout& l,
                                 const int64_t* evicted_slots,
                                 const int64_t* store_row_of, int64_t n_out, const int64_t* store_rows,
                                 const uint8_t* fresh, const int64_t* cache_rows, int64_t n_in, float* store) {
@@ -76,8 +77,11 @@ inline void AddStoreScores(const impl::GpuDevice& d, IndexResource* r, float* re
 // which writes them into their store rows after the call (HostStore::Pending), while the new records
 // are read in place; with TF_SOK_WRITE_BACK_COPIES=0, or no pinned memory for the copies, both
 // directions in place, in one launch. The call's stream first waits for earlier calls' write-backs
-// (store: HostStore::device_records()).
-absl::Status MoveRecords(const impl::GpuDevice& d, IndexResource* res, const impl::StoreRecordLayout& l,
+// (store: HostStore::device_records()). A call taking in at least GatherMinRows() records (not a
+// prefetch's) has the host's threads gather them and copies them over contiguous, as reads do: the
+// link reads random records in place at a fixed rate of accesses.
+absl::Status MoveRecords(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
+                         const impl::StoreRecordLayout& l,
                          const int64_t* evicted_slots, const int64_t* store_row_of, int64_t n_out,
                          const int64_t* store_rows, const uint8_t* fresh, const int64_t* cache_rows, int64_t n_in,
                          float* store);
@@ -193,7 +197,9 @@ std::vector<int64_t> StoreRowsOfMissing(tf::OpKernelContext* ctx, const std::vec
 // ready(i, first, count) is told its rows of out[i] (to send them on while the rest are copied), from
 // whichever host thread completed it (concurrently with other groups'). Returns per table the
 // count of rows >= 0, and in gathered[i] whether they were gathered (rows[i] untouched where not);
-// a start that returns false stops it (nothing gathered after; false returned in *ok).
+// a start that returns false stops it (nothing gathered after; false returned in *ok). records:
+// whole records (HostStore::stride() floats each, from device_records(): the caller has settled the
+// rows it gathers) instead of the values.
 struct GatherHooks {
   std::function<bool(size_t table, int64_t count)> start;
   std::function<void(size_t table, int64_t first, int64_t count)> ready;
@@ -201,7 +207,11 @@ struct GatherHooks {
 std::vector<int64_t> GatherStoreRows(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
                                      const std::vector<int64_t>& n, const std::vector<int64_t*>& rows,
                                      int64_t min_rows, const std::vector<float*>& out, const GatherHooks& hooks,
-                                     std::vector<bool>* gathered, bool* ok);
+                                     std::vector<bool>* gathered, bool* ok, bool records = false);
+// The fewest host-tier rows a GPU read, or a GPU find taking keys into the cache, gathers on the
+// host's threads and copies over contiguous rather than reading them in place
+// (TF_SOK_READ_GATHER_MIN_ROWS, read at each call; negative: never). Fewer are read in place, with no wait.
+int64_t GatherMinRows();
 #if TF_SOK_WITH_CUDA
 // rows[i][j]: the store row of keys[i][j] in table i's host tier (-1: absent), j < n[i], for all
 // tables at once on the host's threads (the stores must not change meanwhile).
