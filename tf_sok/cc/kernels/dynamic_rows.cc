@@ -495,17 +495,19 @@ absl::Status MoveRecords(tf::OpKernelContext* ctx, const impl::GpuDevice& d, Ind
     if (!sent_back) impl::GpuGatherRecords(d, l, evicted_slots, n_out, evicted);
   }
   bool read_in = false;   // the new records gathered by the host and copied over
-  if (gather_in)
-    TF_RETURN_IF_ERROR(GatherRecordsIn(ctx, d, res, l, store_rows, fresh, cache_rows, n_in, gather_min, &read_in));
+  absl::Status status;
+  if (gather_in) status = GatherRecordsIn(ctx, d, res, l, store_rows, fresh, cache_rows, n_in, gather_min, &read_in);
   // what is left in place, in one launch: the evicted records' writes, the new records' reads
-  impl::GpuMoveRecords(d, l, evicted, evicted_slots, store_row_of, sent_back ? 0 : n_out, store_rows, fresh,
-                       cache_rows, read_in ? 0 : n_in, store);
-  // (the copies back read the call's scratch memory: its stream waits for them)
+  if (status.ok())
+    impl::GpuMoveRecords(d, l, evicted, evicted_slots, store_row_of, sent_back ? 0 : n_out, store_rows, fresh,
+                         cache_rows, read_in ? 0 : n_in, store);
+  // (the copies back read the call's scratch memory: its stream waits for them, whatever happened since)
   if (sent_back) {
     const cudaError_t e = cudaStreamWaitEvent(static_cast<cudaStream_t>(d.stream), res->write_back_copied, 0);
-    if (e != cudaSuccess) return absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(e));
+    if (e != cudaSuccess && status.ok())
+      status = absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(e));
   }
-  return absl::OkStatus();
+  return status;
 }
 
 // The new keys start back to the host (with a bound on the host tier, the keys written back, their
