@@ -4,6 +4,7 @@ memory, in one run.
     python benchmarks/tier_bench.py [--tables 8] [--keys 2000000] [--dim 128] [--batch 65536]
                                     [--cache-share 0.1] [--dists zipf:1.05 zipf:1.2 uniform]
                                     [--evict lru lfu] [--warmup 100] [--iters 10] [--rounds 5]
+                                    [--write-back copies|both]
     python benchmarks/tier_bench.py --quick         (small sizes, any device)
     python benchmarks/tier_bench.py --find [--find-keys 67108864] [--find-dim 64] [--find-batch 1048576]
                                     [--find-shares 0.5 0.1] [--find-dist uniform]
@@ -14,7 +15,9 @@ anchor: dim 64, 128M keys, half the values in HBM, 1M random held keys per call,
 inserted first), forward lookups (`sok.lookup_sparse`, no gradient) of --find-batch held keys per
 call (uniform, or --find-dist), as G keys/s, with a cache of each --find-shares of the values and all in device
 memory; each two ways: training lookups (a miss takes the key's row into the cache and writes back
-an evicted one), then lookups that do not train (`training=False`: nothing changes; on a GPU the
+an evicted one; on a GPU, in turns call by call, the rows taken in gathered by the host's threads and
+copied, the default for lookups this large, and read in place by the kernel: both rates printed),
+then lookups that do not train (`training=False`: nothing changes; on a GPU the
 keys not cached have their rows gathered from host memory by the host's threads and copied over
 in one piece, the default for reads this large, and then, on the same calls, read where they are
 by the kernel, as HierarchicalKV's find does: both rates printed, and their ratio).
@@ -36,6 +39,10 @@ counts, reach their steady state) (all held at once: the device needs the all-in
 tables and both caches, the host both tiers); the timed steps then run in `--rounds` rounds in
 which the kinds take turns, each kind on the same batches in the same order, so that the machine's
 drifts over the run fall on all of them.
+
+`--write-back both` (GPU): another kind of hybrid tables (the first policy's) whose evicted rows are
+written in place by the kernel that reads the new ones in (TF_SOK_WRITE_BACK_COPIES=0), taking turns
+with the rest, against the default (copied back, written by the host's threads).
 
 `--store-keys` (default on a GPU: both): where the hybrid tables look up the store rows of the keys a
 find takes in and of the keys a read does not find cached: `gpu` (the tier's keys also mapped on the
@@ -73,23 +80,42 @@ def batches(a, dist, count):
     return out
 
 
-class StoreKeys:
-    """Hybrid tables made inside look up their host tier's keys on the GPU (on_gpu) or on the host."""
+class EnvVar:
+    """Within it, the environment variable `name` is `value` (None: unset); restored after."""
 
-    NAME = "TF_SOK_STORE_KEYS_ON_GPU"
-
-    def __init__(self, on_gpu: bool):
-        self.on_gpu = on_gpu
+    def __init__(self, name, value):
+        self.name, self.value = name, value
 
     def __enter__(self):
-        self.before = os.environ.get(self.NAME)
-        os.environ[self.NAME] = "1" if self.on_gpu else "0"
+        self.before = os.environ.get(self.name)
+        if self.value is None:
+            os.environ.pop(self.name, None)
+        else:
+            os.environ[self.name] = self.value
 
     def __exit__(self, *exc):
         if self.before is None:
-            os.environ.pop(self.NAME, None)
+            os.environ.pop(self.name, None)
         else:
-            os.environ[self.NAME] = self.before
+            os.environ[self.name] = self.before
+
+
+def StoreKeys(on_gpu: bool):
+    """Hybrid tables made inside look up their host tier's keys on the GPU (on_gpu) or on the host."""
+    return EnvVar("TF_SOK_STORE_KEYS_ON_GPU", "1" if on_gpu else "0")
+
+
+def GatherRows(on: bool):
+    """Within it, a GPU read of many keys not cached, or a training lookup taking many rows into the
+    cache, gathers their host rows on the host's threads (the library's default) or, with False,
+    reads them all in place (TF_SOK_READ_GATHER_MIN_ROWS=-1)."""
+    return EnvVar("TF_SOK_READ_GATHER_MIN_ROWS", None if on else "-1")
+
+
+def WriteBack(copies: bool):
+    """Within it, a GPU find's evicted rows go back by copies (the library's default) or, with False,
+    are written in place by the kernel (TF_SOK_WRITE_BACK_COPIES=0)."""
+    return EnvVar("TF_SOK_WRITE_BACK_COPIES", None if copies else "0")
 
 
 def store_key_places(a):
@@ -148,8 +174,9 @@ class Runner:
 
     COUNTERS = ("lookups", "misses", "bytes_to_device", "bytes_to_host", "loaded", "evicted", "prefetched")
 
-    def __init__(self, device, tables, data, prefetch=False):
+    def __init__(self, device, tables, data, prefetch=False, copies_back=True):
         self.device, self.tables, self.data, self.prefetch = device, tables, data, prefetch
+        self.copies_back = copies_back   # (False: evicted rows written in place, WriteBack)
         self.hybrid = getattr(tables[0], "hybrid", False)
         self.step = make_step(tables, sok.optimizers.Adagrad(0.01), prefetch)
         self.at, self.times, self.counts, self.cached = 0, [], dict.fromkeys(self.COUNTERS, 0), 0
@@ -159,7 +186,7 @@ class Runner:
 
     def steps(self, n, timed=True):
         """The next n batches' steps (timed: their times and counters kept)."""
-        with tf.device(self.device):
+        with tf.device(self.device), WriteBack(self.copies_back):
             before = [sok.cache_stats(t) for t in self.tables] if self.hybrid and timed else None
             for _ in range(n):
                 t0 = time.perf_counter()
@@ -180,7 +207,7 @@ class Runner:
         print(f"  -- {'hybrid' if self.hybrid else 'all-HBM'} step{' with prefetch' if self.prefetch else ''}, "
               f"profiled:")
         start = self.at
-        with tf.device(self.device):
+        with tf.device(self.device), WriteBack(self.copies_back):
             profile_steps(lambda i: self.call(start + i), steps=PROFILED, top=40)
 
     def result(self):
@@ -193,27 +220,6 @@ class Runner:
                        loaded_per_step=d["loaded"] / steps, evicted_per_step=d["evicted"] / steps,
                        prefetched_per_step=d["prefetched"] / steps, cached=self.cached)
         return res
-
-
-class GatherReads:
-    """Within it, reads of many keys gather their host rows on the host's threads (the library's
-    default) or, with False, read them all in place (TF_SOK_READ_GATHER_MIN_ROWS=-1)."""
-
-    def __init__(self, on):
-        self.on = on
-
-    def __enter__(self):
-        self.old = os.environ.get("TF_SOK_READ_GATHER_MIN_ROWS")
-        if not self.on:
-            os.environ["TF_SOK_READ_GATHER_MIN_ROWS"] = "-1"
-        else:
-            os.environ.pop("TF_SOK_READ_GATHER_MIN_ROWS", None)
-
-    def __exit__(self, *exc):
-        if self.old is None:
-            os.environ.pop("TF_SOK_READ_GATHER_MIN_ROWS", None)
-        else:
-            os.environ["TF_SOK_READ_GATHER_MIN_ROWS"] = self.old
 
 
 def _timed_calls(a, t, look, calls, hybrid):
@@ -232,6 +238,18 @@ def _timed_calls(a, t, look, calls, hybrid):
         res["hit_rate"] = 1 - d["misses"] / d["lookups"] if d["lookups"] else 0.0
         res["host_bytes"] = d["bytes_read_in_place"] + d["bytes_read_gathered"]
     return res
+
+
+def _taking_turns(a, t, look, calls, hybrid, modes):
+    """{mode: _timed_calls' result} of lookups in each mode (GatherRows on, or off for "..._in_place"),
+    the modes taking turns call by call on calls of their own."""
+    per = {m: [] for m in modes}
+    for i, ids in enumerate(calls):
+        m = modes[i % len(modes)]
+        with GatherRows(not m.endswith("in_place")):
+            per[m].append(_timed_calls(a, t, look, [ids], hybrid))
+    return {m: {"gkeys_s": float(np.median([r["gkeys_s"] for r in rs])),
+                "hit_rate": float(np.mean([r.get("hit_rate", 0.0) for r in rs]))} for m, rs in per.items()}
 
 
 def find_rate(a, device, share, keys_on_gpu=False):
@@ -258,27 +276,33 @@ def _find_rate(a, device, share):
         out = {}
         for training in (True, False):   # (the training lookups first: they fill the cache with hot keys)
             # (each kind its own calls: the reads' keys are not those the training lookups just cached)
+            timed = 2 * a.iters if training else a.iters
             calls = [tf.RaggedTensor.from_row_splits(
                 tf.constant(ids_for(rng, a.find_keys, a.find_batch, a.find_dist) * HASH), splits)
-                for _ in range(a.iters + 3 + (PROFILED if a.profile else 0))]
+                for _ in range(timed + 3 + (PROFILED if a.profile else 0))]
             look = tf.function(lambda ids: tf.reduce_sum(
                 sok.lookup_sparse(t, ids, combiners="sum", training=training)[0:1]))
             for ids in calls[:3]:
                 look(ids).numpy()
+            if training:
+                # the rows taken into the cache gathered by the host's threads and copied (the default for
+                # lookups this large) or read in place by the kernel, call by call in turns (a training
+                # lookup changes the cache: each its own calls)
+                out.update(_taking_turns(a, t, look, calls[3:3 + timed], share is not None, ("find", "find_in_place")))
+                continue
             # reads both ways on the same calls: the rows not cached gathered by the host's threads and
             # copied (the default for reads this large), then read in place by the kernel
-            for mode in ("find",) if training else ("read", "read_in_place"):
-                with GatherReads(mode == "read"):
-                    res = _timed_calls(a, t, look, calls[3:3 + a.iters], share is not None)
-                if not training:
-                    res["host_bytes_per_call"] = res.pop("host_bytes") / a.iters
-                    res["host_gb_s"] = res["host_bytes_per_call"] / (a.find_batch / res["gkeys_s"] / 1e9) / 1e9
+            for mode in ("read", "read_in_place"):
+                with GatherRows(mode == "read"):
+                    res = _timed_calls(a, t, look, calls[3:3 + timed], share is not None)
+                res["host_bytes_per_call"] = res.pop("host_bytes") / a.iters
+                res["host_gb_s"] = res["host_bytes_per_call"] / (a.find_batch / res["gkeys_s"] / 1e9) / 1e9
                 out[mode] = res
             if a.profile and share is not None:
                 from profile_step import profile as profile_calls
                 print(f"  -- {'training lookups' if training else 'reads'}, cache {share:.0%}, profiled "
                       f"(per call):", flush=True)
-                profile_calls(lambda i: look(calls[3 + a.iters + i]).numpy(), steps=PROFILED, top=30)
+                profile_calls(lambda i: look(calls[3 + timed + i]).numpy(), steps=PROFILED, top=30)
     return out
 
 
@@ -305,6 +329,10 @@ def find_section(a, device):
         line += f" | training lookup {find['gkeys_s']:6.3f} G keys/s"
         if share is not None:
             line += f", hit rate {find['hit_rate']:.3f}"
+            if "GPU" in device.upper():   # (the CPU takes rows in place either way)
+                f = res["find_in_place"]
+                line += (f" (rows taken in read in place {f['gkeys_s']:.3f} G keys/s: gathered "
+                         f"{find['gkeys_s'] / f['gkeys_s']:.2f}x)")
         print(line, flush=True)
         out["hbm" if share is None else f"share_{share}{'_keys_gpu' if on_gpu else ''}"] = res
     return out
@@ -331,6 +359,9 @@ def main():
     p.add_argument("--static", action="store_true",
                    help="static tables (sok.Variable with max_hbm_for_vectors) against plain sok.Variables")
     p.add_argument("--no-prefetch", action="store_true", help="skip the hybrid run with sok.prefetch")
+    p.add_argument("--write-back", choices=["copies", "both"], default="copies",
+                   help="both: another kind of hybrid tables (the first policy's, keys where the last "
+                        "--store-keys puts them) whose evicted rows are written in place (TF_SOK_WRITE_BACK_COPIES=0)")
     p.add_argument("--find", action="store_true", help="the hybrid find against HierarchicalKV's (only that)")
     p.add_argument("--find-keys", type=int, default=1 << 26)
     p.add_argument("--find-dim", type=int, default=64)
@@ -368,10 +399,13 @@ def main():
               f"host memory in place {link['read_in_place']:.1f} / {link['write_in_place']:.1f} GB/s")
         out["link_gbs"] = link
     places = store_key_places(a)
+    if a.write_back == "both" and not gpu:
+        print("  (--write-back both: a CPU's tier writes rows in place either way; one kind run)")
     # kind -> (cache policy, the tier's keys on the GPU)
     policies = {"hbm": (None, False),
                 **{f"hybrid_{e}{'_keys_gpu' if g else ''}": (e, g) for e in a.evict for _, g in places},
-                **({} if a.no_prefetch else {"prefetch": (a.evict[0], False)})}
+                **({} if a.no_prefetch else {"prefetch": (a.evict[0], False)}),
+                **({"in_place": (a.evict[0], places[-1][1])} if a.write_back == "both" and gpu else {})}
     kinds = tuple(policies)
     rounds = max(1, min(a.rounds, a.iters))
     for dist in a.dists:
@@ -382,7 +416,7 @@ def main():
             policy, keys_on_gpu = policies[kind]
             tables = make_tables(a, device, policy, f"{kind}_{dist.replace(':', '')}_", keys_on_gpu)
             fill[kind] = time.perf_counter() - t0
-            runners[kind] = Runner(device, tables, data, prefetch=kind == "prefetch")
+            runners[kind] = Runner(device, tables, data, prefetch=kind == "prefetch", copies_back=kind != "in_place")
             runners[kind].steps(a.warmup, timed=False)
         # the timed steps in rounds, the kinds taking turns in each: drifts of the machine fall on all
         for r in range(rounds):
@@ -414,6 +448,13 @@ def main():
                   f"hit rate at the lookups {f['hit_rate']:.4f} | {f['prefetched_per_step']:,.0f} keys prefetched "
                   f"per step, {f['mb_per_step']:.1f} MB over the link", flush=True)
             out[dist].update(prefetch=f, prefetch_ratio=f["ms"] / h["ms"])
+        if "in_place" in res:   # against the same policy and keys' place with copies back
+            e, g = policies["in_place"]
+            c, w = res[f"hybrid_{e}{'_keys_gpu' if g else ''}"], res["in_place"]
+            print(f"  {'':10s} hybrid, {e.upper()}{places[-1][0]}, evicted rows written in place {w['ms']:8.2f} ms = "
+                  f"{w['ms'] / h['ms']:.2f}x all in device memory; copied back {w['ms'] / c['ms']:.2f}x faster | "
+                  f"hit rate {w['hit_rate']:.4f}, {w['mb_per_step']:.1f} MB over the link", flush=True)
+            out[dist].update(in_place=w, in_place_ratio=w["ms"] / h["ms"])
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
