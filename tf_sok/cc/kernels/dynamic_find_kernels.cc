@@ -996,9 +996,7 @@ class ReadOp : public tf::OpKernel {
       g_res.push_back(res[i]);
       g_n.push_back(counts[i]);
       g_rows.push_back(row_lists[i]);
-      // (the gathered rows from a 64-byte boundary: whole lines for the host's streaming stores)
-      const uintptr_t rows_at = reinterpret_cast<uintptr_t>(staging[i] + 3 * counts[i]);
-      g_out.push_back(reinterpret_cast<float*>((rows_at + 63) & ~uintptr_t{63}));
+      g_out.push_back(LineAligned(staging[i] + 3 * counts[i]));
       g_table.push_back(i);
     }
     // (each gathered table's rows sent over group by group, as the host's threads gather the rest; the

@@ -71,8 +71,7 @@ class IndexOp : public tf::OpKernel {
           r->store->set_settle([r] { r->WaitWriteBack(); });
           // (TF_SOK_STORE_KEYS_ON_GPU=0: on the host alone; a bounded tier drops keys the host
           // chooses: its keys stay on the host alone)
-          const char* on_gpu = std::getenv("TF_SOK_STORE_KEYS_ON_GPU");
-          r->store_keys_on_gpu = store_max_keys_ == 0 && (on_gpu == nullptr || std::string(on_gpu) != "0");
+          r->store_keys_on_gpu = store_max_keys_ == 0 && SwitchOn("TF_SOK_STORE_KEYS_ON_GPU");
         }
         *out = r;
         return absl::OkStatus();

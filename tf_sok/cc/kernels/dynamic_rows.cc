@@ -192,11 +192,13 @@ inline void FenceStreaming() {
 // Streaming stores for the rows the host's threads write for the device (a read's gathered rows) or
 // from it (evicted records written back) unless TF_SOK_GATHER_STREAMING=0 (read at each call). Side by
 // side on one H100 host they made reads 1.45x faster; on another, 5-8 % slower (benchmarks/RESULTS.md).
-bool StreamingGather() {
-  const char* v = std::getenv("TF_SOK_GATHER_STREAMING");
+bool StreamingGather() { return SwitchOn("TF_SOK_GATHER_STREAMING"); }
+}  // namespace
+
+bool SwitchOn(const char* name) {
+  const char* v = std::getenv(name);
   return !(v != nullptr && v[0] == '0' && v[1] == 0);
 }
-}  // namespace
 
 int64_t GatherMinRows() {
   const char* v = std::getenv("TF_SOK_READ_GATHER_MIN_ROWS");
@@ -331,10 +333,7 @@ absl::Status StoreRowArray(tf::OpKernelContext*, const impl::GpuDevice& d, Index
 
 namespace {
 // Evicted records go back by copies (MoveRecords) unless TF_SOK_WRITE_BACK_COPIES=0 (read at each call).
-bool WriteBackByCopies() {
-  const char* v = std::getenv("TF_SOK_WRITE_BACK_COPIES");
-  return !(v != nullptr && v[0] == '0' && v[1] == 0);
-}
+bool WriteBackByCopies() { return SwitchOn("TF_SOK_WRITE_BACK_COPIES"); }
 
 // The host's threads that write copied-back records into their store rows, shared by every table
 // (CUDA runs a device's host functions one at a time); never destroyed (host functions may run late).
@@ -441,8 +440,7 @@ absl::Status GatherRecordsIn(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
   if (fresh)
     for (int64_t j = 0; j < n_in; ++j)
       if (fresh_host[j]) rows[j] = -1;   // (StoreFresh sets them)
-  const uintptr_t records_at = reinterpret_cast<uintptr_t>(res->gather_pinned) + list_bytes;
-  float* out = reinterpret_cast<float*>((records_at + 63) & ~uintptr_t{63});
+  float* out = LineAligned(static_cast<char*>(res->gather_pinned) + list_bytes);
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return absl::InternalError("no current CUDA device");
   float* records_dev = nullptr;

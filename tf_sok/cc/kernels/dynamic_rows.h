@@ -208,6 +208,13 @@ std::vector<int64_t> GatherStoreRows(tf::OpKernelContext* ctx, const std::vector
                                      const std::vector<int64_t>& n, const std::vector<int64_t*>& rows,
                                      int64_t min_rows, const std::vector<float*>& out, const GatherHooks& hooks,
                                      std::vector<bool>* gathered, bool* ok, bool records = false);
+// The first 64-byte boundary at or after p: gathered rows start on whole cache lines, for the host's
+// streaming stores (the buffer has 64 bytes to spare for it).
+inline float* LineAligned(void* p) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+}
+// An environment switch that is on unless set to "0" (read at each call).
+bool SwitchOn(const char* name);
 // The fewest host-tier rows a GPU read, or a GPU find taking keys into the cache, gathers on the
 // host's threads and copies over contiguous rather than reading them in place
 // (TF_SOK_READ_GATHER_MIN_ROWS, read at each call; negative: never). Fewer are read in place, with no wait.
