@@ -254,7 +254,8 @@ class FindOp : public tf::OpKernel {
     tf::core::RefCountPtr<IndexResource> res;
     OP_REQUIRES_OK(ctx, GetIndex(ctx, &res));
     const tf::Tensor& keys = ctx->input(1);
-    OP_REQUIRES(ctx, keys.dims() == 1, Failed(*res, ": ", "keys must be a vector, got shape " + keys.shape().DebugString()));
+    OP_REQUIRES(ctx, keys.dims() == 1,
+                Failed(*res, ": ", "keys must be a vector, got shape " + keys.shape().DebugString()));
 #if TF_SOK_WITH_CUDA
     if (res->gpu) {
       ComputeGpu(ctx, res.get(), keys);

@@ -200,12 +200,29 @@ bool SwitchOn(const char* name) {
   return !(v != nullptr && v[0] == '0' && v[1] == 0);
 }
 
-int64_t GatherMinRows() {
+namespace {
+// TF_SOK_READ_GATHER_MIN_ROWS when set to a number
+bool GatherMinRowsSet(int64_t* rows) {
   const char* v = std::getenv("TF_SOK_READ_GATHER_MIN_ROWS");
-  if (v == nullptr || v[0] == 0) return 32768;
+  if (v == nullptr || v[0] == 0) return false;
   char* end = nullptr;
   const long long x = std::strtoll(v, &end, 10);
-  return end != nullptr && *end == 0 ? static_cast<int64_t>(x) : 32768;
+  if (end == nullptr || *end != 0) return false;
+  *rows = static_cast<int64_t>(x);
+  return true;
+}
+}  // namespace
+
+int64_t GatherMinRows() {
+  int64_t rows = 32768;
+  GatherMinRowsSet(&rows);
+  return rows;
+}
+
+int64_t GatherRecordsMinRows(int64_t record_bytes) {
+  int64_t rows = 0;
+  if (GatherMinRowsSet(&rows)) return rows;
+  return record_bytes <= kGatherRecordMaxBytes ? GatherMinRows() : -1;
 }
 
 std::vector<int64_t> GatherStoreRows(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
@@ -478,7 +495,7 @@ absl::Status MoveRecords(tf::OpKernelContext* ctx, const impl::GpuDevice& d, Ind
     const cudaError_t e = cudaStreamWaitEvent(static_cast<cudaStream_t>(d.stream), res->write_back_done, 0);
     if (e != cudaSuccess) return absl::InternalError(std::string("CUDA error ") + cudaGetErrorString(e));
   }
-  const int64_t gather_min = GatherMinRows();
+  const int64_t gather_min = GatherRecordsMinRows(static_cast<int64_t>(sizeof(float)) * l.stride);
   const bool gather_in = !l.beside && gather_min >= 0 && n_in > 0 && n_in >= gather_min;
   if (gather_in) res->store->Settle();   // (the host reads the records: earlier write-backs in first)
   float* evicted = nullptr;

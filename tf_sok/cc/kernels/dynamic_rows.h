@@ -17,14 +17,15 @@ namespace tf_sok {
 namespace dynamic_kernels {
 
 // The row upkeep of impl, on the host or the device.
-inline void InitialRowsAt(const impl::CpuDevice&, const IndexResource& r, const int64_t* keys, const int64_t* rows, int64_t n,
-                   int64_t width, float* base) {
+inline void InitialRowsAt(const impl::CpuDevice&, const IndexResource& r, const int64_t* keys, const int64_t* rows,
+                          int64_t n, int64_t width, float* base) {
   impl::InitialRowsAt(r.init_kind, r.a, r.b, r.seed, keys, rows, n, width, base);
 }
 inline void FillRows(const impl::CpuDevice&, float* base, int64_t width, const int64_t* rows, int64_t n, float fill) {
   impl::FillRows(base, width, rows, n, fill);
 }
-inline void GatherRows(const impl::CpuDevice&, const float* base, int64_t width, const int64_t* rows, int64_t n, float* out) {
+inline void GatherRows(const impl::CpuDevice&, const float* base, int64_t width, const int64_t* rows, int64_t n,
+                       float* out) {
   impl::GatherRows(base, width, width, rows, n, out);
 }
 inline void Fill(const impl::CpuDevice&, float* p, int64_t count, float value) { impl::Fill(p, count, value); }
@@ -77,7 +78,7 @@ inline void AddStoreScores(const impl::GpuDevice& d, IndexResource* r, float* re
 // which writes them into their store rows after the call (HostStore::Pending), while the new records
 // are read in place; with TF_SOK_WRITE_BACK_COPIES=0, or no pinned memory for the copies, both
 // directions in place, in one launch. The call's stream first waits for earlier calls' write-backs
-// (store: HostStore::device_records()). A call taking in at least GatherMinRows() records (not a
+// (store: HostStore::device_records()). A call taking in at least GatherRecordsMinRows() records (not a
 // prefetch's) has the host's threads gather them and copies them over contiguous, as reads do: the
 // link reads random records in place at a fixed rate of accesses.
 absl::Status MoveRecords(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
@@ -215,10 +216,19 @@ inline float* LineAligned(void* p) {
 }
 // An environment switch that is on unless set to "0" (read at each call).
 bool SwitchOn(const char* name);
-// The fewest host-tier rows a GPU read, or a GPU find taking keys into the cache, gathers on the
-// host's threads and copies over contiguous rather than reading them in place
-// (TF_SOK_READ_GATHER_MIN_ROWS, read at each call; negative: never). Fewer are read in place, with no wait.
+// The fewest host-tier rows a GPU read gathers on the host's threads and copies over contiguous
+// rather than reading them in place (TF_SOK_READ_GATHER_MIN_ROWS, read at each call; negative:
+// never). Fewer are read in place, with no wait.
 int64_t GatherMinRows();
+// The same for the records (values and optimizer state) of keys a GPU find takes into the cache, of
+// record_bytes each: GatherMinRows() for records of at most kGatherRecordMaxBytes, never for larger
+// ones, unless TF_SOK_READ_GATHER_MIN_ROWS is set (then that, whatever their size). The link reads
+// random records in place at a rate of accesses more than of bytes (H100: 256-byte rows at 6.7 GB/s,
+// 1 KB records at 32 GB/s beside a step's copies) and the host's threads gather at about 20 GB/s: even
+// near 700 bytes. Measured side by side: training lookups of 272-byte records 1.26x faster gathered;
+// steps of 8 tables of 1,040-byte records (dim 128 + Adagrad) 1.94-1.98x slower gathered.
+constexpr int64_t kGatherRecordMaxBytes = 640;
+int64_t GatherRecordsMinRows(int64_t record_bytes);
 #if TF_SOK_WITH_CUDA
 // rows[i][j]: the store row of keys[i][j] in table i's host tier (-1: absent), j < n[i], for all
 // tables at once on the host's threads (the stores must not change meanwhile).
