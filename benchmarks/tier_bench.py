@@ -172,7 +172,8 @@ class Runner:
     """One kind of tables (all in device memory, hybrid, hybrid with prefetch) stepping through the
     batches in order, its timed steps' times and cache counters kept across rounds."""
 
-    COUNTERS = ("lookups", "misses", "bytes_to_device", "bytes_to_host", "loaded", "evicted", "prefetched")
+    COUNTERS = ("lookups", "misses", "bytes_to_device", "bytes_to_host", "loaded", "evicted", "prefetched",
+                "bytes_in_gathered")
 
     def __init__(self, device, tables, data, prefetch=False, copies_back=True):
         self.device, self.tables, self.data, self.prefetch = device, tables, data, prefetch
@@ -218,7 +219,8 @@ class Runner:
             res.update(hit_rate=1 - d["misses"] / d["lookups"],
                        mb_per_step=(d["bytes_to_device"] + d["bytes_to_host"]) / steps / 1e6,
                        loaded_per_step=d["loaded"] / steps, evicted_per_step=d["evicted"] / steps,
-                       prefetched_per_step=d["prefetched"] / steps, cached=self.cached)
+                       prefetched_per_step=d["prefetched"] / steps, cached=self.cached,
+                       gathered_in_share=d["bytes_in_gathered"] / max(d["bytes_to_device"], 1))
         return res
 
 
@@ -436,8 +438,8 @@ def main():
             rate = c["mb_per_step"] / c["ms"]   # MB/ms = GB/s
             print(f"  {'':10s} hybrid, {e.upper()}{label} {c['ms']:8.2f} ms = {c['ms'] / h['ms']:.2f}x | hit rate "
                   f"{c['hit_rate']:.4f} | {c['loaded_per_step']:,.0f} keys in, {c['evicted_per_step']:,.0f} out per "
-                  f"step, {c['mb_per_step']:.1f} MB over the link ({rate:.1f} GB/s while stepping) | filled in "
-                  f"{c['fill_s']:.1f} s", flush=True)
+                  f"step, {c['mb_per_step']:.1f} MB over the link ({rate:.1f} GB/s while stepping; records in "
+                  f"gathered by the host {c['gathered_in_share']:.0%}) | filled in {c['fill_s']:.1f} s", flush=True)
             tag = f"{e}{'_keys_gpu' if g else ''}"
             out[dist].update({f"hybrid_{tag}": c, f"ratio_{tag}": c["ms"] / h["ms"]})
         c = res[next(k for k in kinds if k.startswith(f"hybrid_{a.evict[0]}"))]

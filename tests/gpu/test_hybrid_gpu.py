@@ -365,6 +365,10 @@ def test_rows_written_back_are_the_next_steps_rows(rng, write_back, read_in, mon
         _assert_same_tables(hybrid, plain, opt_h, opt_p, atol=1e-6)
     stats = sok.cache_stats(hybrid)
     assert stats["evicted"] == 5 * n and stats["loaded"] == 6 * n
+    # steps 3-6 take in the n records the step before wrote back, all gathered or all read in place
+    # (steps 1 and 2 take in keys new to the table: nothing read from the tier)
+    assert stats["bytes_to_device"] == 4 * n * 4 * sum(widths)
+    assert stats["bytes_in_gathered"] == (stats["bytes_to_device"] if read_in == "gathered" else 0)
 
 
 def test_a_host_tier_that_grows_many_times_keeps_every_row_on_the_gpu(rng):

@@ -545,7 +545,7 @@ tf.no_gradient("TfSokDynamicRead")
 
 _STAT_NAMES = ("finds", "lookups", "misses", "loaded", "new_keys", "evicted", "bytes_to_device", "bytes_to_host",
                "dropped", "prefetched", "reads", "reads_from_host", "bytes_read_in_place",
-               "bytes_read_gathered")
+               "bytes_read_gathered", "bytes_in_gathered")
 
 
 def cache_stats(var) -> dict:
@@ -553,7 +553,9 @@ def cache_stats(var) -> dict:
     (training lookups, assignments), `lookups` (ids looked up), `misses` (ids whose key was not cached),
     `hit_rate` (1 - misses / lookups), `loaded` (keys taken into the cache), `new_keys` (of those, keys
     the table had never held), `evicted` (keys written back to host memory to make room),
-    `bytes_to_device` / `bytes_to_host` (rows of values and optimizer state moved), `dropped` (keys
+    `bytes_to_device` / `bytes_to_host` (rows of values and optimizer state moved; of the first,
+    `bytes_in_gathered`: on a GPU, finds taking many small records in have the host's threads gather
+    them and copy them over, the rest are read in place by the device's kernel), `dropped` (keys
     the table's max_capacity removed from it), `prefetched` (of `loaded`, keys `sok.prefetch` took in:
     their ids count as hits when a lookup uses them), `reads` (ids read by lookups that do not train,
     `training=False`), `reads_from_host` (of those, ids read from host memory, not cached), their bytes

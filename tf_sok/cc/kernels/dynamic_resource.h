@@ -73,6 +73,7 @@ class IndexResource : public tf::ResourceBase {
     int64_t calls = 0, lookups = 0, misses = 0, loaded = 0, fresh = 0, evicted = 0, bytes_in = 0, bytes_out = 0;
     int64_t dropped = 0;   // keys the host tier's bound (max_capacity) dropped from the table
     int64_t prefetched = 0;   // keys of `loaded` that prefetches took in
+    int64_t bytes_in_gathered = 0;   // of bytes_in, records the host's threads gathered and copied over (GPU)
     // read-only lookups (TfSokDynamicRead): key positions read, of them read from the host tier, and
     // those bytes read in place by the device, or gathered by the host's threads and copied over
     int64_t reads = 0, reads_from_host = 0, bytes_read_in_place = 0, bytes_read_gathered = 0;

@@ -147,7 +147,7 @@ class CacheStatsOp : public tf::OpKernel {
     const IndexResource::Stats& st = res->stats;
     const int64_t v[] = {st.calls,   st.lookups,  st.misses,    st.loaded,  st.fresh,      st.evicted,
                          st.bytes_in, st.bytes_out, st.dropped, st.prefetched, st.reads, st.reads_from_host,
-                         st.bytes_read_in_place, st.bytes_read_gathered};
+                         st.bytes_read_in_place, st.bytes_read_gathered, st.bytes_in_gathered};
     constexpr int64_t kCount = sizeof(v) / sizeof(v[0]);
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({kCount}), &out));
     std::copy(v, v + kCount, out->flat<int64_t>().data());

@@ -273,7 +273,7 @@ REGISTER_OP("TfSokDynamicCacheStats")
     .Output("stats: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(14));
+      c->set_output(0, c->Vector(15));
       return absl::OkStatus();
     })
     .Doc(R"doc(
@@ -283,7 +283,9 @@ of those the table had never held, keys written back to host memory, bytes read
 from host memory, bytes written to it, keys its bound (max_capacity) dropped,
 keys of those taken in that prefetches took in; then of read-only lookups
 (TfSokDynamicRead): key positions read, those read from host memory, their bytes
-read in place by the device, and their bytes gathered on the host and copied.
+read in place by the device, and their bytes gathered on the host and copied;
+last, of the bytes read from host memory for keys taken in, those gathered on
+the host and copied (a GPU's finds of many small records).
 )doc");
 
 REGISTER_OP("TfSokDynamicPrefetch")
