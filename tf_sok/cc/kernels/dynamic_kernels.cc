@@ -3,7 +3,8 @@
 // device); the rows it hands out index the table's value and state arrays, which
 // the lookup and optimizer kernels read and update like a static table's.
 // This file: the index resource's creation, attaching arrays, size, export / import of the index.
-// The finds are in dynamic_find_kernels.cc, the host tier's ops in hybrid_kernels.cc.
+// The finds are in dynamic_find_kernels.cc, prefetches in dynamic_prefetch_kernels.cc, reads in
+// dynamic_read_kernels.cc, the host tier's ops in hybrid_kernels.cc.
 #include <algorithm>
 #include <array>
 #include <cstdlib>
