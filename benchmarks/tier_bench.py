@@ -239,6 +239,7 @@ def _timed_calls(a, t, look, calls, hybrid):
         d = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
         res["hit_rate"] = 1 - d["misses"] / d["lookups"] if d["lookups"] else 0.0
         res["host_bytes"] = d["bytes_read_in_place"] + d["bytes_read_gathered"]
+        res["gathered_in_share"] = d["bytes_in_gathered"] / d["bytes_to_device"] if d["bytes_to_device"] else 0.0
     return res
 
 
@@ -251,7 +252,9 @@ def _taking_turns(a, t, look, calls, hybrid, modes):
         with GatherRows(not m.endswith("in_place")):
             per[m].append(_timed_calls(a, t, look, [ids], hybrid))
     return {m: {"gkeys_s": float(np.median([r["gkeys_s"] for r in rs])),
-                "hit_rate": float(np.mean([r.get("hit_rate", 0.0) for r in rs]))} for m, rs in per.items()}
+                "hit_rate": float(np.mean([r.get("hit_rate", 0.0) for r in rs])),
+                "gathered_in_share": float(np.mean([r.get("gathered_in_share", 0.0) for r in rs]))}
+            for m, rs in per.items()}
 
 
 def find_rate(a, device, share, keys_on_gpu=False):
@@ -330,7 +333,7 @@ def find_section(a, device):
                      f"gathered {read['gkeys_s'] / in_place['gkeys_s']:.2f}x)" if "GPU" in device.upper() else ")")
         line += f" | training lookup {find['gkeys_s']:6.3f} G keys/s"
         if share is not None:
-            line += f", hit rate {find['hit_rate']:.3f}"
+            line += f", hit rate {find['hit_rate']:.3f}, records in gathered {find['gathered_in_share']:.0%}"
             if "GPU" in device.upper():   # (the CPU takes rows in place either way)
                 f = res["find_in_place"]
                 line += (f" (rows taken in read in place {f['gkeys_s']:.3f} G keys/s: gathered "
