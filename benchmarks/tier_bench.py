@@ -106,9 +106,9 @@ def StoreKeys(on_gpu: bool):
 
 
 def GatherRows(on: bool):
-    """Within it, a GPU read of many keys not cached, or a training lookup taking many rows into the
-    cache, gathers their host rows on the host's threads (the library's default) or, with False,
-    reads them all in place (TF_SOK_READ_GATHER_MIN_ROWS=-1)."""
+    """Within it, a GPU read of many keys not cached, or a training lookup taking many records of at
+    most 640 bytes into the cache, gathers their host rows on the host's threads (the library's
+    default) or, with False, reads them all in place (TF_SOK_READ_GATHER_MIN_ROWS=-1)."""
     return EnvVar("TF_SOK_READ_GATHER_MIN_ROWS", None if on else "-1")
 
 
