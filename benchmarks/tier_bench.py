@@ -220,8 +220,14 @@ class Runner:
                        mb_per_step=(d["bytes_to_device"] + d["bytes_to_host"]) / steps / 1e6,
                        loaded_per_step=d["loaded"] / steps, evicted_per_step=d["evicted"] / steps,
                        prefetched_per_step=d["prefetched"] / steps, cached=self.cached,
-                       gathered_in_share=d["bytes_in_gathered"] / max(d["bytes_to_device"], 1))
+                       gathered_in_share=gathered_in_share(d))
         return res
+
+
+def gathered_in_share(d):
+    """Of the bytes a hybrid table's finds took in (cache_stats deltas d), the share the host's threads
+    gathered (the rest read in place by the kernel)."""
+    return d["bytes_in_gathered"] / d["bytes_to_device"] if d["bytes_to_device"] else 0.0
 
 
 def _timed_calls(a, t, look, calls, hybrid):
@@ -239,7 +245,7 @@ def _timed_calls(a, t, look, calls, hybrid):
         d = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
         res["hit_rate"] = 1 - d["misses"] / d["lookups"] if d["lookups"] else 0.0
         res["host_bytes"] = d["bytes_read_in_place"] + d["bytes_read_gathered"]
-        res["gathered_in_share"] = d["bytes_in_gathered"] / d["bytes_to_device"] if d["bytes_to_device"] else 0.0
+        res["gathered_in_share"] = gathered_in_share(d)
     return res
 
 

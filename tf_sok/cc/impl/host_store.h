@@ -78,6 +78,13 @@ class HostStore {
   std::string AddArray(int64_t width, float fill);
   int num_arrays() const { return static_cast<int>(arrays_.size()); }
   int64_t width(int a) const { return arrays_[a].width; }
+  // The bytes of a record's arrays (values and optimizer state, not its marks): what a move of the
+  // record counts (cache statistics).
+  int64_t row_bytes() const {
+    int64_t bytes = 0;
+    for (const auto& a : arrays_) bytes += static_cast<int64_t>(sizeof(float)) * a.width;
+    return bytes;
+  }
   // Row r of array a is the `width(a)` floats at base(a) + r * stride(); base(a) = records() + offset(a).
   float* base(int a) {
     Settle();

@@ -345,9 +345,7 @@ absl::Status DeviceMapStorePlan(tf::OpKernelContext* ctx, const impl::GpuDevice&
   cudaEventRecord(res->settle_event, stream);
   res->unsettled = true;
   res->unsettled_asked = n;
-  int64_t row_bytes = 0;
-  for (int i = 0; i < res->store->num_arrays(); ++i) row_bytes += 4 * res->store->width(i);
-  res->unsettled_row_bytes = row_bytes;
+  res->unsettled_row_bytes = res->store->row_bytes();
   p->new_rows = rows;
   p->fresh = fresh;
   p->fresh_count = 0;
@@ -427,8 +425,7 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
   const bool moves = res->store && (c.num_new > 0 || c.num_evicted > 0);
   if (res->store && !plan.planned) TF_RETURN_IF_ERROR(PlanStore(ctx, d, res, c, &plan));
   if (res->store) {
-    int64_t row_bytes = 0;
-    for (int i = 0; i < res->store->num_arrays(); ++i) row_bytes += 4 * res->store->width(i);
+    const int64_t row_bytes = res->store->row_bytes();
     IndexResource::Stats& st = res->stats;
     if (c.prefetch) {
       st.prefetched += c.num_new;

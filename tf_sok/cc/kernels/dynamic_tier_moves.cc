@@ -299,9 +299,7 @@ absl::Status GatherRecordsIn(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
       GatherStoreRows(ctx, {res}, {n_in}, {rows}, min_rows, {out}, hooks, &gathered, &ok, /*records=*/true);
   if (!ok) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table takes in");
   if (!gathered[0]) return absl::OkStatus();
-  int64_t row_bytes = 0;   // (as the table's bytes_in counts them: the arrays' rows, not the marks)
-  for (int a = 0; a < l.arrays; ++a) row_bytes += static_cast<int64_t>(sizeof(float)) * l.width[a];
-  res->stats.bytes_in_gathered += held[0] * row_bytes;
+  res->stats.bytes_in_gathered += held[0] * res->store->row_bytes();
   // (each record's place in the gathered ones; pinned: the next call to use them waits for the stream)
   auto* at = static_cast<int64_t*>(d.scratch->Allocate(8 * static_cast<size_t>(n_in)));
   if (at == nullptr) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table takes in");
