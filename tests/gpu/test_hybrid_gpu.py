@@ -43,7 +43,14 @@ def _assert_close_at_row_scale(got, want, rtol=1e-4, atol=2e-5, row_rtol=1e-5):
 
 
 @pytest.mark.parametrize("case", sorted(OPTIMIZERS))
-def test_gpu_hybrid_trains_as_the_cpu_hybrid_and_the_all_hbm_table(rng, case):
+def test_gpu_hybrid_trains_as_the_cpu_hybrid_and_the_all_hbm_table(rng, case, monkeypatch):
+    """K steps of each optimizer on a GPU hybrid table (a cache of ~3 % of the keys), the same table on
+    the CPU and the table without a tier on the GPU: the same lookups, tables and cache counters. The
+    GPU's finds gather the first half of the records they take in on the host's threads (new keys
+    among them) while the kernel reads the rest in place (TF_SOK_READ_GATHER_MIN_ROWS=1,
+    TF_SOK_GATHER_SHARE=0.5)."""
+    monkeypatch.setenv("TF_SOK_READ_GATHER_MIN_ROWS", "1")
+    monkeypatch.setenv("TF_SOK_GATHER_SHARE", "0.5")
     cls, hp = OPTIMIZERS[case]
     pool = random_keys(rng, 20_000)
     batches = []
@@ -75,6 +82,8 @@ def test_gpu_hybrid_trains_as_the_cpu_hybrid_and_the_all_hbm_table(rng, case):
     _assert_same_tables(tables[0], tables[1], opts[0], opts[1], atol=2e-5, rtol=1e-4, row_rtol=1e-5)
     _assert_same_tables(tables[0], tables[2], opts[0], opts[2], atol=2e-5, row_rtol=1e-5)
     gpu, cpu = sok.cache_stats(tables[0]), sok.cache_stats(tables[1])
+    gathered = gpu.pop("bytes_in_gathered")
+    assert cpu.pop("bytes_in_gathered") == 0 and 0 < gathered < gpu["bytes_to_device"]
     assert gpu == cpu and gpu["evicted"] > 0 and gpu["bytes_to_device"] > 0
 
 
@@ -336,17 +345,21 @@ def test_low_frequency_filter_on_a_gpu_hybrid_table_equals_the_cpu_table_without
     assert stats["evicted"] > 0 and stats["loaded"] > stats["new_keys"]   # keys came back from the tier
 
 
-@pytest.mark.parametrize("write_back,read_in", [("copies", "gathered"), ("copies", "in_place"),
-                                                ("in_place", "gathered"), ("in_place", "in_place")])
+@pytest.mark.parametrize("write_back,read_in", [("copies", "gathered"), ("copies", "in_place"), ("copies", "half"),
+                                                ("in_place", "gathered"), ("in_place", "in_place"),
+                                                ("in_place", "half")])
 def test_rows_written_back_are_the_next_steps_rows(rng, write_back, read_in, monkeypatch):
     """Two key sets take turns, the cache holding one (20,000 rows of dim 64 and their Adagrad state):
     every step reads in exactly the rows the step before wrote back, and a checkpoint export between
     steps reads the tier; all as the table without a tier. The evicted rows go back by copies that the
     host writes into the tier after the step (the default), or written in place by the kernel
     (TF_SOK_WRITE_BACK_COPIES=0); the rows taken in are gathered by the host's threads and copied
-    over (a step taking in at least TF_SOK_READ_GATHER_MIN_ROWS), or read in place by the kernel."""
+    over (a step taking in at least TF_SOK_READ_GATHER_MIN_ROWS), or read in place by the kernel, or
+    the first half gathered while the kernel reads the rest in place (TF_SOK_GATHER_SHARE=0.5)."""
     monkeypatch.setenv("TF_SOK_WRITE_BACK_COPIES", "1" if write_back == "copies" else "0")
-    monkeypatch.setenv("TF_SOK_READ_GATHER_MIN_ROWS", "1000" if read_in == "gathered" else "-1")
+    monkeypatch.setenv("TF_SOK_READ_GATHER_MIN_ROWS", "-1" if read_in == "in_place" else "1000")
+    share = {"gathered": 1.0, "half": 0.5, "in_place": 0.0}[read_in]
+    monkeypatch.setenv("TF_SOK_GATHER_SHARE", str(share))
     dim, n = 64, 20_000
     cls, hp = OPTIMIZERS["adagrad"]
     sets = np.split(random_keys(rng, 2 * n), 2)
@@ -365,10 +378,10 @@ def test_rows_written_back_are_the_next_steps_rows(rng, write_back, read_in, mon
         _assert_same_tables(hybrid, plain, opt_h, opt_p, atol=1e-6)
     stats = sok.cache_stats(hybrid)
     assert stats["evicted"] == 5 * n and stats["loaded"] == 6 * n
-    # steps 3-6 take in the n records the step before wrote back, all gathered or all read in place
-    # (steps 1 and 2 take in keys new to the table: nothing read from the tier)
+    # steps 3-6 take in the n records the step before wrote back, the share gathered, the rest read in
+    # place (steps 1 and 2 take in keys new to the table: nothing read from the tier)
     assert stats["bytes_to_device"] == 4 * n * 4 * sum(widths)
-    assert stats["bytes_in_gathered"] == (stats["bytes_to_device"] if read_in == "gathered" else 0)
+    assert stats["bytes_in_gathered"] == 4 * round(share * n) * 4 * sum(widths)
 
 
 def test_a_host_tier_that_grows_many_times_keeps_every_row_on_the_gpu(rng):

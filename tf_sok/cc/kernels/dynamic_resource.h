@@ -125,9 +125,13 @@ class IndexResource : public tf::ResourceBase {
     if (write_back_done) cudaEventSynchronize(write_back_done);
   }
   // A find's records taken in, gathered by the host (MoveRecords): their store rows, then the records
-  // (pinned; reused by the next such call, which waits for TensorFlow's stream first)
+  // (pinned; reused by the next such call, which waits for TensorFlow's stream first), copied over on
+  // gather_stream once it has passed gather_ready (TensorFlow's stream, before the call's reads in
+  // place), while those reads run; TensorFlow's stream waits for gather_copied before using them.
   void* gather_pinned = nullptr;
   size_t gather_bytes = 0;
+  cudaStream_t gather_stream = nullptr;
+  cudaEvent_t gather_ready = nullptr, gather_copied = nullptr;
   void RecordFind(cudaStream_t stream) {
     if (found_event == nullptr && cudaEventCreateWithFlags(&found_event, cudaEventDisableTiming) != cudaSuccess) {
       found_event = nullptr;
@@ -145,6 +149,12 @@ class IndexResource : public tf::ResourceBase {
       cudaStreamDestroy(write_back_stream);
     }
     if (write_back_host) pinned->Free(write_back_host);
+    if (gather_stream) {
+      cudaStreamSynchronize(gather_stream);
+      for (cudaEvent_t e : {gather_ready, gather_copied})
+        if (e) cudaEventDestroy(e);
+      cudaStreamDestroy(gather_stream);
+    }
     if (gather_pinned) pinned->Free(gather_pinned);
     if (moves) {
       cudaEventSynchronize(moves.get());

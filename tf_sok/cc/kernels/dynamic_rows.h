@@ -229,6 +229,11 @@ int64_t GatherMinRows();
 // steps of 8 tables of 1,040-byte records (dim 128 + Adagrad) 1.94-1.98x slower gathered.
 constexpr int64_t kGatherRecordMaxBytes = 640;
 int64_t GatherRecordsMinRows(int64_t record_bytes);
+// Of the records a GPU find gathers in that way, the share the host's threads gather (the first ones)
+// while the device reads the rest in place, both at once (TF_SOK_GATHER_SHARE in [0, 1], read at each
+// call; otherwise kGatherRecordsShare).
+constexpr double kGatherRecordsShare = 0.6;
+double GatherRecordsShare();
 #if TF_SOK_WITH_CUDA
 // rows[i][j]: the store row of keys[i][j] in table i's host tier (-1: absent), j < n[i], for all
 // tables at once on the host's threads (the stores must not change meanwhile).

@@ -4,8 +4,10 @@
 // the tier by the host's threads, new records read in place or gathered).
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -76,6 +78,14 @@ int64_t GatherRecordsMinRows(int64_t record_bytes) {
   int64_t rows = 0;
   if (GatherMinRowsSet(&rows)) return rows;
   return record_bytes <= kGatherRecordMaxBytes ? GatherMinRows() : -1;
+}
+
+double GatherRecordsShare() {
+  const char* v = std::getenv("TF_SOK_GATHER_SHARE");
+  if (v == nullptr || v[0] == 0) return kGatherRecordsShare;
+  char* end = nullptr;
+  const double x = std::strtod(v, &end);
+  return end != nullptr && *end == 0 && x >= 0 && x <= 1 ? x : kGatherRecordsShare;
 }
 
 std::vector<int64_t> GatherStoreRows(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
@@ -258,54 +268,80 @@ absl::Status StartWriteBack(const impl::GpuDevice& d, IndexResource* res, const 
   return absl::OkStatus();
 }
 
-// The records of the n_in keys a call takes in (store_rows, fresh: on the device) gathered from the
-// host tier by the host's threads, copied over group by group as they complete, then written into
-// their cache rows. *read_in false: too few of them held (nothing done).
+// The records of the n_in keys a call takes in (store_rows, fresh: on the device): the first share of
+// them gathered from the host tier by the host's threads and copied over group by group as they
+// complete (on the table's gather stream), then written into their cache rows, while the device reads
+// the rest in place (in_place(first): the reads of records [first, n_in), launched once the gather
+// starts). *read_in false: too few of them held, nothing done (in_place not called).
 absl::Status GatherRecordsIn(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
                              const impl::StoreRecordLayout& l, const int64_t* store_rows, const uint8_t* fresh,
-                             const int64_t* cache_rows, int64_t n_in, int64_t min_rows, bool* read_in) {
+                             const int64_t* cache_rows, int64_t n_in, int64_t min_rows,
+                             const std::function<void(int64_t)>& in_place, bool* read_in) {
   *read_in = false;
   const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
+  auto cuda = [&](cudaError_t e) {
+    return e == cudaSuccess ? absl::OkStatus()
+                            : absl::InternalError("dynamic table '" + res->table + "': gathering rows in: " +
+                                                  "CUDA error " + cudaGetErrorString(e));
+  };
+  if (res->gather_stream == nullptr) {
+    TF_RETURN_IF_ERROR(cuda(cudaStreamCreateWithFlags(&res->gather_stream, cudaStreamNonBlocking)));
+    for (cudaEvent_t* e : {&res->gather_ready, &res->gather_copied})
+      TF_RETURN_IF_ERROR(cuda(cudaEventCreateWithFlags(e, cudaEventDisableTiming)));
+  }
+  const int64_t n = std::min<int64_t>(n_in, std::llround(GatherRecordsShare() * static_cast<double>(n_in)));
+  if (n <= 0) return absl::OkStatus();
   // [store rows | fresh flags | records from a 64-byte boundary]
-  const size_t list_bytes = 8 * static_cast<size_t>(n_in) + (fresh ? (static_cast<size_t>(n_in) + 7) / 8 * 8 : 0);
-  const size_t bytes = list_bytes + 64 + sizeof(float) * static_cast<size_t>(n_in * l.stride);
+  const size_t list_bytes = 8 * static_cast<size_t>(n) + (fresh ? (static_cast<size_t>(n) + 7) / 8 * 8 : 0);
+  const size_t bytes = list_bytes + 64 + sizeof(float) * static_cast<size_t>(n * l.stride);
   TF_RETURN_IF_ERROR(GrowPinned(res, stream, bytes, &res->gather_pinned, &res->gather_bytes));
   if (res->gather_pinned == nullptr) return absl::OkStatus();
   auto* rows = static_cast<int64_t*>(res->gather_pinned);
-  auto* fresh_host = reinterpret_cast<uint8_t*>(rows + n_in);
-  cudaMemcpyAsync(rows, store_rows, 8 * n_in, cudaMemcpyDeviceToHost, stream);
-  if (fresh) cudaMemcpyAsync(fresh_host, fresh, n_in, cudaMemcpyDeviceToHost, stream);
+  auto* fresh_host = reinterpret_cast<uint8_t*>(rows + n);
+  cudaMemcpyAsync(rows, store_rows, 8 * n, cudaMemcpyDeviceToHost, stream);
+  if (fresh) cudaMemcpyAsync(fresh_host, fresh, n, cudaMemcpyDeviceToHost, stream);
   TF_RETURN_IF_ERROR(CudaWait(stream));
   if (fresh)
-    for (int64_t j = 0; j < n_in; ++j)
+    for (int64_t j = 0; j < n; ++j)
       if (fresh_host[j]) rows[j] = -1;   // (StoreFresh sets them)
   float* out = LineAligned(static_cast<char*>(res->gather_pinned) + list_bytes);
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return absl::InternalError("no current CUDA device");
   float* records_dev = nullptr;
+  absl::Status status;
   GatherHooks hooks;
   hooks.start = [&](size_t, int64_t m) {
     records_dev = static_cast<float*>(d.scratch->Allocate(sizeof(float) * static_cast<size_t>(m * l.stride)));
-    return records_dev != nullptr;
+    if (records_dev == nullptr) return false;
+    // (the copies into records_dev after whatever TensorFlow's stream had queued when it was allocated;
+    // the reads in place after that, not waited for)
+    status = cuda(cudaEventRecord(res->gather_ready, stream));
+    if (status.ok()) status = cuda(cudaStreamWaitEvent(res->gather_stream, res->gather_ready, 0));
+    if (!status.ok()) return false;
+    in_place(n);
+    return true;
   };
   hooks.ready = [&](size_t, int64_t first, int64_t m) {
     cudaSetDevice(device);
     cudaMemcpyAsync(records_dev + first * l.stride, out + first * l.stride, sizeof(float) * m * l.stride,
-                    cudaMemcpyHostToDevice, stream);
+                    cudaMemcpyHostToDevice, res->gather_stream);
   };
   std::vector<bool> gathered;
   bool ok = true;
   const std::vector<int64_t> held =
-      GatherStoreRows(ctx, {res}, {n_in}, {rows}, min_rows, {out}, hooks, &gathered, &ok, /*records=*/true);
+      GatherStoreRows(ctx, {res}, {n}, {rows}, min_rows, {out}, hooks, &gathered, &ok, /*records=*/true);
+  TF_RETURN_IF_ERROR(status);
   if (!ok) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table takes in");
   if (!gathered[0]) return absl::OkStatus();
+  *read_in = true;   // (the reads in place are launched)
   res->stats.bytes_in_gathered += held[0] * res->store->row_bytes();
+  TF_RETURN_IF_ERROR(cuda(cudaEventRecord(res->gather_copied, res->gather_stream)));
+  TF_RETURN_IF_ERROR(cuda(cudaStreamWaitEvent(stream, res->gather_copied, 0)));
   // (each record's place in the gathered ones; pinned: the next call to use them waits for the stream)
-  auto* at = static_cast<int64_t*>(d.scratch->Allocate(8 * static_cast<size_t>(n_in)));
+  auto* at = static_cast<int64_t*>(d.scratch->Allocate(8 * static_cast<size_t>(n)));
   if (at == nullptr) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table takes in");
-  cudaMemcpyAsync(at, rows, 8 * n_in, cudaMemcpyHostToDevice, stream);
-  impl::GpuMoveRecords(d, l, nullptr, nullptr, nullptr, 0, at, fresh, cache_rows, n_in, records_dev);
-  *read_in = true;
+  cudaMemcpyAsync(at, rows, 8 * n, cudaMemcpyHostToDevice, stream);
+  impl::GpuMoveRecords(d, l, nullptr, nullptr, nullptr, 0, at, fresh, cache_rows, n, records_dev);
   return absl::OkStatus();
 }
 }  // namespace
@@ -333,13 +369,16 @@ absl::Status MoveRecords(tf::OpKernelContext* ctx, const impl::GpuDevice& d, Ind
       TF_RETURN_IF_ERROR(StartWriteBack(d, res, l, evicted_slots, store_row_of, n_out, evicted, store, &sent_back));
     if (!sent_back) impl::GpuGatherRecords(d, l, evicted_slots, n_out, evicted);
   }
-  bool read_in = false;   // the new records gathered by the host and copied over
+  // what is left in place, in one launch: the evicted records' writes, the new records' reads from `first`
+  const auto in_place = [&](int64_t first) {
+    impl::GpuMoveRecords(d, l, evicted, evicted_slots, store_row_of, sent_back ? 0 : n_out, store_rows + first,
+                         fresh ? fresh + first : nullptr, cache_rows + first, n_in - first, store);
+  };
+  bool read_in = false;   // a share of the new records gathered by the host (and the rest read in place)
   absl::Status status;
-  if (gather_in) status = GatherRecordsIn(ctx, d, res, l, store_rows, fresh, cache_rows, n_in, gather_min, &read_in);
-  // what is left in place, in one launch: the evicted records' writes, the new records' reads
-  if (status.ok())
-    impl::GpuMoveRecords(d, l, evicted, evicted_slots, store_row_of, sent_back ? 0 : n_out, store_rows, fresh,
-                         cache_rows, read_in ? 0 : n_in, store);
+  if (gather_in)
+    status = GatherRecordsIn(ctx, d, res, l, store_rows, fresh, cache_rows, n_in, gather_min, in_place, &read_in);
+  if (status.ok() && !read_in) in_place(0);
   // (the copies back read the call's scratch memory: its stream waits for them, whatever happened since)
   if (sent_back) {
     const cudaError_t e = cudaStreamWaitEvent(static_cast<cudaStream_t>(d.stream), res->write_back_copied, 0);
