@@ -160,14 +160,18 @@ def test_gpu_lfu_counts_come_back_from_a_checkpoint_on_either_device(rng, tmp_pa
         assert sok.cache_stats(table)["evicted"] > 0
 
 
-@pytest.mark.parametrize("gather_min", [-1, 1])
+@pytest.mark.parametrize("gather_min,share", [(-1, 1.0), (1, 1.0), (1, 0.5)])
 @pytest.mark.parametrize("budget_rows", [None, 0, 16])
-def test_gpu_read_gives_values_and_initial_values_and_changes_nothing(rng, budget_rows, gather_min, monkeypatch):
+def test_gpu_read_gives_values_and_initial_values_and_changes_nothing(rng, budget_rows, gather_min, share,
+                                                                     monkeypatch):
     """Lookups with training=False on the GPU (ReadRowsKernel: rows of width 4 as float4 words, of
     width 6 as floats; a hybrid table's keys not cached read from pinned host memory in place, or
-    with TF_SOK_READ_GATHER_MIN_ROWS=1 gathered by the host's threads and copied over)."""
+    with TF_SOK_READ_GATHER_MIN_ROWS=1 gathered by the host's threads and copied over: all of them,
+    or the first half while the kernel reads the rest in place, TF_SOK_GATHER_SHARE=0.5)."""
     monkeypatch.setenv("TF_SOK_READ_GATHER_MIN_ROWS", str(gather_min))
-    check_read(rng, budget_rows, "/GPU:0", keys=400, dims=(DIM, 6), batch=300, gather_min=gather_min)
+    monkeypatch.setenv("TF_SOK_GATHER_SHARE", str(share))
+    check_read(rng, budget_rows, "/GPU:0", keys=400, dims=(DIM, 6), batch=300, gather_min=gather_min,
+               gather_share=share)
 
 
 def test_gpu_read_of_many_keys_gathers_their_host_rows(rng, monkeypatch):
@@ -175,11 +179,18 @@ def test_gpu_read_of_many_keys_gathers_their_host_rows(rng, monkeypatch):
     rows: table a's host rows gathered by the host's threads in chunks of 4,096 ids, 16 chunks a
     group (three groups, each sent over by the thread that completes it); table b's read (~80,000
     ids, ~6,000 of them in host memory) waits for its rows and then reads them in place. Values
-    against NumPy."""
+    against NumPy. Then two such tables, gathering half (TF_SOK_GATHER_SHARE=0.5): table a's first
+    ~80,000 ids gathered while the kernel reads the rest's rows in place, each about half its rows."""
     monkeypatch.setenv("TF_SOK_READ_GATHER_MIN_ROWS", "20000")
+    monkeypatch.setenv("TF_SOK_GATHER_SHARE", "1")
     a, b = check_read(rng, 3, "/GPU:0", keys=40, dims=(DIM, 6), batch=40000, gather_min=20000)
     assert sok.cache_stats(a)["bytes_read_gathered"] > 0 and sok.cache_stats(a)["bytes_read_in_place"] == 0
     assert sok.cache_stats(b)["bytes_read_in_place"] > 0 and sok.cache_stats(b)["bytes_read_gathered"] == 0
+    monkeypatch.setenv("TF_SOK_READ_GATHER_MIN_ROWS", "1000")
+    monkeypatch.setenv("TF_SOK_GATHER_SHARE", "0.5")
+    a, _ = check_read(rng, 4, "/GPU:0", keys=40, dims=(DIM, 6), batch=40000, gather_min=1000, gather_share=0.5)
+    stats = sok.cache_stats(a)
+    assert 0.3 < stats["bytes_read_gathered"] / (stats["bytes_read_gathered"] + stats["bytes_read_in_place"]) < 0.7
 
 
 def test_host_link_bandwidth_is_measured_each_way():

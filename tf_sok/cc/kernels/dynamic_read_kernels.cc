@@ -134,11 +134,13 @@ class ReadOp : public tf::OpKernel {
     const std::vector<int64_t> held = StoreRowsOfMissing(ctx, res, key_lists, slot_lists, counts, row_lists);
     clock.Mark(StageClock::kReadHostLookups);
     std::vector<int64_t*> store_rows(n, nullptr);   // on the device
-    auto read = [&](int i, const float* store, int64_t stride) {
+    // table i's keys [first, first + m) read (m < 0: to the last)
+    auto read = [&](int i, const float* store, int64_t stride, int64_t first = 0, int64_t m = -1) {
       IndexResource* r = res[i];
-      impl::GpuReadRows(d, ctx->input(n + i).flat<int64_t>().data(), found[i].slots, store_rows[i],
-                        ctx->input(n + i).NumElements(), r->arrays[0].var->tensor()->flat<float>().data(), r->dim,
-                        store, stride, InitKind(*r), r->a, r->b, r->seed, out[i]->flat<float>().data());
+      if (m < 0) m = ctx->input(n + i).NumElements() - first;
+      impl::GpuReadRows(d, ctx->input(n + i).flat<int64_t>().data() + first, found[i].slots + first,
+                        store_rows[i] + first, m, r->arrays[0].var->tensor()->flat<float>().data(), r->dim, store,
+                        stride, InitKind(*r), r->a, r->b, r->seed, out[i]->flat<float>().data() + first * r->dim);
     };
     bool wait_rows = false;
     for (int i = 0; i < n; ++i) {
@@ -185,6 +187,8 @@ class ReadOp : public tf::OpKernel {
     if (!std::any_of(may_gather.begin(), may_gather.end(), [](bool g) { return g; })) return absl::OkStatus();
     if (wait_rows) TF_RETURN_IF_ERROR(CudaWait(stream));
     clock.Mark(StageClock::kReadRowsWait);
+    // each table's first share of keys gathered (g_n of them), the rest read in place meanwhile
+    const double share = GatherShare();
     std::vector<IndexResource*> g_res;
     std::vector<int64_t> g_n;
     std::vector<int64_t*> g_rows;
@@ -193,49 +197,64 @@ class ReadOp : public tf::OpKernel {
     for (int i = 0; i < n; ++i) {
       if (!may_gather[i]) continue;
       g_res.push_back(res[i]);
-      g_n.push_back(counts[i]);
+      g_n.push_back(std::min<int64_t>(counts[i], std::llround(share * static_cast<double>(counts[i]))));
       g_rows.push_back(row_lists[i]);
       g_out.push_back(LineAligned(staging[i] + 3 * counts[i]));
       g_table.push_back(i);
     }
-    // (each gathered table's rows sent over group by group, as the host's threads gather the rest; the
-    // host thread that completes a group sends it, on this call's device)
+    // (each gathered table's rows sent over group by group on its gather stream, as the host's threads
+    // gather the rest; the host thread that completes a group sends it, on this call's device)
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess) return Failed(*g_res[0], ": ", "no current CUDA device");
     std::vector<float*> rows_dev(g_res.size(), nullptr);
     size_t failed = 0;
+    absl::Status status;
     GatherHooks hooks;
     hooks.start = [&](size_t g, int64_t m) {
-      rows_dev[g] = static_cast<float*>(d.scratch->Allocate(4 * m * g_res[g]->dim));
+      const int i = g_table[g];
+      IndexResource* r = g_res[g];
+      const int64_t first = g_n[g], count = counts[i];
+      rows_dev[g] = static_cast<float*>(d.scratch->Allocate(4 * m * r->dim));
       failed = g;
-      return rows_dev[g] != nullptr;
+      if (rows_dev[g] == nullptr) return false;
+      status = GatherStreamStart(r, stream);
+      if (!status.ok()) return false;
+      // the keys after the gathered ones read in place now (the store rows a host lookup found sent first)
+      if (!on_gpu[i])
+        cudaMemcpyAsync(store_rows[i] + first, row_lists[i] + first, 8 * (count - first), cudaMemcpyHostToDevice,
+                        stream);
+      read(i, r->store->base(0), r->store->stride(), first);
+      return true;
     };
     hooks.ready = [&](size_t g, int64_t first, int64_t m) {
       const int64_t dim = g_res[g]->dim;
       cudaSetDevice(device);
       cudaMemcpyAsync(rows_dev[g] + first * dim, g_out[g] + first * dim, 4 * m * dim, cudaMemcpyHostToDevice,
-                      stream);
+                      g_res[g]->gather_stream);
     };
     std::vector<bool> gathered;
     bool ok = true;
     const std::vector<int64_t> rows_held =
         GatherStoreRows(ctx, g_res, g_n, g_rows, gather_min, g_out, hooks, &gathered, &ok);
+    TF_RETURN_IF_ERROR(status);
     if (!ok) return Failed(*g_res[failed], ": ", "out of GPU memory");
     clock.Mark(StageClock::kReadGather);
     for (size_t g = 0; g < g_res.size(); ++g) {
       const int i = g_table[g];
       IndexResource* r = res[i];
-      const int64_t count = g_n[g], m = rows_held[g];
+      // (the keys not gathered: the rest, or all; their rows read in place)
+      const int64_t count = counts[i], m = gathered[g] ? g_n[g] : 0;
+      Count(r, count - m, std::count_if(row_lists[i] + m, row_lists[i] + count, [](int64_t x) { return x >= 0; }));
       // (the rows' places in the gathered rows; or, not gathered, the store rows a host lookup found)
       if (gathered[g] || !on_gpu[i])
-        cudaMemcpyAsync(store_rows[i], row_lists[i], 8 * count, cudaMemcpyHostToDevice, stream);
+        cudaMemcpyAsync(store_rows[i], row_lists[i], 8 * (gathered[g] ? m : count), cudaMemcpyHostToDevice, stream);
       if (!gathered[g]) {
-        Count(r, count, m);
         read(i, r->store->base(0), r->store->stride());
         continue;
       }
-      CountGathered(r, count, m);
-      read(i, rows_dev[g], r->dim);
+      TF_RETURN_IF_ERROR(GatherStreamJoin(r, stream));
+      CountGathered(r, m, rows_held[g]);
+      read(i, rows_dev[g], r->dim, 0, m);
     }
     clock.Mark(StageClock::kReadGatheredLaunched);
     return absl::OkStatus();

@@ -216,9 +216,10 @@ inline float* LineAligned(void* p) {
 }
 // An environment switch that is on unless set to "0" (read at each call).
 bool SwitchOn(const char* name);
-// The fewest host-tier rows a GPU read gathers on the host's threads and copies over contiguous
-// rather than reading them in place (TF_SOK_READ_GATHER_MIN_ROWS, read at each call; negative:
-// never). Fewer are read in place, with no wait.
+// The fewest host-tier rows a GPU read gathers on the host's threads (of the share of its keys they
+// take, GatherShare) and copies over contiguous rather than reading them in place
+// (TF_SOK_READ_GATHER_MIN_ROWS, read at each call; negative: never). Fewer are read in place, with no
+// wait.
 int64_t GatherMinRows();
 // The same for the records (values and optimizer state) of keys a GPU find takes into the cache, of
 // record_bytes each: GatherMinRows() for records of at most kGatherRecordMaxBytes, never for larger
@@ -229,12 +230,18 @@ int64_t GatherMinRows();
 // steps of 8 tables of 1,040-byte records (dim 128 + Adagrad) 1.94-1.98x slower gathered.
 constexpr int64_t kGatherRecordMaxBytes = 640;
 int64_t GatherRecordsMinRows(int64_t record_bytes);
-// Of the records a GPU find gathers in that way, the share the host's threads gather (the first ones)
-// while the device reads the rest in place, both at once (TF_SOK_GATHER_SHARE in [0, 1], read at each
-// call; otherwise kGatherRecordsShare).
-constexpr double kGatherRecordsShare = 0.6;
-double GatherRecordsShare();
+// Of the rows a GPU read (or the records a GPU find) gathers in those ways, the share the host's
+// threads gather (the first ones) while the device reads the rest in place, both at once
+// (TF_SOK_GATHER_SHARE in [0, 1], read at each call; otherwise kGatherShare).
+constexpr double kGatherShare = 0.6;
+double GatherShare();
 #if TF_SOK_WITH_CUDA
+// A table's gathered rows are copied over on its gather stream, beside TensorFlow's `stream`:
+// GatherStreamStart, once the device memory they go to is allocated (the copies follow what the stream
+// had queued by then, the call's reads in place queued after it do not hold them up); GatherStreamJoin
+// once they are all queued (what the stream queues next follows them).
+absl::Status GatherStreamStart(IndexResource* res, cudaStream_t stream);
+absl::Status GatherStreamJoin(IndexResource* res, cudaStream_t stream);
 // rows[i][j]: the store row of keys[i][j] in table i's host tier (-1: absent), j < n[i], for all
 // tables at once on the host's threads (the stores must not change meanwhile).
 void StoreRowsOfTables(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,

@@ -80,12 +80,12 @@ int64_t GatherRecordsMinRows(int64_t record_bytes) {
   return record_bytes <= kGatherRecordMaxBytes ? GatherMinRows() : -1;
 }
 
-double GatherRecordsShare() {
+double GatherShare() {
   const char* v = std::getenv("TF_SOK_GATHER_SHARE");
-  if (v == nullptr || v[0] == 0) return kGatherRecordsShare;
+  if (v == nullptr || v[0] == 0) return kGatherShare;
   char* end = nullptr;
   const double x = std::strtod(v, &end);
-  return end != nullptr && *end == 0 && x >= 0 && x <= 1 ? x : kGatherRecordsShare;
+  return end != nullptr && *end == 0 && x >= 0 && x <= 1 ? x : kGatherShare;
 }
 
 std::vector<int64_t> GatherStoreRows(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
@@ -268,6 +268,30 @@ absl::Status StartWriteBack(const impl::GpuDevice& d, IndexResource* res, const 
   return absl::OkStatus();
 }
 
+// a CUDA call's error on the way of a table's gathered rows
+absl::Status GatherCopyStatus(const IndexResource& res, cudaError_t e) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError("dynamic table '" + res.table + "': copying gathered rows: CUDA error " +
+                             cudaGetErrorString(e));
+}
+}  // namespace
+
+absl::Status GatherStreamStart(IndexResource* res, cudaStream_t stream) {
+  if (res->gather_stream == nullptr) {
+    TF_RETURN_IF_ERROR(GatherCopyStatus(*res, cudaStreamCreateWithFlags(&res->gather_stream, cudaStreamNonBlocking)));
+    for (cudaEvent_t* e : {&res->gather_ready, &res->gather_copied})
+      TF_RETURN_IF_ERROR(GatherCopyStatus(*res, cudaEventCreateWithFlags(e, cudaEventDisableTiming)));
+  }
+  TF_RETURN_IF_ERROR(GatherCopyStatus(*res, cudaEventRecord(res->gather_ready, stream)));
+  return GatherCopyStatus(*res, cudaStreamWaitEvent(res->gather_stream, res->gather_ready, 0));
+}
+
+absl::Status GatherStreamJoin(IndexResource* res, cudaStream_t stream) {
+  TF_RETURN_IF_ERROR(GatherCopyStatus(*res, cudaEventRecord(res->gather_copied, res->gather_stream)));
+  return GatherCopyStatus(*res, cudaStreamWaitEvent(stream, res->gather_copied, 0));
+}
+
+namespace {
 // The records of the n_in keys a call takes in (store_rows, fresh: on the device): the first share of
 // them gathered from the host tier by the host's threads and copied over group by group as they
 // complete (on the table's gather stream), then written into their cache rows, while the device reads
@@ -279,17 +303,7 @@ absl::Status GatherRecordsIn(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
                              const std::function<void(int64_t)>& in_place, bool* read_in) {
   *read_in = false;
   const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
-  auto cuda = [&](cudaError_t e) {
-    return e == cudaSuccess ? absl::OkStatus()
-                            : absl::InternalError("dynamic table '" + res->table + "': gathering rows in: " +
-                                                  "CUDA error " + cudaGetErrorString(e));
-  };
-  if (res->gather_stream == nullptr) {
-    TF_RETURN_IF_ERROR(cuda(cudaStreamCreateWithFlags(&res->gather_stream, cudaStreamNonBlocking)));
-    for (cudaEvent_t* e : {&res->gather_ready, &res->gather_copied})
-      TF_RETURN_IF_ERROR(cuda(cudaEventCreateWithFlags(e, cudaEventDisableTiming)));
-  }
-  const int64_t n = std::min<int64_t>(n_in, std::llround(GatherRecordsShare() * static_cast<double>(n_in)));
+  const int64_t n = std::min<int64_t>(n_in, std::llround(GatherShare() * static_cast<double>(n_in)));
   if (n <= 0) return absl::OkStatus();
   // [store rows | fresh flags | records from a 64-byte boundary]
   const size_t list_bytes = 8 * static_cast<size_t>(n) + (fresh ? (static_cast<size_t>(n) + 7) / 8 * 8 : 0);
@@ -313,10 +327,7 @@ absl::Status GatherRecordsIn(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
   hooks.start = [&](size_t, int64_t m) {
     records_dev = static_cast<float*>(d.scratch->Allocate(sizeof(float) * static_cast<size_t>(m * l.stride)));
     if (records_dev == nullptr) return false;
-    // (the copies into records_dev after whatever TensorFlow's stream had queued when it was allocated;
-    // the reads in place after that, not waited for)
-    status = cuda(cudaEventRecord(res->gather_ready, stream));
-    if (status.ok()) status = cuda(cudaStreamWaitEvent(res->gather_stream, res->gather_ready, 0));
+    status = GatherStreamStart(res, stream);
     if (!status.ok()) return false;
     in_place(n);
     return true;
@@ -335,8 +346,7 @@ absl::Status GatherRecordsIn(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
   if (!gathered[0]) return absl::OkStatus();
   *read_in = true;   // (the reads in place are launched)
   res->stats.bytes_in_gathered += held[0] * res->store->row_bytes();
-  TF_RETURN_IF_ERROR(cuda(cudaEventRecord(res->gather_copied, res->gather_stream)));
-  TF_RETURN_IF_ERROR(cuda(cudaStreamWaitEvent(stream, res->gather_copied, 0)));
+  TF_RETURN_IF_ERROR(GatherStreamJoin(res, stream));
   // (each record's place in the gathered ones; pinned: the next call to use them waits for the stream)
   auto* at = static_cast<int64_t*>(d.scratch->Allocate(8 * static_cast<size_t>(n)));
   if (at == nullptr) return absl::ResourceExhaustedError("out of GPU memory for the rows a hybrid table takes in");
