@@ -268,7 +268,8 @@ def test_keys_touched_since_a_time_on_the_gpu_are_the_cpus(rng, policy):
     for k, t in enumerate(stamps):
         got_keys, got_values = sok.incremental_model_dump(tables[0], t)
         want_keys, want_values = sok.incremental_model_dump(tables[1], t)
-        assert set(got_keys.tolist()) == set(want_keys.tolist()) == set().union(*[set(b[1].tolist()) for b in batches[k:]])
+        want_set = set().union(*[set(b[1].tolist()) for b in batches[k:]])
+        assert set(got_keys.tolist()) == set(want_keys.tolist()) == want_set
         want = dict(zip(want_keys.tolist(), want_values))
         for key, value in zip(got_keys.tolist(), got_values):
             np.testing.assert_allclose(value, want[key], rtol=1e-4, atol=2e-5, err_msg=f"key {key}")

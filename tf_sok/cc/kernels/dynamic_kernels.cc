@@ -233,7 +233,8 @@ class ImportOp : public tf::OpKernel {
     const SnapshotParts parts = PartsOf(&snap);
     for (int i = 0; i < 6; ++i) {
       const tf::Tensor& t = ctx->input(1 + i);
-      OP_REQUIRES(ctx, t.dims() == 1, Failed(*res, ": restoring its index: part ", std::to_string(i) + " is not a vector"));
+      OP_REQUIRES(ctx, t.dims() == 1,
+                  Failed(*res, ": restoring its index: part ", std::to_string(i) + " is not a vector"));
       parts[i]->assign(t.flat<int64_t>().data(), t.flat<int64_t>().data() + t.NumElements());
     }
     const tf::Tensor& counters = ctx->input(7);

@@ -188,7 +188,7 @@ class ReadOp : public tf::OpKernel {
     if (wait_rows) TF_RETURN_IF_ERROR(CudaWait(stream));
     clock.Mark(StageClock::kReadRowsWait);
     // each table's first share of keys gathered (g_n of them), the rest read in place meanwhile
-    const double share = GatherShare();
+    const double share = GatherShare(/*records=*/false);
     std::vector<IndexResource*> g_res;
     std::vector<int64_t> g_n;
     std::vector<int64_t*> g_rows;

@@ -360,7 +360,8 @@ class StoreImportOp : public tf::OpKernel {
     }
 #endif
     std::vector<const float*> data;   // array i's rows: `total` floats apart in the input
-    for (int i = 0, at = 0; i < store.num_arrays(); at += store.width(i), ++i) data.push_back(rows.flat<float>().data() + at);
+    for (int i = 0, at = 0; i < store.num_arrays(); at += store.width(i), ++i)
+      data.push_back(rows.flat<float>().data() + at);
     const std::string error = store.Replace(keys.flat<int64_t>().data(), n, data, total,
                                             res->lfu && given > 0 ? scores.flat<int64_t>().data() : nullptr);
     OP_REQUIRES(ctx, error.empty(), Failed(*res, ": restoring its host tier: ", error));

@@ -445,11 +445,12 @@ class LookupCheckGpuOp : public tf::AsyncOpKernel {
                       absl::InternalError(absl::StrCat("tf_sok lookup check: CUDA error ", copied.value)),
                       done);
     tf::DeviceContext* dc = ctx->op_device_context();
-    const absl::Status queued = dc->ThenExecute(static_cast<tf::Device*>(ctx->device()), dc->stream(), [this, ctx, host, done]() {
+    auto explain = [this, ctx, host, done]() {
       ctx->SetStatus(ExplainRecord(names_, *reinterpret_cast<const impl::ErrorRecord*>(
                                                host.flat<int64_t>().data())));
       done();
-    });
+    };
+    const absl::Status queued = dc->ThenExecute(static_cast<tf::Device*>(ctx->device()), dc->stream(), explain);
     OP_REQUIRES_OK_ASYNC(ctx, queued, done);
   }
 
