@@ -15,8 +15,9 @@ anchor: dim 64, 128M keys, half the values in HBM, 1M random held keys per call,
 inserted first), forward lookups (`sok.lookup_sparse`, no gradient) of --find-batch held keys per
 call (uniform, or --find-dist), as G keys/s, with a cache of each --find-shares of the values and all in device
 memory; each two ways: training lookups (a miss takes the key's row into the cache and writes back
-an evicted one; on a GPU, in turns call by call, the rows taken in gathered by the host's threads and
-copied, the default for lookups this large, and read in place by the kernel: both rates printed),
+an evicted one; on a GPU, in turns call by call, the rows taken in as the library does for lookups
+this large (the host's threads gather a share of them and copy it over while the kernel reads the
+rest in place), all read in place by the kernel, and all gathered: the three rates printed),
 then lookups that do not train (`training=False`: nothing changes; on a GPU the
 keys not cached have their rows gathered from host memory by the host's threads and copied over
 in one piece, the default for reads this large, and then, on the same calls, read where they are
@@ -110,6 +111,19 @@ def GatherRows(on: bool):
     most 640 bytes into the cache, gathers their host rows on the host's threads (the library's
     default) or, with False, reads them all in place (TF_SOK_READ_GATHER_MIN_ROWS=-1)."""
     return EnvVar("TF_SOK_READ_GATHER_MIN_ROWS", None if on else "-1")
+
+
+def GatherShare(share):
+    """Within it, the share of the records a GPU training lookup gathers that the host's threads take
+    (the rest read in place by the kernel meanwhile): the library's default (None) or `share`
+    (TF_SOK_GATHER_SHARE)."""
+    return EnvVar("TF_SOK_GATHER_SHARE", None if share is None else str(share))
+
+
+# the training lookups' ways of taking records in, taking turns: the default (the host's threads gather
+# a share of them while the kernel reads the rest in place), all read in place, all gathered
+FIND_MODES = {"find": lambda: GatherRows(True), "find_in_place": lambda: GatherRows(False),
+              "find_gathered_all": lambda: GatherShare(1)}
 
 
 def WriteBack(copies: bool):
@@ -250,12 +264,13 @@ def _timed_calls(a, t, look, calls, hybrid):
 
 
 def _taking_turns(a, t, look, calls, hybrid, modes):
-    """{mode: _timed_calls' result} of lookups in each mode (GatherRows on, or off for "..._in_place"),
-    the modes taking turns call by call on calls of their own."""
-    per = {m: [] for m in modes}
+    """{mode: _timed_calls' result} of lookups in each mode (modes: name -> its settings' context), the
+    modes taking turns call by call on calls of their own."""
+    names = list(modes)
+    per = {m: [] for m in names}
     for i, ids in enumerate(calls):
-        m = modes[i % len(modes)]
-        with GatherRows(not m.endswith("in_place")):
+        m = names[i % len(names)]
+        with modes[m]():
             per[m].append(_timed_calls(a, t, look, [ids], hybrid))
     return {m: {"gkeys_s": float(np.median([r["gkeys_s"] for r in rs])),
                 "hit_rate": float(np.mean([r.get("hit_rate", 0.0) for r in rs])),
@@ -287,7 +302,7 @@ def _find_rate(a, device, share):
         out = {}
         for training in (True, False):   # (the training lookups first: they fill the cache with hot keys)
             # (each kind its own calls: the reads' keys are not those the training lookups just cached)
-            timed = 2 * a.iters if training else a.iters
+            timed = len(FIND_MODES) * a.iters if training else a.iters
             calls = [tf.RaggedTensor.from_row_splits(
                 tf.constant(ids_for(rng, a.find_keys, a.find_batch, a.find_dist) * HASH), splits)
                 for _ in range(timed + 3 + (PROFILED if a.profile else 0))]
@@ -296,10 +311,9 @@ def _find_rate(a, device, share):
             for ids in calls[:3]:
                 look(ids).numpy()
             if training:
-                # the rows taken into the cache gathered by the host's threads and copied (the default for
-                # lookups this large) or read in place by the kernel, call by call in turns (a training
-                # lookup changes the cache: each its own calls)
-                out.update(_taking_turns(a, t, look, calls[3:3 + timed], share is not None, ("find", "find_in_place")))
+                # the rows taken into the cache in each of FIND_MODES' ways, call by call in turns (a
+                # training lookup changes the cache: each its own calls)
+                out.update(_taking_turns(a, t, look, calls[3:3 + timed], share is not None, FIND_MODES))
                 continue
             # reads both ways on the same calls: the rows not cached gathered by the host's threads and
             # copied (the default for reads this large), then read in place by the kernel
@@ -341,9 +355,10 @@ def find_section(a, device):
         if share is not None:
             line += f", hit rate {find['hit_rate']:.3f}, records in gathered {find['gathered_in_share']:.0%}"
             if "GPU" in device.upper():   # (the CPU takes rows in place either way)
-                f = res["find_in_place"]
+                f, g = res["find_in_place"], res["find_gathered_all"]
                 line += (f" (rows taken in read in place {f['gkeys_s']:.3f} G keys/s: gathered "
-                         f"{find['gkeys_s'] / f['gkeys_s']:.2f}x)")
+                         f"{find['gkeys_s'] / f['gkeys_s']:.2f}x; all gathered {g['gkeys_s']:.3f}: the share "
+                         f"{find['gkeys_s'] / g['gkeys_s']:.2f}x)")
         print(line, flush=True)
         out["hbm" if share is None else f"share_{share}{'_keys_gpu' if on_gpu else ''}"] = res
     return out
