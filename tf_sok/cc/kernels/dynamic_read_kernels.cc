@@ -187,8 +187,7 @@ class ReadOp : public tf::OpKernel {
     if (!std::any_of(may_gather.begin(), may_gather.end(), [](bool g) { return g; })) return absl::OkStatus();
     if (wait_rows) TF_RETURN_IF_ERROR(CudaWait(stream));
     clock.Mark(StageClock::kReadRowsWait);
-    // each table's first share of keys gathered (g_n of them), the rest read in place meanwhile
-    const double share = GatherShare(/*records=*/false);
+    // each table's first keys gathered (g_n of them), the rest read in place meanwhile
     std::vector<IndexResource*> g_res;
     std::vector<int64_t> g_n;
     std::vector<int64_t*> g_rows;
@@ -197,7 +196,7 @@ class ReadOp : public tf::OpKernel {
     for (int i = 0; i < n; ++i) {
       if (!may_gather[i]) continue;
       g_res.push_back(res[i]);
-      g_n.push_back(std::min<int64_t>(counts[i], std::llround(share * static_cast<double>(counts[i]))));
+      g_n.push_back(GatherCount(counts[i], /*records=*/false));
       g_rows.push_back(row_lists[i]);
       g_out.push_back(LineAligned(staging[i] + 3 * counts[i]));
       g_table.push_back(i);
@@ -242,16 +241,18 @@ class ReadOp : public tf::OpKernel {
     for (size_t g = 0; g < g_res.size(); ++g) {
       const int i = g_table[g];
       IndexResource* r = res[i];
-      // (the keys not gathered: the rest, or all; their rows read in place)
-      const int64_t count = counts[i], m = gathered[g] ? g_n[g] : 0;
-      Count(r, count - m, std::count_if(row_lists[i] + m, row_lists[i] + count, [](int64_t x) { return x >= 0; }));
-      // (the rows' places in the gathered rows; or, not gathered, the store rows a host lookup found)
-      if (gathered[g] || !on_gpu[i])
-        cudaMemcpyAsync(store_rows[i], row_lists[i], 8 * (gathered[g] ? m : count), cudaMemcpyHostToDevice, stream);
-      if (!gathered[g]) {
+      // (rows_held: of the first m keys; the rest's rows, none with the default share, read in place)
+      const int64_t count = counts[i], m = g_n[g];
+      const int64_t rest_held = std::count_if(row_lists[i] + m, row_lists[i] + count, [](int64_t x) { return x >= 0; });
+      if (!gathered[g]) {   // (all read in place; the store rows a host lookup found sent first)
+        if (!on_gpu[i]) cudaMemcpyAsync(store_rows[i], row_lists[i], 8 * count, cudaMemcpyHostToDevice, stream);
+        Count(r, count, rows_held[g] + rest_held);
         read(i, r->store->base(0), r->store->stride());
         continue;
       }
+      Count(r, count - m, rest_held);
+      // (the rows' places in the gathered rows)
+      cudaMemcpyAsync(store_rows[i], row_lists[i], 8 * m, cudaMemcpyHostToDevice, stream);
       TF_RETURN_IF_ERROR(GatherStreamJoin(r, stream));
       CountGathered(r, m, rows_held[g]);
       read(i, rows_dev[g], r->dim, 0, m);

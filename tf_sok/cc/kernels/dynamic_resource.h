@@ -1,6 +1,6 @@
 // The state of a dynamic table's index as a TensorFlow resource, shared by the dynamic-table
-// kernels (dynamic_kernels.cc, dynamic_{find,prefetch,read}_kernels.cc, hybrid_kernels.cc): the key -> row index
-// (host or GPU), the row arrays it serves and, for a hybrid table, its host tier.
+// kernels (dynamic_kernels.cc, dynamic_{find,prefetch,read}_kernels.cc, hybrid_kernels.cc): the key ->
+// row index (host or GPU), the row arrays it serves and, for a hybrid table, its host tier.
 #ifndef TF_SOK_CC_KERNELS_DYNAMIC_RESOURCE_H_
 #define TF_SOK_CC_KERNELS_DYNAMIC_RESOURCE_H_
 

@@ -79,8 +79,9 @@ inline void AddStoreScores(const impl::GpuDevice& d, IndexResource* r, float* re
 // are read in place; with TF_SOK_WRITE_BACK_COPIES=0, or no pinned memory for the copies, both
 // directions in place, in one launch. The call's stream first waits for earlier calls' write-backs
 // (store: HostStore::device_records()). A call taking in at least GatherRecordsMinRows() records (not a
-// prefetch's) has the host's threads gather them and copies them over contiguous, as reads do: the
-// link reads random records in place at a fixed rate of accesses.
+// prefetch's) has the host's threads gather the first GatherCount of them and copies them over
+// contiguous, as reads do (the link reads random records in place at a fixed rate of accesses), while
+// the kernel reads the rest in place.
 absl::Status MoveRecords(tf::OpKernelContext* ctx, const impl::GpuDevice& d, IndexResource* res,
                          const impl::StoreRecordLayout& l,
                          const int64_t* evicted_slots, const int64_t* store_row_of, int64_t n_out,
@@ -217,7 +218,7 @@ inline float* LineAligned(void* p) {
 // An environment switch that is on unless set to "0" (read at each call).
 bool SwitchOn(const char* name);
 // The fewest host-tier rows a GPU read gathers on the host's threads (of the share of its keys they
-// take, GatherShare) and copies over contiguous rather than reading them in place
+// take, GatherCount) and copies over contiguous rather than reading them in place
 // (TF_SOK_READ_GATHER_MIN_ROWS, read at each call; negative: never). Fewer are read in place, with no
 // wait.
 int64_t GatherMinRows();
@@ -230,8 +231,8 @@ int64_t GatherMinRows();
 // steps of 8 tables of 1,040-byte records (dim 128 + Adagrad) 1.94-1.98x slower gathered.
 constexpr int64_t kGatherRecordMaxBytes = 640;
 int64_t GatherRecordsMinRows(int64_t record_bytes);
-// Of the rows a GPU read (or the records a GPU find) gathers in those ways, the share the host's
-// threads gather (the first ones) while the device reads the rest in place, both at once
+// Of the n rows a GPU read (or n records a GPU find) gathers in those ways, how many the host's threads
+// gather (the first ones) while the device reads the rest in place, both at once: a share of n
 // (TF_SOK_GATHER_SHARE in [0, 1], read at each call, for both; otherwise kGatherShareRows for a read,
 // kGatherShareRecords for a find). Side by side on an H100 (32M keys x 64 half cached, 1M uniform
 // keys a call): training lookups 1.02-1.07x faster with 0.8 than gathering all (0.7: 1.05-1.06x,
@@ -239,7 +240,7 @@ int64_t GatherRecordsMinRows(int64_t record_bytes);
 // the host's gather of small rows about as much as they take off it.
 constexpr double kGatherShareRows = 1.0;
 constexpr double kGatherShareRecords = 0.8;
-double GatherShare(bool records);
+int64_t GatherCount(int64_t n, bool records);
 #if TF_SOK_WITH_CUDA
 // A table's gathered rows are copied over on its gather stream, beside TensorFlow's `stream`:
 // GatherStreamStart, once the device memory they go to is allocated (the copies follow what the stream

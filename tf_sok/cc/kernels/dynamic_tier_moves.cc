@@ -80,13 +80,14 @@ int64_t GatherRecordsMinRows(int64_t record_bytes) {
   return record_bytes <= kGatherRecordMaxBytes ? GatherMinRows() : -1;
 }
 
-double GatherShare(bool records) {
-  const double otherwise = records ? kGatherShareRecords : kGatherShareRows;
-  const char* v = std::getenv("TF_SOK_GATHER_SHARE");
-  if (v == nullptr || v[0] == 0) return otherwise;
-  char* end = nullptr;
-  const double x = std::strtod(v, &end);
-  return end != nullptr && *end == 0 && x >= 0 && x <= 1 ? x : otherwise;
+int64_t GatherCount(int64_t n, bool records) {
+  double share = records ? kGatherShareRecords : kGatherShareRows;
+  if (const char* v = std::getenv("TF_SOK_GATHER_SHARE"); v != nullptr && v[0] != 0) {
+    char* end = nullptr;
+    const double x = std::strtod(v, &end);
+    if (end != nullptr && *end == 0 && x >= 0 && x <= 1) share = x;
+  }
+  return std::min<int64_t>(n, std::llround(share * static_cast<double>(n)));
 }
 
 std::vector<int64_t> GatherStoreRows(tf::OpKernelContext* ctx, const std::vector<IndexResource*>& res,
@@ -304,7 +305,7 @@ absl::Status GatherRecordsIn(tf::OpKernelContext* ctx, const impl::GpuDevice& d,
                              const std::function<void(int64_t)>& in_place, bool* read_in) {
   *read_in = false;
   const cudaStream_t stream = static_cast<cudaStream_t>(d.stream);
-  const int64_t n = std::min<int64_t>(n_in, std::llround(GatherShare(/*records=*/true) * static_cast<double>(n_in)));
+  const int64_t n = GatherCount(n_in, /*records=*/true);
   if (n <= 0) return absl::OkStatus();
   // [store rows | fresh flags | records from a 64-byte boundary]
   const size_t list_bytes = 8 * static_cast<size_t>(n) + (fresh ? (static_cast<size_t>(n) + 7) / 8 * 8 : 0);
