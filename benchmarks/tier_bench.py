@@ -4,7 +4,7 @@ memory, in one run.
     python benchmarks/tier_bench.py [--tables 8] [--keys 2000000] [--dim 128] [--batch 65536]
                                     [--cache-share 0.1] [--dists zipf:1.05 zipf:1.2 uniform]
                                     [--evict lru lfu] [--warmup 100] [--iters 10] [--rounds 5]
-                                    [--write-back copies|both]
+                                    [--write-back copies|both] [--prefetch-grids 2 4]
     python benchmarks/tier_bench.py --quick         (small sizes, any device)
     python benchmarks/tier_bench.py --find [--find-keys 67108864] [--find-dim 64] [--find-batch 1048576]
                                     [--find-shares 0.5 0.1] [--find-dist uniform]
@@ -35,8 +35,9 @@ against the link's bandwidth measured in the same run
 (`sok.host_link_bandwidth`: pinned memory copied each way, and read / written in place by a
 kernel, as the hybrid tables move rows). Another kind (unless `--no-prefetch`): hybrid tables (the
 first policy's) trained with `sok.prefetch` of the next batch's ids in each step, its ratio printed
-beside. Every kind's tables are made and warmed up first (`--warmup` steps: the caches, and LFU's
-counts, reach their steady state) (all held at once: the device needs the all-in-memory
+beside; on a GPU, one more such kind for each of `--prefetch-grids`, the prefetch's moves on that many
+blocks per SM (TF_SOK_PREFETCH_BLOCKS_PER_SM). Every kind's tables are made and warmed up first
+(`--warmup` steps: the caches, and LFU's counts, reach their steady state) (all held at once: the device needs the all-in-memory
 tables and both caches, the host both tiers); the timed steps then run in `--rounds` rounds in
 which the kinds take turns, each kind on the same batches in the same order, so that the machine's
 drifts over the run fall on all of them.
@@ -132,6 +133,12 @@ def WriteBack(copies: bool):
     return EnvVar("TF_SOK_WRITE_BACK_COPIES", None if copies else "0")
 
 
+def PrefetchGrid(blocks_per_sm):
+    """Within it, a prefetch's moves run on a grid of blocks_per_sm blocks per SM (None: the library's
+    default; TF_SOK_PREFETCH_BLOCKS_PER_SM)."""
+    return EnvVar("TF_SOK_PREFETCH_BLOCKS_PER_SM", None if blocks_per_sm is None else str(blocks_per_sm))
+
+
 def store_key_places(a):
     """[(label suffix, keys on the GPU)] of --store-keys."""
     return {"host": [("", False)], "gpu": [("", True)],
@@ -189,9 +196,10 @@ class Runner:
     COUNTERS = ("lookups", "misses", "bytes_to_device", "bytes_to_host", "loaded", "evicted", "prefetched",
                 "bytes_in_gathered")
 
-    def __init__(self, device, tables, data, prefetch=False, copies_back=True):
+    def __init__(self, device, tables, data, prefetch=False, copies_back=True, prefetch_grid=None):
         self.device, self.tables, self.data, self.prefetch = device, tables, data, prefetch
         self.copies_back = copies_back   # (False: evicted rows written in place, WriteBack)
+        self.prefetch_grid = prefetch_grid   # (blocks per SM of the prefetch's moves, PrefetchGrid)
         self.hybrid = getattr(tables[0], "hybrid", False)
         self.step = make_step(tables, sok.optimizers.Adagrad(0.01), prefetch)
         self.at, self.times, self.counts, self.cached = 0, [], dict.fromkeys(self.COUNTERS, 0), 0
@@ -201,7 +209,7 @@ class Runner:
 
     def steps(self, n, timed=True):
         """The next n batches' steps (timed: their times and counters kept)."""
-        with tf.device(self.device), WriteBack(self.copies_back):
+        with tf.device(self.device), WriteBack(self.copies_back), PrefetchGrid(self.prefetch_grid):
             before = [sok.cache_stats(t) for t in self.tables] if self.hybrid and timed else None
             for _ in range(n):
                 t0 = time.perf_counter()
@@ -222,7 +230,7 @@ class Runner:
         print(f"  -- {'hybrid' if self.hybrid else 'all-HBM'} step{' with prefetch' if self.prefetch else ''}, "
               f"profiled:")
         start = self.at
-        with tf.device(self.device), WriteBack(self.copies_back):
+        with tf.device(self.device), WriteBack(self.copies_back), PrefetchGrid(self.prefetch_grid):
             profile_steps(lambda i: self.call(start + i), steps=PROFILED, top=40)
 
     def result(self):
@@ -385,6 +393,9 @@ def main():
     p.add_argument("--static", action="store_true",
                    help="static tables (sok.Variable with max_hbm_for_vectors) against plain sok.Variables")
     p.add_argument("--no-prefetch", action="store_true", help="skip the hybrid run with sok.prefetch")
+    p.add_argument("--prefetch-grids", type=int, nargs="+", default=[],
+                   help="more kinds of hybrid tables with sok.prefetch (GPU), their moves on grids of these many "
+                        "blocks per SM (TF_SOK_PREFETCH_BLOCKS_PER_SM), against the library's default")
     p.add_argument("--write-back", choices=["copies", "both"], default="copies",
                    help="both: another kind of hybrid tables (the first policy's, keys where the last "
                         "--store-keys puts them) whose evicted rows are written in place (TF_SOK_WRITE_BACK_COPIES=0)")
@@ -431,6 +442,8 @@ def main():
     policies = {"hbm": (None, False),
                 **{f"hybrid_{e}{'_keys_gpu' if g else ''}": (e, g) for e in a.evict for _, g in places},
                 **({} if a.no_prefetch else {"prefetch": (a.evict[0], False)}),
+                **({f"prefetch_grid{n}": (a.evict[0], False) for n in a.prefetch_grids} if gpu and not a.no_prefetch
+                   else {}),
                 **({"in_place": (a.evict[0], places[-1][1])} if a.write_back == "both" and gpu else {})}
     kinds = tuple(policies)
     rounds = max(1, min(a.rounds, a.iters))
@@ -442,7 +455,9 @@ def main():
             policy, keys_on_gpu = policies[kind]
             tables = make_tables(a, device, policy, f"{kind}_{dist.replace(':', '')}_", keys_on_gpu)
             fill[kind] = time.perf_counter() - t0
-            runners[kind] = Runner(device, tables, data, prefetch=kind == "prefetch", copies_back=kind != "in_place")
+            grid = int(kind[len("prefetch_grid"):]) if kind.startswith("prefetch_grid") else None
+            runners[kind] = Runner(device, tables, data, prefetch=kind.startswith("prefetch"),
+                                   copies_back=kind != "in_place", prefetch_grid=grid)
             runners[kind].steps(a.warmup, timed=False)
         # the timed steps in rounds, the kinds taking turns in each: drifts of the machine fall on all
         for r in range(rounds):
@@ -474,6 +489,12 @@ def main():
                   f"hit rate at the lookups {f['hit_rate']:.4f} | {f['prefetched_per_step']:,.0f} keys prefetched "
                   f"per step, {f['mb_per_step']:.1f} MB over the link", flush=True)
             out[dist].update(prefetch=f, prefetch_ratio=f["ms"] / h["ms"])
+            for n in (n for n in a.prefetch_grids if f"prefetch_grid{n}" in res):
+                g = res[f"prefetch_grid{n}"]
+                print(f"  {'':10s} hybrid, {a.evict[0].upper()}, with sok.prefetch, its moves on {n} blocks per SM "
+                      f"{g['ms']:8.2f} ms = {g['ms'] / h['ms']:.2f}x all in device memory, {f['ms'] / g['ms']:.2f}x "
+                      f"the default's speed | hit rate at the lookups {g['hit_rate']:.4f}", flush=True)
+                out[dist][f"prefetch_grid{n}"] = dict(g, ratio=g["ms"] / h["ms"])
         if "in_place" in res:   # against the same policy and keys' place with copies back
             e, g = policies["in_place"]
             c, w = res[f"hybrid_{e}{'_keys_gpu' if g else ''}"], res["in_place"]

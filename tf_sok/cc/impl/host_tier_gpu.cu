@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -25,12 +26,20 @@ inline int Blocks(int64_t n) { return static_cast<int>(std::max<int64_t>(1, (n +
 // a grid striding over scattered rows in host memory: a few blocks per SM read them fastest
 // (benchmarks/host_link_rows.cu: grids of 132-1,056 blocks read at 36 GB/s, the best of its forms)
 constexpr int64_t kStrideBlocks = 1056;
-// Moves beside other work (StoreRecordLayout::beside): one block per SM of the current device.
+// Moves beside other work (StoreRecordLayout::beside, a prefetch's): TF_SOK_PREFETCH_BLOCKS_PER_SM blocks
+// (read at each call, 1 to 64; default 1) per SM of the current device. Fewer leave the step's kernels
+// room; more read the host link faster.
 int64_t MoveGrid() {
   int device = 0, sms = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return std::max(sms, 1);
+  int64_t per_sm = 1;
+  if (const char* v = std::getenv("TF_SOK_PREFETCH_BLOCKS_PER_SM"); v != nullptr && v[0] != 0) {
+    char* end = nullptr;
+    const long long x = std::strtoll(v, &end, 10);
+    if (end != nullptr && *end == 0 && x >= 1 && x <= 64) per_sm = x;
+  }
+  return std::max(sms, 1) * per_sm;
 }
 // 2^lanes_log2 consecutive threads per new row (up to a warp): the key's bits once per thread,
 // then the row's columns, consecutive threads writing consecutive floats
@@ -73,7 +82,8 @@ __device__ void ReadRecordWord(const StoreRecordLayout& l, int64_t i, const int6
   if (fresh != nullptr && fresh[j]) return;
   const int a = RecordArray(l, w);
   if (a >= 0)
-    reinterpret_cast<V*>(l.cache[a])[cache_rows[j] * l.width[a] + (w - l.offset[a])] = store[store_rows[j] * l.stride + w];
+    reinterpret_cast<V*>(l.cache[a])[cache_rows[j] * l.width[a] + (w - l.offset[a])] =
+        store[store_rows[j] * l.stride + w];
 }
 
 // The evicted records (their meta: the marks and scores given; every array's cache row
