@@ -2,9 +2,9 @@
 # The GPU work of a release, in the order a lease should spend its time: the GPU-marked
 # tests, then the end-to-end and kernel benchmarks. Run on the GPU machine from the repo
 # root with a CUDA build of the op library: bash benchmarks/gpu_suite.sh <part> [out_dir]
-#   part: tests | e2e-readers [e2e_bench args] | e2e-fit [MODEL:SPE ...] | kernels | profile [args]
-#         | fuzz CASES MINUTES | soak MINUTES | dynamic [dynamic_bench args] | tier [tier_bench args]
-#         | readers [reader_scaling args] | link [GiB [row bytes ...]]
+#   part: tests [pytest paths and args: tests] | e2e-readers [e2e_bench args] | e2e-fit [MODEL:SPE ...]
+#         | kernels | profile [args] | fuzz CASES MINUTES | soak MINUTES | dynamic [dynamic_bench args]
+#         | tier [tier_bench args] | readers [reader_scaling args] | link [GiB [row bytes ...]]
 #         (E2E_ARGS: more e2e_bench arguments for e2e-fit; FIT_TIMEOUT: seconds per fit run, 240)
 # `tests` needs the dev requirements next to TensorFlow (pytest, and tf_keras for test_sok_compat.py).
 set -uo pipefail
@@ -15,7 +15,8 @@ mkdir -p "$out"
 quiet() { grep --line-buffered -v -E "^(W|I|E)0000|WARNING: All log|retracing|UserWarning|self\._interrupted" ; }
 case $part in
   tests)       # (the whole log written as it goes: a run cut off by a timeout keeps what had passed)
-               python3 -m pytest -v -m gpu tests -p no:cacheprovider --durations=10 > "$out/gpu_tests.txt" 2>&1
+               shift $(( $# < 2 ? $# : 2 ))
+               python3 -m pytest -v -m gpu ${*:-tests} -p no:cacheprovider --durations=10 > "$out/gpu_tests.txt" 2>&1
                rc=$?; tail -40 "$out/gpu_tests.txt"; exit $rc ;;
   e2e-readers) shift 2; python3 benchmarks/e2e_bench.py --sections readers embedding "$@" --json "$out/e2e_readers.json" 2>&1 | quiet | tee -a "$out/e2e_readers.txt" ;;
   e2e-fit)     shift 2; runs=${*:+--fit-runs $*}

@@ -16,8 +16,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not tf.config.list_physical_de
               pytest.mark.usefixtures("tier_keys")]   # every test both ways (tests/gpu/conftest.py)
 
 
-@pytest.mark.parametrize("case", ["adagrad", "adam"])
-def test_gpu_training_with_prefetch_equals_the_cpu_table_without_a_tier(rng, case):
+# (Adam's prefetches move rows on 8 blocks per SM, Adagrad's on the default grid)
+@pytest.mark.parametrize("case,blocks_per_sm", [("adagrad", None), ("adam", "8")])
+def test_gpu_training_with_prefetch_equals_the_cpu_table_without_a_tier(rng, monkeypatch, case, blocks_per_sm):
+    if blocks_per_sm is not None:
+        monkeypatch.setenv("TF_SOK_PREFETCH_BLOCKS_PER_SM", blocks_per_sm)
     cls, hp = OPTIMIZERS[case]
     pool = random_keys(rng, 20_000)
     batches, targets = [], []
