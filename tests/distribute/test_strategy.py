@@ -314,6 +314,11 @@ def test_mirrored_over_two_gpus_equals_one_device(tmp_path, exchange):
     check_lookups(2, seed, res, ("eager", "function"))
     check_training(2, seed, res, "training", cases.OPTIMIZERS)
     check_fit(2, seed, res)
+    # the dynamic tables (and, after the dump, host tiers on every table) against one CPU device
+    from tests.horovod import dynamic_case as dc
+    with tf.device("/CPU:0"):
+        _check_dynamic(2, res, "dynamic:", _one_device(seed, dc.STEPS)[2], dc.TABLES)
+        _check_dynamic(2, res, "dynamic:resumed/", _one_device(seed, 2 * dc.STEPS)[2], _swapped_modes(2))
 
 
 def test_mirrored_example_trains_and_checkpoints(tmp_path):
