@@ -359,7 +359,7 @@ def find_section(a, device):
             # (a GPU's reads gather the rows on the host first; the CPU reads them in place either way)
             line += (f"; read in place {in_place['gkeys_s']:.3f} G keys/s, {in_place['host_gb_s']:.1f} GB/s: "
                      f"gathered {read['gkeys_s'] / in_place['gkeys_s']:.2f}x)" if "GPU" in device.upper() else ")")
-        line += f" | training lookup {find['gkeys_s']:6.3f} G keys/s"
+        line += f" | training lookup {find['gkeys_s']:6.4f} G keys/s"
         if share is not None:
             line += f", hit rate {find['hit_rate']:.3f}, records in gathered {find['gathered_in_share']:.0%}"
             if "GPU" in device.upper():   # (the CPU takes rows in place either way)

@@ -185,7 +185,13 @@ void DynamicIndex::SortOutKeys(const int64_t* keys, int64_t n, const int64_t* sl
   const int64_t missing_positions = std::count_if(slots, slots + n, [](int64_t s) { return s < 0; });
   k->missing_index = KeyMap(std::max<int64_t>(missing_positions, 8));
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kRowsAhead < n && slots[i + kRowsAhead] >= 0) __builtin_prefetch(&touched_[slots[i + kRowsAhead]]);
+    if (i + kRowsAhead < n) {
+      if (slots[i + kRowsAhead] >= 0) {
+        __builtin_prefetch(&touched_[slots[i + kRowsAhead]]);
+      } else {
+        k->missing_index.Prefetch(keys[i + kRowsAhead]);
+      }
+    }
     const int64_t s = slots[i];
     if (s >= 0) {
       if (touched_[s] != call) {
@@ -274,7 +280,15 @@ void DynamicIndex::Commit(const int64_t* keys, int64_t n, int64_t* slots, const 
     score_[s] = config_.evict == Evict::kLfu ? score_[s] + 1 : clock_;
     if (lru_in_order_) lru_.emplace_back(clock_, s);
   }
-  for (int64_t s : victims) {
+  const int64_t out = static_cast<int64_t>(victims.size());
+  for (int64_t v = 0; v < out; ++v) {
+    // (the victims' keys and marks two strides ahead, those keys' buckets one stride ahead)
+    if (v + 2 * kRowsAhead < out) {
+      __builtin_prefetch(&slot_key_[victims[v + 2 * kRowsAhead]]);
+      __builtin_prefetch(&touched_[victims[v + 2 * kRowsAhead]]);
+    }
+    if (v + kRowsAhead < out) slot_of_key_.Prefetch(slot_key_[victims[v + kRowsAhead]]);
+    const int64_t s = victims[v];
     ch->evicted_keys.push_back(slot_key_[s]);
     ch->evicted_slots.push_back(s);
     ch->evicted_touched.push_back(touched_[s]);
@@ -289,6 +303,10 @@ void DynamicIndex::Commit(const int64_t* keys, int64_t n, int64_t* slots, const 
   std::vector<int64_t> slot_of_missing(k.missing.size(), 0);  // not admitted: row 0, which reads zeros
   for (size_t j = 0; j < k.missing.size(); ++j) {
     const int64_t key = k.missing[j];
+    if (j + kRowsAhead < k.missing.size()) slot_of_key_.Prefetch(k.missing[j + kRowsAhead]);
+    // (the freed rows these keys take come from free_'s back: the generation of one a stride on)
+    if (free_.size() > static_cast<size_t>(kRowsAhead))
+      __builtin_prefetch(&generation_[free_[free_.size() - 1 - kRowsAhead]], 1);
     if (!admit[j]) {
       if (config_.min_frequency > 1 && !prefetch) candidates_.Put(key, candidates_.Get(key, 0) + 1);
       continue;
@@ -315,8 +333,10 @@ void DynamicIndex::Commit(const int64_t* keys, int64_t n, int64_t* slots, const 
     ch->new_slots.push_back(s);
     ch->new_keys.push_back(key);
   }
-  for (int64_t i = 0; i < n; ++i)
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kRowsAhead < n && slots[i + kRowsAhead] < 0) k.missing_index.Prefetch(keys[i + kRowsAhead]);
     if (slots[i] < 0) slots[i] = slot_of_missing[k.missing_index.Get(keys[i], 0)];
+  }
 }
 
 bool DynamicIndex::LruEntryLive(const std::pair<int64_t, int64_t>& e) const {
@@ -458,7 +478,8 @@ std::string DynamicIndex::Import(const DynamicIndexSnapshot& s) {
   for (int64_t r = 0; r < s.next_free; ++r) fresh.generation_[r] = s.generations[r];
   for (int64_t r = s.next_free - 1; r >= reserved_; --r)
     if (!fresh.live_row_[r]) fresh.free_.push_back(r);
-  for (size_t i = 0; i < s.candidate_keys.size(); ++i) fresh.candidates_.Put(s.candidate_keys[i], s.candidate_counts[i]);
+  for (size_t i = 0; i < s.candidate_keys.size(); ++i)
+    fresh.candidates_.Put(s.candidate_keys[i], s.candidate_counts[i]);
   fresh.live_ = static_cast<int64_t>(n);
   fresh.next_free_ = s.next_free;
   fresh.call_ = call_;   // touch marks of the import start clean, calls keep counting
