@@ -122,11 +122,7 @@ void DynamicIndex::EnsureRows(int64_t needed) {
   if (needed <= rows_) return;
   int64_t rows = std::max(needed, rows_ * 2);
   if (config_.bounded()) rows = std::max(needed, std::min(rows, config_.max_keys + reserved_));
-  slot_key_.resize(rows, 0);
-  score_.resize(rows, 0);
-  generation_.resize(rows, 0);
-  touched_.resize(rows, 0);
-  live_row_.resize(rows, 0);
+  row_.resize(rows);
   rows_ = rows;
 }
 
@@ -177,7 +173,7 @@ std::string DynamicIndex::Run(const int64_t* keys, int64_t n, bool insert, int64
 }
 
 namespace {
-constexpr int64_t kRowsAhead = 16;   // rows whose marks are fetched ahead
+constexpr int64_t kRowsAhead = 16;   // rows fetched ahead
 }  // namespace
 
 void DynamicIndex::SortOutKeys(const int64_t* keys, int64_t n, const int64_t* slots, int64_t call, CallKeys* k,
@@ -187,15 +183,15 @@ void DynamicIndex::SortOutKeys(const int64_t* keys, int64_t n, const int64_t* sl
   for (int64_t i = 0; i < n; ++i) {
     if (i + kRowsAhead < n) {
       if (slots[i + kRowsAhead] >= 0) {
-        __builtin_prefetch(&touched_[slots[i + kRowsAhead]]);
+        __builtin_prefetch(&row_[slots[i + kRowsAhead]]);
       } else {
         k->missing_index.Prefetch(keys[i + kRowsAhead]);
       }
     }
     const int64_t s = slots[i];
     if (s >= 0) {
-      if (touched_[s] != call) {
-        touched_[s] = call;
+      if (row_[s].touched != call) {
+        row_[s].touched = call;
         k->found_rows.push_back(s);
       }
     } else if (++ch->missing_positions, k->missing_index.Get(keys[i], -1) < 0) {
@@ -275,28 +271,27 @@ void DynamicIndex::Commit(const int64_t* keys, int64_t n, int64_t* slots, const 
   if (!prefetch) ++clock_;
   const int64_t found = prefetch ? 0 : static_cast<int64_t>(k.found_rows.size());   // (a prefetch scores nothing)
   for (int64_t j = 0; j < found; ++j) {
-    if (j + kRowsAhead < found) __builtin_prefetch(&score_[k.found_rows[j + kRowsAhead]], 1);
+    if (j + kRowsAhead < found) __builtin_prefetch(&row_[k.found_rows[j + kRowsAhead]], 1);
     const int64_t s = k.found_rows[j];
-    score_[s] = config_.evict == Evict::kLfu ? score_[s] + 1 : clock_;
+    row_[s].score = config_.evict == Evict::kLfu ? row_[s].score + 1 : clock_;
     if (lru_in_order_) lru_.emplace_back(clock_, s);
   }
   const int64_t out = static_cast<int64_t>(victims.size());
   for (int64_t v = 0; v < out; ++v) {
-    // (the victims' keys and marks two strides ahead, those keys' buckets one stride ahead)
+    // (the victims' rows two strides ahead, their keys' buckets one stride ahead)
     if (v + 2 * kRowsAhead < out) {
-      __builtin_prefetch(&slot_key_[victims[v + 2 * kRowsAhead]]);
-      __builtin_prefetch(&touched_[victims[v + 2 * kRowsAhead]]);
+      __builtin_prefetch(&row_[victims[v + 2 * kRowsAhead]], 1);
     }
-    if (v + kRowsAhead < out) slot_of_key_.Prefetch(slot_key_[victims[v + kRowsAhead]]);
+    if (v + kRowsAhead < out) slot_of_key_.Prefetch(row_[victims[v + kRowsAhead]].key);
     const int64_t s = victims[v];
-    ch->evicted_keys.push_back(slot_key_[s]);
+    ch->evicted_keys.push_back(row_[s].key);
     ch->evicted_slots.push_back(s);
-    ch->evicted_touched.push_back(touched_[s]);
-    if (config_.cache && config_.evict == Evict::kLfu) ch->evicted_scores.push_back(score_[s]);   // (for the tier)
-    slot_of_key_.Erase(slot_key_[s]);
+    ch->evicted_touched.push_back(row_[s].touched);
+    if (config_.cache && config_.evict == Evict::kLfu) ch->evicted_scores.push_back(row_[s].score);   // (for the tier)
+    slot_of_key_.Erase(row_[s].key);
     // a cache's key goes back to the host tier, still in the table: admitted at its next sighting
-    if (config_.cache && config_.min_frequency > 1) candidates_.Put(slot_key_[s], kHeldCount);
-    live_row_[s] = 0;
+    if (config_.cache && config_.min_frequency > 1) candidates_.Put(row_[s].key, kHeldCount);
+    row_[s].live = 0;
     --live_;
     free_.push_back(s);
   }
@@ -304,9 +299,9 @@ void DynamicIndex::Commit(const int64_t* keys, int64_t n, int64_t* slots, const 
   for (size_t j = 0; j < k.missing.size(); ++j) {
     const int64_t key = k.missing[j];
     if (j + kRowsAhead < k.missing.size()) slot_of_key_.Prefetch(k.missing[j + kRowsAhead]);
-    // (the freed rows these keys take come from free_'s back: the generation of one a stride on)
+    // (the freed rows these keys take come from free_'s back: the one a stride on)
     if (free_.size() > static_cast<size_t>(kRowsAhead))
-      __builtin_prefetch(&generation_[free_[free_.size() - 1 - kRowsAhead]], 1);
+      __builtin_prefetch(&row_[free_[free_.size() - 1 - kRowsAhead]], 1);
     if (!admit[j]) {
       if (config_.min_frequency > 1 && !prefetch) candidates_.Put(key, candidates_.Get(key, 0) + 1);
       continue;
@@ -321,14 +316,14 @@ void DynamicIndex::Commit(const int64_t* keys, int64_t n, int64_t* slots, const 
       EnsureRows(next_free_);
     }
     slot_of_key_.Put(key, s);
-    slot_key_[s] = key;
-    live_row_[s] = 1;
+    row_[s].key = key;
+    row_[s].live = 1;
     ++live_;
-    ++generation_[s];
+    ++row_[s].generation;
     // LFU: this call's count (a prefetch's keys get theirs from the find that uses them)
-    score_[s] = config_.evict == Evict::kLfu ? (prefetch ? 0 : 1) : clock_;
+    row_[s].score = config_.evict == Evict::kLfu ? (prefetch ? 0 : 1) : clock_;
     if (lru_in_order_) lru_.emplace_back(clock_, s);
-    touched_[s] = call;
+    row_[s].touched = call;
     slot_of_missing[j] = s;
     ch->new_slots.push_back(s);
     ch->new_keys.push_back(key);
@@ -340,7 +335,7 @@ void DynamicIndex::Commit(const int64_t* keys, int64_t n, int64_t* slots, const 
 }
 
 bool DynamicIndex::LruEntryLive(const std::pair<int64_t, int64_t>& e) const {
-  return live_row_[e.second] && score_[e.second] == e.first;
+  return row_[e.second].live && row_[e.second].score == e.first;
 }
 
 int64_t DynamicIndex::Victims(int64_t floor, int64_t need, std::vector<int64_t>* victims) const {
@@ -349,17 +344,18 @@ int64_t DynamicIndex::Victims(int64_t floor, int64_t need, std::vector<int64_t>*
     // the untouched live rows in score order, up to the need-th and those tied with it
     // (entries before lru_sorted_ are in (score, key) order: the need-th of them ends the scan)
     for (size_t i = lru_head_; i < lru_.size(); ++i) {
+      if (i + kRowsAhead < lru_.size()) __builtin_prefetch(&row_[lru_[i + kRowsAhead].second]);
       const int64_t row = lru_[i].second;
-      if (!LruEntryLive(lru_[i]) || touched_[row] >= floor) continue;
+      if (!LruEntryLive(lru_[i]) || row_[row].touched >= floor) continue;
       if (static_cast<int64_t>(candidates.size()) >= need && lru_[i].first != std::get<0>(candidates[need - 1]))
         break;
-      candidates.emplace_back(lru_[i].first, slot_key_[row], row);
+      candidates.emplace_back(lru_[i].first, row_[row].key, row);
       if (static_cast<int64_t>(candidates.size()) == need && i < lru_sorted_) break;
     }
   } else {
     candidates.reserve(live_);
     for (int64_t s = reserved_; s < next_free_; ++s)
-      if (live_row_[s] && touched_[s] < floor) candidates.emplace_back(score_[s], slot_key_[s], s);
+      if (row_[s].live && row_[s].touched < floor) candidates.emplace_back(row_[s].score, row_[s].key, s);
   }
   const int64_t take = std::min(need, static_cast<int64_t>(candidates.size()));
   if (take > 0) {
@@ -377,6 +373,7 @@ void DynamicIndex::TrimLruOrder() {
   if (lru_head_ * 2 >= lru_.size() || held > 2 * static_cast<size_t>(live_) + 4096) {
     size_t kept = 0, sorted = 0;   // the live entries, in order
     for (size_t i = lru_head_; i < lru_.size(); ++i) {
+      if (i + kRowsAhead < lru_.size()) __builtin_prefetch(&row_[lru_[i + kRowsAhead].second]);
       if (i == lru_sorted_) sorted = kept;
       if (LruEntryLive(lru_[i])) lru_[kept++] = lru_[i];
     }
@@ -389,8 +386,10 @@ void DynamicIndex::TrimLruOrder() {
   const int64_t score = lru_[lru_head_].first;
   size_t end = lru_head_;
   std::vector<std::pair<int64_t, int64_t>> group;   // (key, row)
-  for (; end < lru_.size() && lru_[end].first == score; ++end)
-    if (LruEntryLive(lru_[end])) group.emplace_back(slot_key_[lru_[end].second], lru_[end].second);
+  for (; end < lru_.size() && lru_[end].first == score; ++end) {
+    if (end + kRowsAhead < lru_.size()) __builtin_prefetch(&row_[lru_[end + kRowsAhead].second]);
+    if (LruEntryLive(lru_[end])) group.emplace_back(row_[lru_[end].second].key, lru_[end].second);
+  }
   std::sort(group.begin(), group.end());
   lru_head_ = end - group.size();
   for (size_t j = 0; j < group.size(); ++j) lru_[lru_head_ + j] = {score, group[j].second};
@@ -412,8 +411,8 @@ int64_t CallTimes::FirstAtOrAfter(int64_t unix_ns) const {
 void DynamicIndex::TouchedSince(int64_t unix_ns, std::vector<int64_t>* keys, std::vector<int64_t>* rows) const {
   const int64_t first = call_times_.FirstAtOrAfter(unix_ns);
   for (int64_t r = reserved_; r < next_free_; ++r) {
-    if (!live_row_[r] || touched_[r] < first) continue;
-    keys->push_back(slot_key_[r]);
+    if (!row_[r].live || row_[r].touched < first) continue;
+    keys->push_back(row_[r].key);
     rows->push_back(r);
   }
 }
@@ -423,7 +422,7 @@ void DynamicIndex::AddStoreScores(const int64_t* cache_rows, const int64_t* stor
   const int64_t cap = ScoreCap();
   for (int64_t j = 0; j < n; ++j) {
     if (fresh != nullptr && fresh[j]) continue;
-    int64_t& score = score_[cache_rows[j]];
+    int64_t& score = row_[cache_rows[j]].score;
     score = std::min(cap, score + store_scores[store_rows[j] * stride]);
   }
 }
@@ -435,12 +434,13 @@ void DynamicIndex::ForgetCandidates(const int64_t* keys, int64_t n) {
 DynamicIndexSnapshot DynamicIndex::Export() const {
   DynamicIndexSnapshot s;
   for (int64_t r = reserved_; r < next_free_; ++r) {
-    if (!live_row_[r]) continue;
-    s.keys.push_back(slot_key_[r]);
+    if (!row_[r].live) continue;
+    s.keys.push_back(row_[r].key);
     s.slots.push_back(r);
-    s.scores.push_back(score_[r]);
+    s.scores.push_back(row_[r].score);
   }
-  s.generations.assign(generation_.begin(), generation_.begin() + next_free_);
+  s.generations.resize(next_free_);
+  for (int64_t r = 0; r < next_free_; ++r) s.generations[r] = static_cast<int64_t>(row_[r].generation);
   candidates_.ForEach([&](int64_t k, int64_t c) {
     s.candidate_keys.push_back(k);
     s.candidate_counts.push_back(c);
@@ -466,18 +466,18 @@ std::string DynamicIndex::Import(const DynamicIndexSnapshot& s) {
   fresh.EnsureRows(s.rows);
   for (size_t i = 0; i < n; ++i) {
     const int64_t r = s.slots[i];
-    if (r < reserved_ || r >= s.next_free || fresh.live_row_[r])
+    if (r < reserved_ || r >= s.next_free || fresh.row_[r].live)
       return "the saved index is inconsistent (row " + std::to_string(r) + " out of range or repeated)";
     if (fresh.slot_of_key_.Get(s.keys[i], -1) >= 0)
       return "the saved index is inconsistent (key " + std::to_string(s.keys[i]) + " repeated)";
     fresh.slot_of_key_.Put(s.keys[i], r);
-    fresh.slot_key_[r] = s.keys[i];
-    fresh.score_[r] = s.scores[i];
-    fresh.live_row_[r] = 1;
+    fresh.row_[r].key = s.keys[i];
+    fresh.row_[r].score = s.scores[i];
+    fresh.row_[r].live = 1;
   }
-  for (int64_t r = 0; r < s.next_free; ++r) fresh.generation_[r] = s.generations[r];
+  for (int64_t r = 0; r < s.next_free; ++r) fresh.row_[r].generation = s.generations[r];
   for (int64_t r = s.next_free - 1; r >= reserved_; --r)
-    if (!fresh.live_row_[r]) fresh.free_.push_back(r);
+    if (!fresh.row_[r].live) fresh.free_.push_back(r);
   for (size_t i = 0; i < s.candidate_keys.size(); ++i)
     fresh.candidates_.Put(s.candidate_keys[i], s.candidate_counts[i]);
   fresh.live_ = static_cast<int64_t>(n);

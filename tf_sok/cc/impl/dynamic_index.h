@@ -208,9 +208,17 @@ class DynamicIndex {
   int64_t reserved_ = 0;
   KeyMap slot_of_key_;
   KeyMap candidates_;  // admission: times seen, for keys not admitted yet
-  // per row, each touched at random by a find (huge pages: fewer TLB misses)
-  HugePageVector<int64_t> slot_key_, score_, generation_, touched_;
-  HugePageVector<uint8_t> live_row_;
+  // Per row, what the index keeps of it, side by side: a find reads and writes a row's fields together
+  // at a random place (one cache line a row, not one per field; huge pages: fewer TLB misses).
+  struct alignas(32) Row {
+    int64_t key = 0;       // the key it holds (while live)
+    int64_t score = 0;     // LRU: the clock of the call that last touched it; LFU: the calls that did
+    int64_t touched = 0;   // the last call (numbered by call_) that touched it
+    uint64_t generation : 63;   // how many keys it held
+    uint64_t live : 1;
+    Row() : generation(0), live(0) {}
+  };
+  HugePageVector<Row> row_;
   std::vector<int64_t> free_;
   int64_t next_free_ = 0, rows_ = 0, live_ = 0, clock_ = 0, call_ = 0;
   int64_t last_prefetch_ = 0;   // the call the last prefetch extended
