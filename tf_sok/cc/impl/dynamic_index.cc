@@ -282,7 +282,7 @@ void DynamicIndex::Commit(const int64_t* keys, int64_t n, int64_t* slots, const 
     if (v + 2 * kRowsAhead < out) {
       __builtin_prefetch(&row_[victims[v + 2 * kRowsAhead]], 1);
     }
-    if (v + kRowsAhead < out) slot_of_key_.Prefetch(row_[victims[v + kRowsAhead]].key);
+    if (v + kRowsAhead < out) slot_of_key_.PrefetchRun(row_[victims[v + kRowsAhead]].key);
     const int64_t s = victims[v];
     ch->evicted_keys.push_back(row_[s].key);
     ch->evicted_slots.push_back(s);
