@@ -7,12 +7,12 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <vector>
 
 #include "tf_sok/cc/impl/dynamic_index_gpu.h"
+#include "tf_sok/cc/impl/env.h"
 #include "tf_sok/cc/impl/gpu_util.cuh"
 
 namespace tf_sok {
@@ -33,12 +33,7 @@ int64_t MoveGrid() {
   int device = 0, sms = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  int64_t per_sm = 1;
-  if (const char* v = std::getenv("TF_SOK_PREFETCH_BLOCKS_PER_SM"); v != nullptr && v[0] != 0) {
-    char* end = nullptr;
-    const long long x = std::strtoll(v, &end, 10);
-    if (end != nullptr && *end == 0 && x >= 1 && x <= 64) per_sm = x;
-  }
+  const auto per_sm = static_cast<int64_t>(EnvNumber("TF_SOK_PREFETCH_BLOCKS_PER_SM", 1, 64, true).value_or(1));
   return std::max(sms, 1) * per_sm;
 }
 // 2^lanes_log2 consecutive threads per new row (up to a warp): the key's bits once per thread,

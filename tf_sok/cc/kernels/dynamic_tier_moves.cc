@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +20,7 @@
 
 #include "tensorflow/core/platform/env.h"
 #include "tensorflow/core/platform/threadpool.h"
+#include "tf_sok/cc/impl/env.h"
 #include "tf_sok/cc/kernels/dynamic_rows.h"
 
 namespace tf_sok {
@@ -56,37 +58,20 @@ bool SwitchOn(const char* name) {
 }
 
 namespace {
-// TF_SOK_READ_GATHER_MIN_ROWS when set to a number
-bool GatherMinRowsSet(int64_t* rows) {
-  const char* v = std::getenv("TF_SOK_READ_GATHER_MIN_ROWS");
-  if (v == nullptr || v[0] == 0) return false;
-  char* end = nullptr;
-  const long long x = std::strtoll(v, &end, 10);
-  if (end == nullptr || *end != 0) return false;
-  *rows = static_cast<int64_t>(x);
-  return true;
-}
+// TF_SOK_READ_GATHER_MIN_ROWS when set to a whole number
+std::optional<double> GatherMinRowsSet() { return impl::EnvNumber("TF_SOK_READ_GATHER_MIN_ROWS", -1e15, 1e15, true); }
 }  // namespace
 
-int64_t GatherMinRows() {
-  int64_t rows = 32768;
-  GatherMinRowsSet(&rows);
-  return rows;
-}
+int64_t GatherMinRows() { return static_cast<int64_t>(GatherMinRowsSet().value_or(32768)); }
 
 int64_t GatherRecordsMinRows(int64_t record_bytes) {
-  int64_t rows = 0;
-  if (GatherMinRowsSet(&rows)) return rows;
+  if (const std::optional<double> rows = GatherMinRowsSet()) return static_cast<int64_t>(*rows);
   return record_bytes <= kGatherRecordMaxBytes ? GatherMinRows() : -1;
 }
 
 int64_t GatherCount(int64_t n, bool records) {
-  double share = records ? kGatherShareRecords : kGatherShareRows;
-  if (const char* v = std::getenv("TF_SOK_GATHER_SHARE"); v != nullptr && v[0] != 0) {
-    char* end = nullptr;
-    const double x = std::strtod(v, &end);
-    if (end != nullptr && *end == 0 && x >= 0 && x <= 1) share = x;
-  }
+  const double share = impl::EnvNumber("TF_SOK_GATHER_SHARE", 0, 1, false)
+                           .value_or(records ? kGatherShareRecords : kGatherShareRows);
   return std::min<int64_t>(n, std::llround(share * static_cast<double>(n)));
 }
 
