@@ -9,8 +9,8 @@ from tf_sok.python.checkpoint import restore
 from tf_sok.python.config import TableConfig
 from tf_sok.python.context import context, init
 from tf_sok.python.dump import dump, incremental_model_dump, load
-from tf_sok.python.dynamic_variable import (DynamicVariable, assign, cache_stats, export, host_link_bandwidth,
-                                            sparse_read_and_evict)
+from tf_sok.python.dynamic_variable import DynamicVariable, assign, export, sparse_read_and_evict
+from tf_sok.python.host_tier import cache_stats, host_link_bandwidth
 from tf_sok.python.lookup import lookup_sparse
 from tf_sok.python.prefetch import prefetch
 from tf_sok.python.serving import export_saved_model

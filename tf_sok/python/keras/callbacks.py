@@ -3,7 +3,8 @@ import logging
 
 import keras
 
-from tf_sok.python.dynamic_variable import DynamicVariable, cache_stats
+from tf_sok.python.dynamic_variable import DynamicVariable
+from tf_sok.python.host_tier import cache_stats
 
 _log = logging.getLogger("tf_sok")
 
