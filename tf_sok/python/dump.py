@@ -20,6 +20,7 @@ applies them in order.
 
 Writers and readers need one file system all ranks see (as SOK's dump does).
 """
+import concurrent.futures
 import glob
 import json
 import os
@@ -148,26 +149,44 @@ def dump(path: str, dump_vars, optimizer=None, since: Optional[str] = None) -> N
 
 
 def _write_rows(directory, specs, shard: Shard, keys, rows, first: int) -> list:
-    """Writes one shard's rows at row offset `first` of the table's files; [first, n, crcs] per piece."""
+    """Writes one shard's rows at row offset `first` of the table's files; [first, n, crcs] per piece.
+    A thread writes and checksums each piece while the next one is read from the table."""
     step = piece_rows(shard.meta.dim)
-    pieces = []
     fds = [os.open(os.path.join(directory, spec[0]), os.O_WRONLY) for spec in specs]
+
+    def write(a, blocks):
+        crcs = []
+        for (_, _, width, dtype), fd, block in zip(specs, fds, blocks):
+            raw = memoryview(np.ascontiguousarray(block, dtype)).cast("B")   # (the block's own bytes)
+            _pwrite_all(fd, raw, HEADER_BYTES + (first + a) * width * np.dtype(dtype).itemsize)
+            crcs.append(zlib.crc32(raw))
+        return [first + a, len(blocks[0]), crcs]
+
+    written = []
     try:
-        for a in range(0, len(keys), step):
-            b = min(len(keys), a + step)
-            blocks = [keys[a:b]] + [shard.read(w, rows[a:b]) for w in range(len(shard.arrays()))]
-            crcs = []
-            for (_, _, width, dtype), fd, block in zip(specs, fds, blocks):
-                raw = np.ascontiguousarray(block, dtype).tobytes()
-                os.pwrite(fd, raw, HEADER_BYTES + (first + a) * width * np.dtype(dtype).itemsize)
-                crcs.append(zlib.crc32(raw))
-            pieces.append([first + a, b - a, crcs])
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tf_sok.dump") as writer:
+            for a in range(0, len(keys), step):
+                b = min(len(keys), a + step)
+                blocks = [keys[a:b]] + [shard.read(w, rows[a:b]) for w in range(len(shard.arrays()))]
+                if len(written) >= 2:   # (one piece being written, one waiting, one being read: no more)
+                    written[-2].result()
+                written.append(writer.submit(write, a, blocks))
+        pieces = [f.result() for f in written]
         for fd in fds:
             os.fsync(fd)
     finally:
         for fd in fds:
             os.close(fd)
     return pieces
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """os.pwrite until every byte is written (a single call may write fewer)."""
+    while len(data):
+        done = os.pwrite(fd, data, offset)
+        if done <= 0:
+            raise OSError(f"sok.dump: a write at offset {offset} wrote nothing")
+        data, offset = data[done:], offset + done
 
 
 def _write_held(directory, manifest, tables, ranks, previous) -> None:

@@ -1,4 +1,5 @@
 """`sok.load`: a dump (and the deltas written after it) read back into the tables, re-sharded."""
+import concurrent.futures
 import json
 import logging
 import os
@@ -138,6 +139,15 @@ class Reader:
             out.append(block.astype(np.int64) if i == 0 else block.reshape(n, width))
         return out
 
+    def read_pieces(self, table: str, layout, pieces):
+        """read_piece of each of `pieces` in order, the next one read (and checked) on a thread meanwhile."""
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tf_sok.load") as pool:
+            ahead = pool.submit(self.read_piece, table, layout, pieces[0]) if pieces else None
+            for j in range(len(pieces)):
+                blocks = ahead.result()
+                ahead = pool.submit(self.read_piece, table, layout, pieces[j + 1]) if j + 1 < len(pieces) else None
+                yield blocks
+
     def held_file(self, table: str, kind: str) -> Optional[np.ndarray]:
         """A delta's held / removed keys of a dynamic table (None: not a delta, or not dynamic)."""
         item = ((self.manifest or {}).get("held") or {}).get(table, {}).get(kind)
@@ -262,8 +272,8 @@ def load(path, load_vars, optimizer=None) -> None:
             if not meta.keyed and not delta and count != meta.rows:
                 raise DumpError(f"sok.load: table {name!r}: {reader.path} holds {count} rows, the model's table "
                                 f"has {meta.rows}")
-            for piece in pieces:             # every checksum and key before anything changes
-                keys = reader.read_piece(name, layout, piece)[0]
+            for blocks in reader.read_pieces(name, layout, pieces):   # every checksum and key before anything changes
+                keys = blocks[0]
                 if not meta.keyed and len(keys) and (keys.min() < 0 or keys.max() >= meta.rows):
                     bad = keys[(keys < 0) | (keys >= meta.rows)][0]
                     raise DumpError(f"sok.load: table {name!r}: {reader.path} has row id {bad}, outside the "
@@ -279,8 +289,7 @@ def load(path, load_vars, optimizer=None) -> None:
                     s.var.remove_keys(gone[s.owns(gone)])
         if all(s.meta.sharding.kind == "localized" and s.meta.rank != s.meta.sharding.owner for s in shards):
             continue                            # another rank's table (every rank checked it above)
-        for piece in pieces:
-            blocks = reader.read_piece(name, layout, piece)
+        for blocks in reader.read_pieces(name, layout, pieces):
             keys = blocks[0]
             for s in shards:
                 own = s.owns(keys)
