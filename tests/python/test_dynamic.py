@@ -563,3 +563,34 @@ def test_row_splits_and_ranges_check_matches_numpy(rng):
         ops().tf_sok_row_splits_valid([tf.constant([0, 1], tf.int64)], [tf.constant([1], tf.int64)], rows=[3, 4])
     with pytest.raises(tf.errors.InvalidArgumentError, match="a range check .* needs int64 values, got int32"):
         ops().tf_sok_row_splits_valid([tf.constant([0, 1], tf.int64)], [tf.constant([1], tf.int32)], rows=[3])
+
+
+def test_an_assignment_sets_new_keys_without_drawing_their_initial_values(rng):
+    """rows_for(values_given=True), an assignment's find (sok.assign, sok.load): new keys' rows hold
+    zeros until the caller writes them, not the initializer's draw; held keys keep their values; the
+    assigned values read back exactly, and the optimizer state of the new rows is its fill."""
+    dim = 4
+    held, new = random_keys(rng, 300)[:200], random_keys(rng, 300)[200:]
+    new = new[~np.isin(new, held)]
+    values = rng.standard_normal((len(held), dim)).astype(np.float32)
+    table = sok.DynamicVariable(dim, initializer="normal", name="given")
+    sok.assign(table, tf.constant(held), tf.constant(values))
+    batch = rng.permutation(np.concatenate([held[:50], new]))
+    rows = table.rows_for(tf.constant(batch), admit_all=True, values_given=True).numpy()
+    got = table.sparse_read_rows(tf.constant(rows)).numpy()
+    want = dict(zip(held.tolist(), values))
+    np.testing.assert_array_equal(got, [want.get(int(k), np.zeros(dim, np.float32)) for k in batch])
+    drawn = sok.DynamicVariable(dim, initializer="normal", name="drawn")   # the same keys, drawn
+    assert (np.abs(tf.gather(drawn, tf.constant(new)).numpy()) > 0).all()
+    opt = sok.optimizers.Adagrad(0.1, initial_accumulator_value=0.25)
+    opt.build([table])
+    more = rng.standard_normal((len(new), dim)).astype(np.float32)
+    fresh = random_keys(rng, 400)[300:]
+    fresh = fresh[~np.isin(fresh, np.concatenate([held, new]))]
+    sok.assign(table, tf.constant(np.concatenate([new, fresh])),
+               tf.constant(np.concatenate([more, np.ones((len(fresh), dim), np.float32)])))
+    np.testing.assert_array_equal(tf.gather(table, tf.constant(new)).numpy(), more)
+    np.testing.assert_array_equal(tf.gather(table, tf.constant(fresh)).numpy(), np.ones((len(fresh), dim)))
+    fresh_rows = table.rows_for(tf.constant(fresh), insert=False).numpy()
+    np.testing.assert_array_equal(tf.gather(opt.slot(table, "accumulator"), tf.constant(fresh_rows)).numpy(),
+                                  np.full((len(fresh), dim), 0.25, np.float32))

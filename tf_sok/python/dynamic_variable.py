@@ -319,7 +319,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         return keys if keys.shape.rank == 1 else tf.reshape(keys, [-1])
 
     def rows_for(self, keys, insert: bool = True, with_evicted: bool = False, admit_all: bool = False,
-                 insert_ratio: float = 1.0):
+                 insert_ratio: float = 1.0, values_given: bool = False):
         """Rows of the value array holding `keys` (any shape; int32 / int64), inserting missing keys at
         their initial value (the arrays grow, and the optimizer state of new keys' rows is reset, in
         the same op); insert=False: -1 for missing keys, nothing changes. with_evicted: also
@@ -328,7 +328,9 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         low-frequency filter): a new key is inserted with that probability, drawn from the key and
         the lookup's clock; keys not inserted map to row 0, which reads zeros. A hybrid table's keys
         in its host tier are not new (its cache takes them in whatever the draw), nor are a static
-        table's rows (a sok.Variable with a host tier is never filtered)."""
+        table's rows (a sok.Variable with a host tier is never filtered). values_given: the caller
+        writes every key's values next (an assignment): new keys' values start at zero, not drawn from
+        the initializer (a hybrid table draws them still)."""
         insert_ratio = self._filter_ratio(insert_ratio)
         if self._hybrid and not insert:
             raise ValueError(f"sok.DynamicVariable {self.table.name!r} is hybrid: rows_for(insert=False) would see "
@@ -338,7 +340,8 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         with tf.device(self._index_device):
             slots, ev_keys, ev_values = ops().tf_sok_dynamic_find(self._index.resource_handle, self._keys(keys),
                                                                   insert=insert, with_evicted=with_evicted,
-                                                                  admit_all=admit_all, insert_ratio=float(insert_ratio))
+                                                                  admit_all=admit_all, insert_ratio=float(insert_ratio),
+                                                                  values_given=values_given)
         slots = tf.reshape(slots, shape)
         return (slots, ev_keys, ev_values) if with_evicted else slots
 
@@ -479,7 +482,7 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
     def _assign(self, keys, values):
         """(the update, the keys' rows) of assign_keys."""
         values = tf.convert_to_tensor(values, tf.float32)
-        rows = tf.reshape(self.rows_for(keys, admit_all=True), [-1])
+        rows = tf.reshape(self.rows_for(keys, admit_all=True, values_given=True), [-1])
         return self.scatter_update(tf.IndexedSlices(tf.reshape(values, [-1, self._dimension]), rows)), rows
 
 

@@ -248,6 +248,7 @@ class FindOp : public tf::OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("with_evicted", &with_evicted_));
     OP_REQUIRES_OK(c, c->GetAttr("admit_all", &admit_all_));
     OP_REQUIRES_OK(c, c->GetAttr("insert_ratio", &insert_ratio_));
+    OP_REQUIRES_OK(c, c->GetAttr("values_given", &values_given_));
   }
 
   void Compute(tf::OpKernelContext* ctx) override {
@@ -285,7 +286,9 @@ class FindOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, EvictedOutputs(ctx, *res, evicted, &ev_keys, &ev_values));
     std::copy(ch.evicted_keys.begin(), ch.evicted_keys.begin() + evicted, ev_keys->flat<int64_t>().data());
     if (!insert_) return;
-    OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res.get(), HostChanges(ch, keys.NumElements()),
+    Changes changes = HostChanges(ch, keys.NumElements());
+    changes.values_given = values_given_;
+    OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res.get(), changes,
                                          evicted > 0 ? ev_values->flat<float>().data() : nullptr));
   }
 
@@ -324,13 +327,15 @@ class FindOp : public tf::OpKernel {
       cudaMemcpyAsync(ev_keys->flat<int64_t>().data(), r.evicted_keys, 8 * evicted, cudaMemcpyDeviceToDevice, stream);
     if (!insert_) return;
     // stream-ordered: the scratch these read is reused only by work queued after them
-    OP_REQUIRES_OK(ctx, KeepArraysInStep(ctx, d, res, DeviceChanges(r, keys.NumElements()),
-                                         evicted > 0 ? ev_values->flat<float>().data() : nullptr));
+    Changes changes = DeviceChanges(r, keys.NumElements());
+    changes.values_given = values_given_;
+    OP_REQUIRES_OK(ctx,
+                   KeepArraysInStep(ctx, d, res, changes, evicted > 0 ? ev_values->flat<float>().data() : nullptr));
     res->RecordFind(stream);
     clock.Mark(7);
   }
 #endif
-  bool insert_ = true, with_evicted_ = false, admit_all_ = false;
+  bool insert_ = true, with_evicted_ = false, admit_all_ = false, values_given_ = false;
   float insert_ratio_ = 1.0f;
 };
 

@@ -477,10 +477,10 @@ absl::Status KeepArraysInStep(tf::OpKernelContext* ctx, const Device& d, IndexRe
       layout.cache[i] = base;
     } else if (unchanged) {
       continue;
-    } else if (a.values) {
+    } else if (a.values && !c.values_given) {
       InitialRowsAt(d, *res, c.new_keys, c.new_slots, c.num_new, width, base);
     } else {
-      FillRows(d, base, width, c.new_slots, c.num_new, a.fill);
+      FillRows(d, base, width, c.new_slots, c.num_new, a.values ? 0.0f : a.fill);
     }
   }
   if (moves) {

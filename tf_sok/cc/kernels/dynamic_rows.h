@@ -143,6 +143,7 @@ struct Changes {
   const int64_t* evicted_scores = nullptr;
   int64_t num_evicted = 0;
   bool prefetch = false;   // a prefetch's: the caller holds every array's lock, the arrays keep their buffers
+  bool values_given = false;   // the caller writes the new keys' values next: zeros, not initial values, meanwhile
 };
 
 // A hybrid table's store rows for a call's new keys (fresh: the store had no row for the key yet),

@@ -70,6 +70,7 @@ REGISTER_OP("TfSokDynamicFind")
     .Attr("with_evicted: bool = false")
     .Attr("admit_all: bool = false")
     .Attr("insert_ratio: float = 1.0")
+    .Attr("values_given: bool = false")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ::tensorflow::shape_inference::ShapeHandle keys;
@@ -89,7 +90,9 @@ with_evicted: the keys evicted to make room and their values before they left
 count (an assignment). insert_ratio < 1: a new key is inserted with that
 probability (a function of the key and the call: the low-frequency filter);
 keys not inserted read row 0, zeros. Without insert: nothing changes and
-missing keys give -1.
+missing keys give -1. values_given: the caller writes every key's values next
+(an assignment, a load): a table without a host tier starts its new keys' values
+at zero instead of drawing their initial values.
 An error (a full table without eviction) changes nothing.
 )doc");
 
