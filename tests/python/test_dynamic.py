@@ -594,3 +594,32 @@ def test_an_assignment_sets_new_keys_without_drawing_their_initial_values(rng):
     fresh_rows = table.rows_for(tf.constant(fresh), insert=False).numpy()
     np.testing.assert_array_equal(tf.gather(opt.slot(table, "accumulator"), tf.constant(fresh_rows)).numpy(),
                                   np.full((len(fresh), dim), 0.25, np.float32))
+
+
+@pytest.mark.parametrize("in_graph", [False, True])
+def test_an_assignment_of_values_not_one_row_per_key_raises_and_inserts_nothing(rng, in_graph):
+    """sok.assign with values of the wrong shape: a ValueError (eager) or InvalidArgumentError (in a
+    tf.function, shapes unknown) naming the table, before any key is inserted; the table keeps its keys
+    and values (checked against NumPy)."""
+    dim = 3
+    table = sok.DynamicVariable(dim, initializer="normal", name="shape_checked")
+    held = random_keys(rng, 40)
+    values = rng.standard_normal((len(held), dim)).astype(np.float32)
+    sok.assign(table, tf.constant(held), tf.constant(values))
+    new = random_keys(rng, 80)[40:]
+    new = new[~np.isin(new, held)]
+    new = new[:len(new) - (len(new) - 1) % dim]   # (values no reshape to [-1, dim] could take either)
+    bad = rng.standard_normal((len(new), dim + 1)).astype(np.float32)
+    if in_graph:
+        assign = tf.function(lambda k, v: sok.assign(table, k, v),
+                             input_signature=[tf.TensorSpec([None], tf.int64), tf.TensorSpec([None, None], tf.float32)])
+        with pytest.raises(tf.errors.InvalidArgumentError, match="shape_checked"):
+            assign(tf.constant(new), tf.constant(bad))
+    else:
+        with pytest.raises(ValueError, match=r"shape_checked.*values must be \[len\(keys\), dim\]"):
+            sok.assign(table, tf.constant(new), tf.constant(bad))
+    assert table.size.numpy()[0] == len(held)
+    keys, got = (x.numpy() for x in sok.export(table))
+    order = np.argsort(keys)
+    np.testing.assert_array_equal(keys[order], np.sort(held))
+    np.testing.assert_array_equal(got[order], values[np.argsort(held)])

@@ -480,10 +480,24 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
         return self._assign(keys, values)[0]
 
     def _assign(self, keys, values):
-        """(the update, the keys' rows) of assign_keys."""
+        """(the update, the keys' rows) of assign_keys. Values not [len(keys), dim] are an error before
+        any key is inserted (the find leaves the new keys' values to the update)."""
+        keys = tf.convert_to_tensor(keys)
         values = tf.convert_to_tensor(values, tf.float32)
-        rows = tf.reshape(self.rows_for(keys, admit_all=True, values_given=True), [-1])
-        return self.scatter_update(tf.IndexedSlices(tf.reshape(values, [-1, self._dimension]), rows)), rows
+        what = (f"sok.assign: table {self.table.name!r} (dim {self._dimension}): values must be [len(keys), dim], "
+                f"got shape {values.shape} for keys of shape {keys.shape}")
+        n, size = keys.shape.num_elements(), values.shape.num_elements()
+        if n is not None and size is not None:
+            if size != n * self._dimension or (values.shape.rank or 0) >= 2 and values.shape[-1] != self._dimension:
+                raise ValueError(what)
+            checks = []
+        else:
+            checks = [tf.debugging.assert_equal(tf.size(values, tf.int64), tf.size(keys, tf.int64) * self._dimension,
+                                                message=what)]
+        with tf.control_dependencies(checks):
+            values = tf.reshape(values, [-1, self._dimension])
+            rows = tf.reshape(self.rows_for(keys, admit_all=True, values_given=True), [-1])
+        return self.scatter_update(tf.IndexedSlices(values, rows)), rows
 
 
 def _cache_bytes(name, var_type, max_hbm_for_vectors, max_keys) -> int:
