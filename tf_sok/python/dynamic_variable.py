@@ -488,7 +488,8 @@ class DynamicVariable(resource_variable_ops.ResourceVariable):
                 f"got shape {values.shape} for keys of shape {keys.shape}")
         n, size = keys.shape.num_elements(), values.shape.num_elements()
         if n is not None and size is not None:
-            if size != n * self._dimension or (values.shape.rank or 0) >= 2 and values.shape[-1] != self._dimension:
+            last = values.shape[-1] if (values.shape.rank or 0) >= 2 else self._dimension
+            if size != n * self._dimension or last != self._dimension:
                 raise ValueError(what)
             checks = []
         else:
